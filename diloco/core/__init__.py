@@ -1,0 +1,49 @@
+"""The pure core: the round state machine, its events, effects and rules (SPEC.md).
+
+Nothing in this package performs I/O, reads a clock, draws random numbers,
+starts threads or imports torch/zmq; import-linter contracts in
+pyproject.toml and a test keep it that way.
+"""
+
+from diloco.core.config import FSMConfig, Mode
+from diloco.core.effects import (
+    EFFECT_TYPES,
+    AcceptContribution,
+    AcceptJoin,
+    ApplyRound,
+    DeclareDead,
+    DiscardContribution,
+    Effect,
+    PhaseChanged,
+    QuorumChanged,
+    Reject,
+    ReleaseWorker,
+    StopRun,
+)
+from diloco.core.errors import (
+    ClockWentBackwardsError,
+    ConfigError,
+    DilocoCoreError,
+    DriverError,
+    MachineStoppedError,
+    SnapshotError,
+    UnknownEventError,
+)
+from diloco.core.events import (
+    EVENT_TYPES,
+    ContributionSubmitted,
+    Event,
+    HeartbeatSeen,
+    MinWorkersChanged,
+    ShutdownRequested,
+    Ticked,
+    WorkerJoined,
+    WorkerLeft,
+)
+from diloco.core.phases import Phase
+from diloco.core.quorum import QuorumDecision, quorum_decision
+from diloco.core.reasons import DiscardReason, LeaveCause, RejectReason, ReleaseOutcome, ShutdownKind
+from diloco.core.round_fsm import RoundFSM
+from diloco.core.status import StatusView
+
+__all__ = [name for name in dir() if not name.startswith("_")]

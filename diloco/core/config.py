@@ -1,0 +1,93 @@
+"""The round state machine's configuration: one validated, frozen dataclass.
+
+Every limit on something that grows is named here (DESIGN.md section 4: "a
+limit on everything that grows").
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass
+
+from diloco.core.errors import ConfigError
+
+
+class Mode(str, enum.Enum):
+    """How contributions become outer steps."""
+
+    #: All live members contribute to a round; the round applies once, as one outer step (DiLoCo).
+    SYNC = "sync"
+    #: Each contribution applies on its own as it arrives (Async Local-SGD, Liu et al. 2024).
+    ASYNC = "async"
+
+
+# Hard ceilings: a config above these is a mistake, not a big run.
+MAX_WORKERS_CEILING = 1_000_000
+MAX_FRAGMENTS_CEILING = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class FSMConfig:
+    """Configuration of one run's round state machine. Validated on construction."""
+
+    #: The quorum: no outer step applies with fewer contributors than this (SPEC.md R5).
+    min_workers: int = 1
+    #: ``sync`` (rounds with a barrier) or ``async`` (each contribution applies on its own).
+    mode: Mode = Mode.SYNC
+    #: Streaming DiLoCo fragments F; each has its own round counter and barrier (SPEC.md R11).
+    num_fragments: int = 1
+    #: A member not heard from for longer than this is declared dead on the next tick (SPEC.md R9).
+    heartbeat_timeout_s: float = 30.0
+    #: Most live members at once; further joins are rejected with TOO_MANY_WORKERS.
+    max_workers: int = 10_000
+    #: Async: a contribution based on a version more than this many versions old is rejected STALE.
+    max_staleness: int = 8
+    #: Async: most contributions held (below quorum) per fragment; more are rejected HELD_LIMIT.
+    max_held_per_fragment: int = 1024
+    #: Longest accepted ``worker_id`` in characters.
+    max_worker_id_len: int = 128
+
+    def __post_init__(self) -> None:
+        try:
+            mode = Mode(self.mode)
+        except ValueError:
+            raise ConfigError("mode", self.mode, "'sync' or 'async'") from None
+        object.__setattr__(self, "mode", mode)
+        _check_int("max_workers", self.max_workers, 1, MAX_WORKERS_CEILING)
+        _check_int("min_workers", self.min_workers, 1, self.max_workers)
+        _check_int("num_fragments", self.num_fragments, 1, MAX_FRAGMENTS_CEILING)
+        _check_int("max_staleness", self.max_staleness, 0, 1_000_000)
+        _check_int("max_held_per_fragment", self.max_held_per_fragment, 1, 1_000_000)
+        _check_int("max_worker_id_len", self.max_worker_id_len, 1, 4096)
+        timeout = self.heartbeat_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0 or timeout == float("inf"):
+            raise ConfigError("heartbeat_timeout_s", timeout, "a finite number of seconds > 0")
+        object.__setattr__(self, "heartbeat_timeout_s", float(timeout))
+
+    def to_dict(self) -> dict:
+        """Plain, msgpack-serialisable form (used by snapshots)."""
+        d = asdict(self)
+        d["mode"] = self.mode.value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "FSMConfig":
+        """Inverse of :meth:`to_dict`; unknown keys are an error, not silently ignored."""
+        if not isinstance(d, dict):
+            raise ConfigError("config", d, "a dict of FSMConfig fields")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(unknown[0], d[unknown[0]], f"one of the fields {sorted(known)}")
+        return cls(**d)
+
+
+def validate_min_workers(value: object, max_workers: int) -> int:
+    """The one check for a ``min_workers`` value, used by the config and by run-time changes."""
+    _check_int("min_workers", value, 1, max_workers)
+    return value  # type: ignore[return-value]
+
+
+def _check_int(field: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(field, value, f"an integer in {low}..{high}")

@@ -1,0 +1,78 @@
+"""Enums the events and effects speak in: reason codes, outcomes, kinds.
+
+Each code is part of the contract (SPEC.md section 4) and crosses the wire as
+its string value, so values never change once released.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class RejectReason(str, enum.Enum):
+    """Why an event from a worker or an admin was refused. The state did not change (SPEC.md R2)."""
+
+    #: The worker is not a live member (never joined, or was declared dead / left).
+    UNKNOWN_WORKER = "unknown_worker"
+    #: ``worker_id`` is not a non-empty string within ``max_worker_id_len``.
+    INVALID_WORKER_ID = "invalid_worker_id"
+    #: ``fragment_id`` is not an integer in ``0..num_fragments-1``.
+    UNKNOWN_FRAGMENT = "unknown_fragment"
+    #: ``round_id`` is not a non-negative integer.
+    INVALID_ROUND = "invalid_round"
+    #: Sync: the round already applied. Async: the base version is more than ``max_staleness`` old.
+    STALE_ROUND = "stale_round"
+    #: The round (sync) or base version (async) has not opened yet.
+    FUTURE_ROUND = "future_round"
+    #: This worker already contributed to this (fragment, round), or already has one held.
+    DUPLICATE = "duplicate"
+    #: The run is draining or stopping; no joins, and no contributions that could not apply.
+    SHUTTING_DOWN = "shutting_down"
+    #: ``max_workers`` live members already.
+    TOO_MANY_WORKERS = "too_many_workers"
+    #: Async: ``max_held_per_fragment`` contributions are already held below quorum.
+    HELD_LIMIT = "held_limit"
+    #: ``min_workers`` change to a value outside ``1..max_workers``.
+    INVALID_MIN_WORKERS = "invalid_min_workers"
+
+
+class DiscardReason(str, enum.Enum):
+    """Why an accepted contribution will never be applied (SPEC.md I4: never silently dropped)."""
+
+    #: Its worker died, left, was kicked or re-joined before the contribution applied (SPEC.md P1).
+    CONTRIBUTOR_LEFT = "contributor_left"
+    #: The run stopped before the contribution could apply (SPEC.md R12).
+    SHUTDOWN = "shutdown"
+
+
+class ReleaseOutcome(str, enum.Enum):
+    """What a worker waiting on a contribution is told when it is released."""
+
+    #: The round applied: fetch the new global params and keep training.
+    APPLIED = "applied"
+    #: The round applied and the run is draining: fetch the new params, then stop.
+    APPLIED_FINAL = "applied_final"
+    #: Nothing applied for you and the run is stopping: stop now.
+    STOP = "stop"
+
+
+class ShutdownKind(str, enum.Enum):
+    """How a run is asked to end (SPEC.md P4)."""
+
+    #: Finish the round in flight if it can apply, then stop; stop at once if it cannot.
+    DRAIN = "drain"
+    #: Stop now; the driver checkpoints global state; parked contributions are discarded.
+    SAVE_AND_STOP = "save_and_stop"
+    #: Stop now, saving nothing.
+    ABORT = "abort"
+
+
+class LeaveCause(str, enum.Enum):
+    """Why a member left (carried by ``WorkerLeft``; all causes follow the same rule, SPEC.md R7)."""
+
+    #: The worker said goodbye.
+    LEFT = "left"
+    #: An operator removed it (``diloco kick``).
+    KICKED = "kicked"
+    #: The transport saw it die (connection lost, process gone).
+    CRASHED = "crashed"

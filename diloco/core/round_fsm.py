@@ -1,0 +1,534 @@
+"""The round state machine: ``step(event) -> list[effect]``, pure and deterministic.
+
+Theory of operation
+-------------------
+Everything that decides *whether a pseudo-gradient becomes an outer step*
+lives in this file; nothing else in diloco makes that decision. This file
+does not know about bytes, tensors, sockets or clocks: the driver (the
+coordinator, the simulator, your orchestrator) turns what happened into an
+event, calls ``step``, and executes the effects it gets back in order.
+
+The state is small:
+
+* ``_members``: live workers, ordered by last-seen time (oldest first), so a
+  ``Ticked`` finds expired members by looking at the front only (R9, O(1)
+  amortised per event instead of a scan of all members).
+* per fragment, a ``SyncBarrier`` (sync) or ``AsyncLane`` (async).
+* ``_min_workers``, ``_now_s`` and the phase (a ``transitions`` machine that
+  is fired only when the phase changes, R13).
+
+The one rule (SPEC.md R5): nothing applies while live members < min_workers.
+Every path that can apply -- a submission, a death, a leave, a tick, a
+change of ``min_workers``, a join in async mode -- ends in
+``_apply_ready``, which asks ``quorum_decision`` first. There is no other
+place that emits ``ApplyRound``.
+
+Rule numbers (R1..R13, P1..P4) refer to SPEC.md.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable
+
+from diloco.core.config import FSMConfig, Mode, validate_min_workers
+from diloco.core.effects import (
+    AcceptContribution,
+    AcceptJoin,
+    ApplyRound,
+    DeclareDead,
+    DiscardContribution,
+    Effect,
+    PhaseChanged,
+    QuorumChanged,
+    Reject,
+    ReleaseWorker,
+    StopRun,
+)
+from diloco.core.errors import (
+    ClockWentBackwardsError,
+    ConfigError,
+    MachineStoppedError,
+    UnknownEventError,
+)
+from diloco.core.events import (
+    ContributionSubmitted,
+    HeartbeatSeen,
+    MinWorkersChanged,
+    ShutdownRequested,
+    Ticked,
+    WorkerJoined,
+    WorkerLeft,
+)
+from diloco.core.fragments import AsyncLane, SyncBarrier
+from diloco.core.phases import Phase, PhaseModel
+from diloco.core.quorum import QuorumDecision, quorum_decision
+from diloco.core.reasons import (
+    DiscardReason,
+    RejectReason,
+    ReleaseOutcome,
+    ShutdownKind,
+)
+from diloco.core import snapshot as _snapshot
+from diloco.core.status import FragmentStatus, MemberStatus, StatusView
+
+
+class RoundFSM:
+    """The pure round state machine of one DiLoCo run. See SPEC.md."""
+
+    def __init__(self, config: FSMConfig, now_s: float = 0.0) -> None:
+        if not isinstance(config, FSMConfig):
+            raise ConfigError("config", config, "an FSMConfig")
+        if isinstance(now_s, bool) or not isinstance(now_s, (int, float)) or now_s != now_s:
+            raise ConfigError("now_s", now_s, "a number of seconds")
+        self.config = config
+        self._sync = config.mode is Mode.SYNC
+        self._timeout_s = config.heartbeat_timeout_s
+        self._min_workers = config.min_workers
+        self._now_s = float(now_s)
+        #: worker_id -> last seen (s); insertion order == last-seen order (R9).
+        self._members: OrderedDict[str, float] = OrderedDict()
+        self._barriers: list[SyncBarrier] = []
+        self._lanes: list[AsyncLane] = []
+        if self._sync:
+            self._barriers = [SyncBarrier() for _ in range(config.num_fragments)]
+        else:
+            self._lanes = [AsyncLane() for _ in range(config.num_fragments)]
+        self._quorum = quorum_decision(0, self._min_workers)
+        self._phase = PhaseModel(Phase.FORMING)
+        self._phase.below_min_workers = self._quorum.below_min_workers
+        self._handlers: dict[type, Callable[[Any, list[Effect]], None]] = {
+            HeartbeatSeen: self._on_heartbeat,
+            ContributionSubmitted: self._on_submit_sync if self._sync else self._on_submit_async,
+            Ticked: self._on_tick,
+            WorkerJoined: self._on_join,
+            WorkerLeft: self._on_leave,
+            MinWorkersChanged: self._on_min_workers,
+            ShutdownRequested: self._on_shutdown,
+        }
+
+    # ------------------------------------------------------------------ API
+
+    def step(self, event: object) -> list[Effect]:
+        """Feed one event; return the effects to execute, in order (SPEC.md section 5)."""
+        handler = self._handlers.get(type(event))
+        if handler is None:
+            raise UnknownEventError(
+                f"step() takes one of the events in diloco.core.events, got {type(event).__name__}"
+            )
+        if self._phase.state is Phase.STOPPED:
+            raise MachineStoppedError(
+                f"the run is STOPPED; {type(event).__name__} cannot be stepped (SPEC.md R12)"
+            )
+        effects: list[Effect] = []
+        handler(event, effects)
+        return effects
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase.state
+
+    @property
+    def below_min_workers(self) -> bool:
+        """True while live members < min_workers (exact after every event, SPEC.md I6)."""
+        return self._quorum.below_min_workers
+
+    @property
+    def quorum(self) -> QuorumDecision:
+        return self._quorum
+
+    @property
+    def min_workers(self) -> int:
+        return self._min_workers
+
+    @property
+    def now_s(self) -> float:
+        return self._now_s
+
+    @property
+    def live_workers(self) -> int:
+        return len(self._members)
+
+    def is_member(self, worker_id: str) -> bool:
+        return worker_id in self._members
+
+    def open_round_ids(self) -> tuple[int, ...]:
+        """Per fragment: the open round (sync) or the current version (async)."""
+        if self._sync:
+            return tuple(b.round_id for b in self._barriers)
+        return tuple(lane.version for lane in self._lanes)
+
+    @property
+    def rounds_applied(self) -> int:
+        """Outer steps applied so far, over all fragments."""
+        return sum(self.open_round_ids())
+
+    def status(self) -> StatusView:
+        """A read-only view for status pages; O(members), never on the per-event path."""
+        members = tuple(
+            MemberStatus(wid, last, self._now_s - last) for wid, last in sorted(self._members.items())
+        )
+        fragments = []
+        for fid in range(self.config.num_fragments):
+            if self._sync:
+                b = self._barriers[fid]
+                contributed = tuple(b.contributed)
+                awaited = tuple(w for w in sorted(self._members) if w not in b.contributed)
+                fragments.append(FragmentStatus(fid, b.round_id, contributed, awaited, ()))
+            else:
+                lane = self._lanes[fid]
+                fragments.append(FragmentStatus(fid, lane.version, (), (), tuple(lane.held)))
+        return StatusView(
+            phase=self.phase,
+            mode=self.config.mode,
+            min_workers=self._min_workers,
+            below_min_workers=self.below_min_workers,
+            quorum_reason=self._quorum.reason,
+            now_s=self._now_s,
+            members=members,
+            fragments=tuple(fragments),
+            rounds_applied=self.rounds_applied,
+        )
+
+    def snapshot(self) -> dict:
+        """Plain msgpack-serialisable state with a format version (SPEC.md section 8)."""
+        return _snapshot.dump(
+            config=self.config.to_dict(),
+            phase=self.phase,
+            min_workers=self._min_workers,
+            now_s=self._now_s,
+            members=self._members,
+            barriers=self._barriers,
+            lanes=self._lanes,
+        )
+
+    @classmethod
+    def restore(cls, snap: object) -> "RoundFSM":
+        """Rebuild a machine that behaves exactly like the one that took ``snap`` (SPEC.md I9)."""
+        parsed = _snapshot.load(snap)
+        fsm = cls(parsed.config, now_s=parsed.now_s)
+        fsm._min_workers = parsed.min_workers
+        fsm._members = parsed.members
+        if fsm._sync:
+            fsm._barriers = parsed.barriers
+        else:
+            fsm._lanes = parsed.lanes
+        fsm._quorum = quorum_decision(len(fsm._members), fsm._min_workers)
+        fsm._phase = PhaseModel(parsed.phase)
+        fsm._phase.below_min_workers = fsm._quorum.below_min_workers
+        return fsm
+
+    @classmethod
+    def resume(cls, snap: object, now_s: float = 0.0) -> "RoundFSM":
+        """Start a new incarnation of a stopped or crashed run from ``snap``.
+
+        Keeps the config, ``min_workers`` and every fragment's round counter;
+        forgets members and anything in flight (they were discarded at the stop,
+        SPEC.md P4): workers re-join and continue from the checkpointed params.
+        """
+        parsed = _snapshot.load(snap)
+        fsm = cls(parsed.config, now_s=now_s)
+        fsm._min_workers = parsed.min_workers
+        fsm._quorum = quorum_decision(0, fsm._min_workers)
+        fsm._phase.below_min_workers = fsm._quorum.below_min_workers
+        if fsm._sync:
+            fsm._barriers = [SyncBarrier(round_id=b.round_id) for b in parsed.barriers]
+        else:
+            fsm._lanes = [AsyncLane(version=lane.version) for lane in parsed.lanes]
+        return fsm
+
+    # ------------------------------------------------------------ handlers
+
+    def _on_heartbeat(self, event: HeartbeatSeen, effects: list[Effect]) -> None:
+        wid = event.worker_id
+        members = self._members
+        if wid in members:
+            # R9: move to the back of the last-seen order; O(1).
+            members[wid] = self._now_s
+            members.move_to_end(wid)
+        else:
+            effects.append(_unknown_worker(wid))
+
+    def _on_tick(self, event: Ticked, effects: list[Effect]) -> None:
+        now = event.now_s
+        if isinstance(now, bool) or not isinstance(now, (int, float)) or now != now:
+            raise ClockWentBackwardsError(f"Ticked.now_s must be a number of seconds, got {now!r}")
+        if now < self._now_s:
+            raise ClockWentBackwardsError(
+                f"Ticked(now_s={now!r}) is earlier than the machine's clock {self._now_s!r} (SPEC.md R9)"
+            )
+        self._now_s = float(now)
+        members = self._members
+        deadline = self._now_s - self._timeout_s
+        dead: list[str] = []
+        # Members are ordered oldest-seen first, so expired ones are a prefix.
+        for wid, last in members.items():
+            if last >= deadline:
+                break
+            dead.append(wid)
+        if not dead:
+            return
+        for wid in dead:
+            effects.append(DeclareDead(wid, members[wid]))
+            self._remove_member(wid, effects)
+        self._after_membership_change(effects)
+
+    def _on_join(self, event: WorkerJoined, effects: list[Effect]) -> None:
+        wid = event.worker_id
+        if not isinstance(wid, str) or not 0 < len(wid) <= self.config.max_worker_id_len:
+            effects.append(Reject(
+                wid if isinstance(wid, str) else "", RejectReason.INVALID_WORKER_ID,
+                f"worker_id={wid!r} is invalid: expected a non-empty string of at most "
+                f"{self.config.max_worker_id_len} characters",
+            ))
+            return
+        if self._phase.state is Phase.DRAINING:
+            effects.append(Reject(wid, RejectReason.SHUTTING_DOWN,
+                                  f"worker {wid!r} cannot join: the run is draining"))
+            return
+        rejoin = wid in self._members
+        if not rejoin and len(self._members) >= self.config.max_workers:
+            effects.append(Reject(wid, RejectReason.TOO_MANY_WORKERS,
+                                  f"worker {wid!r} cannot join: max_workers={self.config.max_workers} "
+                                  f"live members already"))
+            return
+        if rejoin:
+            # R6: a join from a live member is a restart of that worker: its old
+            # incarnation leaves (its contributions are discarded) and a new one joins.
+            self._remove_member(wid, effects)
+        self._members[wid] = self._now_s
+        # P2: the joiner is enlisted in every fragment's *open* round at once.
+        effects.append(AcceptJoin(wid, self.open_round_ids()))
+        self._after_membership_change(effects)
+
+    def _on_leave(self, event: WorkerLeft, effects: list[Effect]) -> None:
+        wid = event.worker_id
+        if wid not in self._members:
+            effects.append(_unknown_worker(wid))
+            return
+        self._remove_member(wid, effects)
+        self._after_membership_change(effects)
+
+    def _on_submit_sync(self, event: ContributionSubmitted, effects: list[Effect]) -> None:
+        wid = event.worker_id
+        members = self._members
+        if wid not in members:
+            effects.append(_unknown_worker(wid))
+            return
+        fid, rid = event.fragment_id, event.round_id
+        reject = self._check_ids(wid, fid, rid)
+        if reject is not None:
+            effects.append(reject)
+            return
+        barrier = self._barriers[fid]
+        if rid != barrier.round_id:
+            effects.append(_wrong_round(wid, fid, rid, barrier.round_id, "round"))
+            return
+        if wid in barrier.contributed:
+            effects.append(Reject(wid, RejectReason.DUPLICATE,
+                                  f"worker {wid!r} already contributed to fragment {fid} round {rid}"))
+            return
+        barrier.contributed[wid] = None
+        # A submission is proof of life (R9).
+        members[wid] = self._now_s
+        members.move_to_end(wid)
+        effects.append(AcceptContribution(wid, fid, rid))
+        if len(barrier.contributed) == len(members):
+            self._apply_ready(effects, (fid,))
+
+    def _on_submit_async(self, event: ContributionSubmitted, effects: list[Effect]) -> None:
+        wid = event.worker_id
+        members = self._members
+        if wid not in members:
+            effects.append(_unknown_worker(wid))
+            return
+        fid, base = event.fragment_id, event.round_id
+        reject = self._check_ids(wid, fid, base)
+        if reject is not None:
+            effects.append(reject)
+            return
+        lane = self._lanes[fid]
+        if base > lane.version:
+            effects.append(_wrong_round(wid, fid, base, lane.version, "version"))
+            return
+        if lane.version - base > self.config.max_staleness:
+            effects.append(Reject(
+                wid, RejectReason.STALE_ROUND,
+                f"fragment {fid}: base version {base} is {lane.version - base} versions old; "
+                f"max_staleness={self.config.max_staleness} (R10)",
+            ))
+            return
+        if wid in lane.held or base <= lane.last_base.get(wid, -1):
+            effects.append(Reject(
+                wid, RejectReason.DUPLICATE,
+                f"worker {wid!r} already contributed from fragment {fid} base version "
+                f"{lane.last_base.get(wid)}; each base version counts once",
+            ))
+            return
+        if (self._quorum.below_min_workers or lane.held) and len(lane.held) >= self.config.max_held_per_fragment:
+            effects.append(Reject(
+                wid, RejectReason.HELD_LIMIT,
+                f"fragment {fid} already holds max_held_per_fragment="
+                f"{self.config.max_held_per_fragment} contributions below quorum",
+            ))
+            return
+        lane.last_base[wid] = base
+        lane.held[wid] = base
+        members[wid] = self._now_s
+        members.move_to_end(wid)
+        effects.append(AcceptContribution(wid, fid, base))
+        self._apply_ready(effects, (fid,))
+
+    def _on_min_workers(self, event: MinWorkersChanged, effects: list[Effect]) -> None:
+        try:
+            value = validate_min_workers(event.min_workers, self.config.max_workers)
+        except ConfigError as exc:
+            effects.append(Reject("", RejectReason.INVALID_MIN_WORKERS, str(exc)))
+            return
+        self._min_workers = value
+        self._after_membership_change(effects, announce=True)
+
+    def _on_shutdown(self, event: ShutdownRequested, effects: list[Effect]) -> None:
+        try:
+            kind = ShutdownKind(event.kind)
+        except ValueError:
+            raise UnknownEventError(f"ShutdownRequested.kind={event.kind!r} is not a ShutdownKind") from None
+        if kind is ShutdownKind.DRAIN:
+            if self._phase.state is Phase.DRAINING:
+                effects.append(Reject("", RejectReason.SHUTTING_DOWN, "the run is already draining"))
+                return
+            if self._sync and not self._quorum.below_min_workers:
+                # P4: let the round in flight finish; _apply_ready stops the run after it.
+                self._move_phase("drain_requested", effects)
+                return
+        # P4: async drain, a drain below quorum, save-and-stop and abort all stop now.
+        self._stop(kind, effects)
+
+    # ------------------------------------------------------------- helpers
+
+    def _check_ids(self, wid: str, fid: object, rid: object) -> Reject | None:
+        """R3: fragment and round ids a remote peer chose must be in range and the right type."""
+        if type(fid) is not int or not 0 <= fid < self.config.num_fragments:
+            return Reject(wid, RejectReason.UNKNOWN_FRAGMENT,
+                          f"fragment_id={fid!r} is invalid: expected an integer in "
+                          f"0..{self.config.num_fragments - 1}")
+        if type(rid) is not int or rid < 0:
+            return Reject(wid, RejectReason.INVALID_ROUND,
+                          f"round_id={rid!r} is invalid: expected a non-negative integer")
+        return None
+
+    def _remove_member(self, wid: str, effects: list[Effect]) -> None:
+        """R7 / P1: forget a member and discard whatever it had in flight. O(fragments)."""
+        del self._members[wid]
+        if self._sync:
+            for fid, barrier in enumerate(self._barriers):
+                if wid in barrier.contributed:
+                    del barrier.contributed[wid]
+                    effects.append(DiscardContribution(wid, fid, barrier.round_id,
+                                                       DiscardReason.CONTRIBUTOR_LEFT))
+        else:
+            for fid, lane in enumerate(self._lanes):
+                base = lane.held.pop(wid, None)
+                if base is not None:
+                    effects.append(DiscardContribution(wid, fid, base, DiscardReason.CONTRIBUTOR_LEFT))
+                lane.last_base.pop(wid, None)
+
+    def _after_membership_change(self, effects: list[Effect], announce: bool = False) -> None:
+        """Recompute the quorum, move the phase, then apply whatever became ready.
+
+        Called after every join, leave, death and min_workers change: those are
+        the paths that can unblock *or* complete a round, so every one of them
+        goes through the same gate (R5, R7, R8).
+        """
+        decision = quorum_decision(len(self._members), self._min_workers)
+        flipped = decision.below_min_workers != self._quorum.below_min_workers
+        self._quorum = decision
+        self._phase.below_min_workers = decision.below_min_workers
+        if flipped or announce:
+            effects.append(QuorumChanged(decision.below_min_workers, len(self._members),
+                                         self._min_workers, decision.reason))
+        phase = self._phase.state
+        if decision.below_min_workers:
+            if phase is Phase.RUNNING:
+                self._move_phase("quorum_lost", effects)
+            elif phase is Phase.DRAINING:
+                # P4: a drain that lost quorum cannot finish its round: stop now.
+                self._stop(ShutdownKind.DRAIN, effects)
+                return
+        elif phase is Phase.FORMING or phase is Phase.PAUSED:
+            self._move_phase("quorum_reached", effects)
+        self._apply_ready(effects, range(self.config.num_fragments))
+
+    def _apply_ready(self, effects: list[Effect], fragment_ids) -> None:
+        """The only place that emits ``ApplyRound`` (R5). Applies what is complete, if quorum holds."""
+        if self._quorum.below_min_workers:
+            return
+        outcome = ReleaseOutcome.APPLIED
+        if self._phase.state is Phase.DRAINING:
+            outcome = ReleaseOutcome.APPLIED_FINAL
+        applied = False
+        if self._sync:
+            live = len(self._members)
+            for fid in fragment_ids:
+                barrier = self._barriers[fid]
+                contributed = barrier.contributed
+                # R5: complete = every live member contributed (contributed is a subset of members).
+                if not contributed or len(contributed) != live:
+                    continue
+                rid = barrier.round_id
+                contributors = tuple(contributed)
+                effects.append(ApplyRound(fid, rid, contributors))
+                for wid in contributors:
+                    effects.append(ReleaseWorker(wid, fid, rid, outcome))
+                barrier.round_id = rid + 1
+                barrier.contributed = {}
+                applied = True
+        else:
+            for fid in fragment_ids:
+                lane = self._lanes[fid]
+                # R10: held contributions apply one by one, in arrival order.
+                while lane.held:
+                    wid = next(iter(lane.held))
+                    base = lane.held.pop(wid)
+                    effects.append(ApplyRound(fid, lane.version, (wid,)))
+                    effects.append(ReleaseWorker(wid, fid, base, outcome))
+                    lane.version += 1
+                    applied = True
+        if applied and outcome is ReleaseOutcome.APPLIED_FINAL:
+            # P4: the drain's round applied; nothing else will.
+            self._stop(ShutdownKind.DRAIN, effects)
+
+    def _stop(self, kind: ShutdownKind, effects: list[Effect]) -> None:
+        """R12: discard everything parked, wake every parked worker with STOP, then stop."""
+        if self._sync:
+            for fid, barrier in enumerate(self._barriers):
+                for wid in barrier.contributed:
+                    effects.append(DiscardContribution(wid, fid, barrier.round_id, DiscardReason.SHUTDOWN))
+                    effects.append(ReleaseWorker(wid, fid, barrier.round_id, ReleaseOutcome.STOP))
+                barrier.contributed = {}
+        else:
+            for fid, lane in enumerate(self._lanes):
+                for wid, base in lane.held.items():
+                    effects.append(DiscardContribution(wid, fid, base, DiscardReason.SHUTDOWN))
+                    effects.append(ReleaseWorker(wid, fid, base, ReleaseOutcome.STOP))
+                lane.held = {}
+        self._move_phase("stopped", effects)
+        effects.append(StopRun(kind))
+
+    def _move_phase(self, trigger: str, effects: list[Effect]) -> None:
+        old = self._phase.state
+        self._phase.fire(trigger)
+        effects.append(PhaseChanged(old, self._phase.state))
+
+
+def _unknown_worker(wid: object) -> Reject:
+    return Reject(wid if isinstance(wid, str) else "", RejectReason.UNKNOWN_WORKER,
+                  f"worker {wid!r} is not a live member of this run (join first)")
+
+
+def _wrong_round(wid: str, fid: int, got: int, open_id: int, noun: str) -> Reject:
+    if got < open_id:
+        return Reject(wid, RejectReason.STALE_ROUND,
+                      f"fragment {fid}: {noun} {got} already applied; the open {noun} is {open_id}")
+    return Reject(wid, RejectReason.FUTURE_ROUND,
+                  f"fragment {fid}: {noun} {got} has not opened; the open {noun} is {open_id}")

@@ -1,0 +1,172 @@
+"""Snapshot format of ``RoundFSM``: dump to plain data, load with full validation.
+
+A snapshot is a dict of str/int/float/bool/list only, so msgpack and JSON
+both carry it. ``load`` trusts nothing: a checkpoint file may be truncated,
+edited or from another version, and a machine rebuilt from a bad snapshot
+would break the quorum rule silently. Every problem raises ``SnapshotError``
+naming the path of the bad field.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from diloco.core.config import FSMConfig, Mode
+from diloco.core.errors import ConfigError, SnapshotError
+from diloco.core.fragments import AsyncLane, SyncBarrier
+from diloco.core.phases import Phase
+
+FORMAT = "diloco.round_fsm"
+VERSION = 1
+
+
+def dump(*, config: dict, phase: Phase, min_workers: int, now_s: float,
+         members: "OrderedDict[str, float]", barriers: list[SyncBarrier],
+         lanes: list[AsyncLane]) -> dict:
+    if barriers:
+        fragments = [{"round_id": b.round_id, "contributed": list(b.contributed)} for b in barriers]
+    else:
+        fragments = [
+            {"version": lane.version,
+             "held": [[w, base] for w, base in lane.held.items()],
+             "last_base": [[w, base] for w, base in lane.last_base.items()]}
+            for lane in lanes
+        ]
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "config": config,
+        "phase": phase.value,
+        "min_workers": min_workers,
+        "now_s": now_s,
+        # Order matters: it is the last-seen order the heartbeat timer relies on.
+        "members": [[w, last] for w, last in members.items()],
+        "fragments": fragments,
+    }
+
+
+@dataclass
+class Parsed:
+    config: FSMConfig
+    phase: Phase
+    min_workers: int
+    now_s: float
+    members: "OrderedDict[str, float]"
+    barriers: list[SyncBarrier]
+    lanes: list[AsyncLane]
+
+
+def load(snap: object) -> Parsed:
+    d = _dict(snap, "snapshot")
+    if d.get("format") != FORMAT:
+        raise SnapshotError(f"snapshot.format={d.get('format')!r}: expected {FORMAT!r}")
+    if d.get("version") != VERSION:
+        raise SnapshotError(
+            f"snapshot.version={d.get('version')!r} is not supported: this diloco reads version {VERSION}"
+        )
+    try:
+        config = FSMConfig.from_dict(_dict(d.get("config"), "snapshot.config"))
+    except ConfigError as exc:
+        raise SnapshotError(f"snapshot.config: {exc}") from None
+    try:
+        phase = Phase(d.get("phase"))
+    except ValueError:
+        raise SnapshotError(f"snapshot.phase={d.get('phase')!r}: expected one of "
+                            f"{[p.value for p in Phase]}") from None
+    min_workers = _int(d.get("min_workers"), "snapshot.min_workers", 1, config.max_workers)
+    now_s = _num(d.get("now_s"), "snapshot.now_s")
+    members: OrderedDict[str, float] = OrderedDict()
+    previous = float("-inf")
+    for i, item in enumerate(_list(d.get("members"), "snapshot.members")):
+        wid, last = _pair(item, f"snapshot.members[{i}]")
+        _wid(wid, f"snapshot.members[{i}][0]", config)
+        last = _num(last, f"snapshot.members[{i}][1]")
+        if wid in members:
+            raise SnapshotError(f"snapshot.members[{i}]: worker {wid!r} listed twice")
+        if last < previous or last > now_s:
+            raise SnapshotError(f"snapshot.members[{i}]: last seen {last} out of order (must be "
+                                f"non-decreasing and <= now_s={now_s})")
+        previous = last
+        members[wid] = last
+    if len(members) > config.max_workers:
+        raise SnapshotError(f"snapshot.members: {len(members)} members > max_workers={config.max_workers}")
+    frags = _list(d.get("fragments"), "snapshot.fragments")
+    if len(frags) != config.num_fragments:
+        raise SnapshotError(f"snapshot.fragments has {len(frags)} entries; config says "
+                            f"num_fragments={config.num_fragments}")
+    barriers: list[SyncBarrier] = []
+    lanes: list[AsyncLane] = []
+    for fid, raw in enumerate(frags):
+        path = f"snapshot.fragments[{fid}]"
+        f = _dict(raw, path)
+        if config.mode is Mode.SYNC:
+            rid = _int(f.get("round_id"), f"{path}.round_id", 0, None)
+            contributed: dict[str, None] = {}
+            for j, wid in enumerate(_list(f.get("contributed"), f"{path}.contributed")):
+                if wid not in members or wid in contributed:
+                    raise SnapshotError(f"{path}.contributed[{j}]={wid!r}: not a member, or listed twice")
+                contributed[wid] = None
+            barriers.append(SyncBarrier(rid, contributed))
+        else:
+            version = _int(f.get("version"), f"{path}.version", 0, None)
+            held: dict[str, int] = {}
+            for j, item in enumerate(_list(f.get("held"), f"{path}.held")):
+                wid, base = _pair(item, f"{path}.held[{j}]")
+                if wid not in members or wid in held:
+                    raise SnapshotError(f"{path}.held[{j}]={wid!r}: not a member, or listed twice")
+                held[wid] = _int(base, f"{path}.held[{j}][1]", 0, version)
+            if len(held) > config.max_held_per_fragment:
+                raise SnapshotError(f"{path}.held: more than max_held_per_fragment entries")
+            last_base: dict[str, int] = {}
+            for j, item in enumerate(_list(f.get("last_base"), f"{path}.last_base")):
+                wid, base = _pair(item, f"{path}.last_base[{j}]")
+                if wid not in members:
+                    raise SnapshotError(f"{path}.last_base[{j}]={wid!r}: not a member")
+                last_base[wid] = _int(base, f"{path}.last_base[{j}][1]", 0, version)
+            for wid, base in held.items():
+                if last_base.get(wid) != base:
+                    raise SnapshotError(f"{path}: held contribution of {wid!r} disagrees with last_base")
+            lanes.append(AsyncLane(version, held, last_base))
+    below = len(members) < min_workers
+    if phase is Phase.RUNNING and below or phase in (Phase.FORMING, Phase.PAUSED) and not below:
+        raise SnapshotError(f"snapshot.phase={phase.value!r} contradicts {len(members)} members "
+                            f"and min_workers={min_workers}")
+    return Parsed(config, phase, min_workers, now_s, members, barriers, lanes)
+
+
+def _dict(v: object, path: str) -> dict:
+    if not isinstance(v, dict):
+        raise SnapshotError(f"{path} must be a dict, got {type(v).__name__}")
+    return v
+
+
+def _list(v: object, path: str) -> list:
+    if not isinstance(v, (list, tuple)):
+        raise SnapshotError(f"{path} must be a list, got {type(v).__name__}")
+    return list(v)
+
+
+def _pair(v: object, path: str) -> tuple:
+    items = _list(v, path)
+    if len(items) != 2:
+        raise SnapshotError(f"{path} must be a pair, got {len(items)} items")
+    return items[0], items[1]
+
+
+def _int(v: object, path: str, low: int, high: int | None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
+        allowed = f"{low}..{high}" if high is not None else f">= {low}"
+        raise SnapshotError(f"{path}={v!r}: expected an integer {allowed}")
+    return v
+
+
+def _num(v: object, path: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+        raise SnapshotError(f"{path}={v!r}: expected a number")
+    return float(v)
+
+
+def _wid(v: object, path: str, config: FSMConfig) -> None:
+    if not isinstance(v, str) or not 0 < len(v) <= config.max_worker_id_len:
+        raise SnapshotError(f"{path}={v!r}: expected a worker id string")
