@@ -1,0 +1,204 @@
+"""The layering rules hold: the core is pure, transport knows nothing about rounds.
+
+Two independent checks (DESIGN.md section 2, "diloco/core/ PURE"):
+
+* import-linter runs the contracts in pyproject.toml. It follows indirect
+  imports too (core -> helper -> os), but it needs every module a contract
+  names to exist.
+* An AST scan of every file under diloco/core for a direct import of a
+  forbidden module, in every spelling (``import os.path``, ``from os import
+  path``, an import inside a function, ``__import__("os")``). It reads the
+  source and imports nothing, so it works even when the package is broken.
+
+Each check is also run against a deliberately bad tree, to prove it can fail.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
+
+REPO = Path(__file__).resolve().parents[1]
+CORE = REPO / "diloco" / "core"
+
+#: What the core must never import: I/O, clock, randomness, threads, torch, zmq, msgpack.
+FORBIDDEN_IN_CORE = frozenset({
+    "time", "random", "threading", "asyncio", "os", "socket", "subprocess",
+    "multiprocessing", "zmq", "torch", "msgpack",
+})
+
+# The console script ``lint-imports`` without relying on PATH: under
+# ``.venv/bin/python -m pytest`` the venv's bin directory need not be on PATH.
+_LINT_IMPORTS = "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
+
+
+def run_lint_imports(cwd: Path) -> subprocess.CompletedProcess:
+    """Run import-linter on the config found in ``cwd``; no cache is written."""
+    pytest.importorskip("importlinter")
+    return subprocess.run(
+        [sys.executable, "-c", _LINT_IMPORTS, "--no-cache", "--no-logo"],
+        cwd=cwd, capture_output=True, text=True, timeout=300,
+    )
+
+
+def forbidden_imports(root: Path, forbidden: frozenset[str] = FORBIDDEN_IN_CORE) -> list[str]:
+    """Every import of a forbidden top-level module in the .py files under ``root``.
+
+    Returns ``"path:line: module"`` strings, sorted. Relative imports
+    (``from . import x``) are local and never forbidden.
+    """
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in ast.walk(tree):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level == 0 and node.module:
+                    names = [node.module]
+            elif isinstance(node, ast.Call) and _is_dynamic_import(node.func):
+                if node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                    names = [node.args[0].value]
+            for name in names:
+                top = name.split(".")[0]
+                if top in forbidden:
+                    found.append(f"{path.relative_to(root)}:{node.lineno}: {name}")
+    return sorted(found)
+
+
+def _is_dynamic_import(func: ast.expr) -> bool:
+    """``__import__(...)`` or ``importlib.import_module(...)``."""
+    if isinstance(func, ast.Name):
+        return func.id in ("__import__", "import_module")
+    return isinstance(func, ast.Attribute) and func.attr == "import_module"
+
+
+def _contracts() -> tuple[dict, list[dict]]:
+    config = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["importlinter"]
+    return config, config["contracts"]
+
+
+# --------------------------------------------------------------- the real repo
+
+
+def test_import_linter_contracts_pass():
+    result = run_lint_imports(REPO)
+    assert result.returncode == 0, (
+        "import-linter contracts in pyproject.toml are broken (or name a module that does not "
+        f"exist yet):\n{result.stdout}\n{result.stderr}"
+    )
+    assert " 0 broken" in result.stdout, result.stdout
+
+
+def test_core_imports_nothing_impure():
+    scanned = sorted(p.name for p in CORE.rglob("*.py"))
+    assert "round_fsm.py" in scanned, f"the scan found no core files under {CORE}"
+    assert forbidden_imports(CORE) == []
+
+
+def test_ast_list_matches_the_import_linter_contract():
+    """The two checks guard the same list; a module added to one must be added to the other."""
+    config, contracts = _contracts()
+    root = config["root_package"]
+    external = set()
+    for c in contracts:
+        if c["type"] == "forbidden" and f"{root}.core" in c["source_modules"]:
+            external |= {m for m in c["forbidden_modules"] if m != root and not m.startswith(root + ".")}
+    assert external == set(FORBIDDEN_IN_CORE)
+
+
+# ------------------------------------------------- the checks can fail at all
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("import os\n", "os"),
+    ("import os.path\n", "os.path"),
+    ("import json, socket as s\n", "socket"),
+    ("from os import path\n", "os"),
+    ("from multiprocessing.pool import Pool\n", "multiprocessing.pool"),
+    ("def f():\n    import time\n    return time\n", "time"),
+    ("try:\n    import torch\nexcept ImportError:\n    torch = None\n", "torch"),
+    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import zmq\n", "zmq"),
+    ("rng = __import__('random')\n", "random"),
+    ("import importlib\nmp = importlib.import_module('msgpack')\n", "msgpack"),
+])
+def test_scanner_reports_a_forbidden_import(tmp_path, source, expected):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "bad.py").write_text(source)
+    found = forbidden_imports(tmp_path)
+    assert len(found) == 1 and found[0].endswith(f": {expected}"), found
+    assert found[0].startswith(str(Path("pkg") / "bad.py") + ":")
+
+
+def test_scanner_ignores_lookalikes(tmp_path):
+    (tmp_path / "ok.py").write_text(textwrap.dedent("""\
+        import timeit, ossaudiodev, randomize
+        from . import os
+        from .time import clock
+        from dataclasses import dataclass
+        from diloco.core.events import Ticked
+        x = "import os"
+    """))
+    assert forbidden_imports(tmp_path) == []
+
+
+def _probe_tree(tmp_path: Path, core_source: str) -> Path:
+    """A copy of the repo's layout and contracts under the package name ``layering_probe``."""
+    config, contracts = _contracts()
+    root = config["root_package"]
+    probe = "layering_probe"
+
+    def rename(module: str) -> str:
+        return probe + module[len(root):] if module == root or module.startswith(root + ".") else module
+
+    internal = {rename(m) for c in contracts for key in ("source_modules", "forbidden_modules")
+                for m in c.get(key, []) if rename(m) != m}
+    for module in internal | {probe, f"{probe}.core"}:
+        pkg = tmp_path.joinpath(*module.split("."))
+        pkg.mkdir(parents=True, exist_ok=True)
+        (pkg / "__init__.py").write_text("")
+    (tmp_path / probe / "core" / "mod.py").write_text(core_source)
+
+    lines = ["[importlinter]", f"root_package = {probe}",
+             f"include_external_packages = {bool(config.get('include_external_packages', False))}", ""]
+    for i, c in enumerate(contracts):
+        lines += [f"[importlinter:contract:c{i}]", f"name = {c['name']}", f"type = {c['type']}"]
+        for key, value in c.items():
+            if key in ("name", "type"):
+                continue
+            if isinstance(value, list):
+                lines.append(f"{key} =")
+                lines += [f"    {rename(v)}" for v in value]
+            else:
+                lines.append(f"{key} = {value}")
+        lines.append("")
+    (tmp_path / ".importlinter").write_text("\n".join(lines))
+    return tmp_path
+
+
+def test_import_linter_contracts_pass_on_a_clean_copy(tmp_path):
+    """Control for the test below: the copied contracts pass on a clean tree."""
+    result = run_lint_imports(_probe_tree(tmp_path, "from dataclasses import dataclass\n"))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("source, chain", [
+    ("import os\n", "layering_probe.core.mod -> os"),
+    ("from layering_probe.transport import x\n", "layering_probe.core.mod -> layering_probe.transport"),
+])
+def test_import_linter_contracts_catch_a_violation(tmp_path, source, chain):
+    result = run_lint_imports(_probe_tree(tmp_path, source))
+    assert result.returncode != 0 and "BROKEN" in result.stdout, result.stdout + result.stderr
+    assert chain in result.stdout, result.stdout
