@@ -20,6 +20,9 @@ class AcceptJoin:
     worker_id: str
     #: Per fragment: the open round (sync) or the current version (async).
     round_ids: tuple[int, ...]
+    #: (fragment_id, round_id) where a contribution under this worker_id, accepted
+    #: before it left, is still pending: the new member waits on it (SPEC.md P2).
+    parked: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

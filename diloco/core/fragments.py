@@ -19,15 +19,17 @@ class SyncBarrier:
     """The open round of one fragment in sync mode.
 
     Every live member is expected in the open round (joiners are enlisted at
-    once, SPEC.md P2), so the round is complete exactly when
-    ``len(contributed) == live members``; ``contributed`` is always a subset
-    of the live members because a leaving member's contribution is discarded
-    (SPEC.md P1).
+    once, SPEC.md P2). A member that leaves after contributing stays in
+    ``contributed`` (SPEC.md P1) but no longer in ``live_contributed``, so the
+    round is complete exactly when ``live_contributed == live members`` -- a
+    counter, not a scan (R13).
     """
 
     round_id: int = 0
-    #: Accepted contributors of ``round_id``, in acceptance order.
+    #: Accepted contributors of ``round_id`` (live or departed), in acceptance order.
     contributed: dict[str, None] = field(default_factory=dict)
+    #: How many of ``contributed`` are live members right now.
+    live_contributed: int = 0
 
 
 @dataclass(slots=True)

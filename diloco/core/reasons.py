@@ -34,13 +34,17 @@ class RejectReason(str, enum.Enum):
     HELD_LIMIT = "held_limit"
     #: ``min_workers`` change to a value outside ``1..max_workers``.
     INVALID_MIN_WORKERS = "invalid_min_workers"
+    #: A live member with this id exists; the driver must report the old one gone first (R6).
+    ALREADY_MEMBER = "already_member"
 
 
 class DiscardReason(str, enum.Enum):
-    """Why an accepted contribution will never be applied (SPEC.md I4: never silently dropped)."""
+    """Why an accepted contribution will never be applied (SPEC.md I4: never silently dropped).
 
-    #: Its worker died, left, was kicked or re-joined before the contribution applied (SPEC.md P1).
-    CONTRIBUTOR_LEFT = "contributor_left"
+    A contributor leaving is *not* a reason: its accepted contribution stays in
+    its round (SPEC.md P1). Only a stop discards.
+    """
+
     #: The run stopped before the contribution could apply (SPEC.md R12).
     SHUTDOWN = "shutdown"
 

@@ -17,6 +17,12 @@ The state is small:
 * ``_min_workers``, ``_now_s`` and the phase (a ``transitions`` machine that
   is fired only when the phase changes, R13).
 
+The policies (SPEC.md P1-P4) in one breath: a contribution, once accepted,
+stays accepted even if its worker dies (P1); a joiner is enlisted in the
+open round at once, which is how a replacement unblocks a paused run (P2);
+async contributions may be ``max_staleness`` versions old (P3); drain
+finishes the round in flight, save-and-stop and abort stop at once (P4).
+
 The one rule (SPEC.md R5): nothing applies while live members < min_workers.
 Every path that can apply -- a submission, a death, a leave, a tick, a
 change of ``min_workers``, a join in async mode -- ends in
@@ -270,7 +276,7 @@ class RoundFSM:
             return
         for wid in dead:
             effects.append(DeclareDead(wid, members[wid]))
-            self._remove_member(wid, effects)
+            self._remove_member(wid)
         self._after_membership_change(effects)
 
     def _on_join(self, event: WorkerJoined, effects: list[Effect]) -> None:
@@ -286,19 +292,35 @@ class RoundFSM:
             effects.append(Reject(wid, RejectReason.SHUTTING_DOWN,
                                   f"worker {wid!r} cannot join: the run is draining"))
             return
-        rejoin = wid in self._members
-        if not rejoin and len(self._members) >= self.config.max_workers:
+        if wid in self._members:
+            # R6: only the driver can tell a restarted worker from a duplicate
+            # message; it reports the old incarnation gone (WorkerLeft) first.
+            effects.append(Reject(wid, RejectReason.ALREADY_MEMBER,
+                                  f"worker {wid!r} is already a live member; a restarted worker "
+                                  f"re-joins after its old incarnation is reported gone"))
+            return
+        if len(self._members) >= self.config.max_workers:
             effects.append(Reject(wid, RejectReason.TOO_MANY_WORKERS,
                                   f"worker {wid!r} cannot join: max_workers={self.config.max_workers} "
                                   f"live members already"))
             return
-        if rejoin:
-            # R6: a join from a live member is a restart of that worker: its old
-            # incarnation leaves (its contributions are discarded) and a new one joins.
-            self._remove_member(wid, effects)
         self._members[wid] = self._now_s
-        # P2: the joiner is enlisted in every fragment's *open* round at once.
-        effects.append(AcceptJoin(wid, self.open_round_ids()))
+        # P2: the joiner is enlisted in every fragment's *open* round at once; if
+        # its id still has a contribution pending there (accepted before it left,
+        # P1), it counts as contributed and waits on that contribution.
+        parked: list[tuple[int, int]] = []
+        if self._sync:
+            for fid, barrier in enumerate(self._barriers):
+                if wid in barrier.contributed:
+                    barrier.live_contributed += 1
+                    parked.append((fid, barrier.round_id))
+        else:
+            for fid, lane in enumerate(self._lanes):
+                base = lane.held.get(wid)
+                if base is not None:
+                    lane.last_base[wid] = base
+                    parked.append((fid, base))
+        effects.append(AcceptJoin(wid, self.open_round_ids(), tuple(parked)))
         self._after_membership_change(effects)
 
     def _on_leave(self, event: WorkerLeft, effects: list[Effect]) -> None:
@@ -306,7 +328,7 @@ class RoundFSM:
         if wid not in self._members:
             effects.append(_unknown_worker(wid))
             return
-        self._remove_member(wid, effects)
+        self._remove_member(wid)
         self._after_membership_change(effects)
 
     def _on_submit_sync(self, event: ContributionSubmitted, effects: list[Effect]) -> None:
@@ -329,11 +351,12 @@ class RoundFSM:
                                   f"worker {wid!r} already contributed to fragment {fid} round {rid}"))
             return
         barrier.contributed[wid] = None
+        barrier.live_contributed += 1
         # A submission is proof of life (R9).
         members[wid] = self._now_s
         members.move_to_end(wid)
         effects.append(AcceptContribution(wid, fid, rid))
-        if len(barrier.contributed) == len(members):
+        if barrier.live_contributed == len(members):
             self._apply_ready(effects, (fid,))
 
     def _on_submit_async(self, event: ContributionSubmitted, effects: list[Effect]) -> None:
@@ -417,20 +440,22 @@ class RoundFSM:
                           f"round_id={rid!r} is invalid: expected a non-negative integer")
         return None
 
-    def _remove_member(self, wid: str, effects: list[Effect]) -> None:
-        """R7 / P1: forget a member and discard whatever it had in flight. O(fragments)."""
+    def _remove_member(self, wid: str) -> None:
+        """R7 / P1: forget a member. O(fragments).
+
+        What it already contributed stays accepted and will apply with its
+        round: the pseudo-gradient is valid work from the round's base, and
+        keeping it lets the driver aggregate with running sums (nothing to
+        subtract). It no longer counts as a live member, so it cannot help
+        meet the quorum on its own (R5).
+        """
         del self._members[wid]
         if self._sync:
-            for fid, barrier in enumerate(self._barriers):
+            for barrier in self._barriers:
                 if wid in barrier.contributed:
-                    del barrier.contributed[wid]
-                    effects.append(DiscardContribution(wid, fid, barrier.round_id,
-                                                       DiscardReason.CONTRIBUTOR_LEFT))
+                    barrier.live_contributed -= 1
         else:
-            for fid, lane in enumerate(self._lanes):
-                base = lane.held.pop(wid, None)
-                if base is not None:
-                    effects.append(DiscardContribution(wid, fid, base, DiscardReason.CONTRIBUTOR_LEFT))
+            for lane in self._lanes:
                 lane.last_base.pop(wid, None)
 
     def _after_membership_change(self, effects: list[Effect], announce: bool = False) -> None:
@@ -468,20 +493,23 @@ class RoundFSM:
             outcome = ReleaseOutcome.APPLIED_FINAL
         applied = False
         if self._sync:
-            live = len(self._members)
+            members = self._members
+            live = len(members)
             for fid in fragment_ids:
                 barrier = self._barriers[fid]
-                contributed = barrier.contributed
-                # R5: complete = every live member contributed (contributed is a subset of members).
-                if not contributed or len(contributed) != live:
+                # R5: complete = every live member contributed. Contributors that
+                # left since count as contributors, never as live members (P1).
+                if not barrier.contributed or barrier.live_contributed != live:
                     continue
                 rid = barrier.round_id
-                contributors = tuple(contributed)
+                contributors = tuple(barrier.contributed)
                 effects.append(ApplyRound(fid, rid, contributors))
                 for wid in contributors:
-                    effects.append(ReleaseWorker(wid, fid, rid, outcome))
+                    if wid in members:
+                        effects.append(ReleaseWorker(wid, fid, rid, outcome))
                 barrier.round_id = rid + 1
                 barrier.contributed = {}
+                barrier.live_contributed = 0
                 applied = True
         else:
             for fid in fragment_ids:
@@ -491,7 +519,8 @@ class RoundFSM:
                     wid = next(iter(lane.held))
                     base = lane.held.pop(wid)
                     effects.append(ApplyRound(fid, lane.version, (wid,)))
-                    effects.append(ReleaseWorker(wid, fid, base, outcome))
+                    if wid in self._members:
+                        effects.append(ReleaseWorker(wid, fid, base, outcome))
                     lane.version += 1
                     applied = True
         if applied and outcome is ReleaseOutcome.APPLIED_FINAL:
@@ -499,18 +528,22 @@ class RoundFSM:
             self._stop(ShutdownKind.DRAIN, effects)
 
     def _stop(self, kind: ShutdownKind, effects: list[Effect]) -> None:
-        """R12: discard everything parked, wake every parked worker with STOP, then stop."""
+        """R12: discard everything pending, wake every parked member with STOP, then stop."""
+        members = self._members
         if self._sync:
             for fid, barrier in enumerate(self._barriers):
                 for wid in barrier.contributed:
                     effects.append(DiscardContribution(wid, fid, barrier.round_id, DiscardReason.SHUTDOWN))
-                    effects.append(ReleaseWorker(wid, fid, barrier.round_id, ReleaseOutcome.STOP))
+                    if wid in members:
+                        effects.append(ReleaseWorker(wid, fid, barrier.round_id, ReleaseOutcome.STOP))
                 barrier.contributed = {}
+                barrier.live_contributed = 0
         else:
             for fid, lane in enumerate(self._lanes):
                 for wid, base in lane.held.items():
                     effects.append(DiscardContribution(wid, fid, base, DiscardReason.SHUTDOWN))
-                    effects.append(ReleaseWorker(wid, fid, base, ReleaseOutcome.STOP))
+                    if wid in members:
+                        effects.append(ReleaseWorker(wid, fid, base, ReleaseOutcome.STOP))
                 lane.held = {}
         self._move_phase("stopped", effects)
         effects.append(StopRun(kind))

@@ -104,17 +104,21 @@ def load(snap: object) -> Parsed:
             rid = _int(f.get("round_id"), f"{path}.round_id", 0, None)
             contributed: dict[str, None] = {}
             for j, wid in enumerate(_list(f.get("contributed"), f"{path}.contributed")):
-                if wid not in members or wid in contributed:
-                    raise SnapshotError(f"{path}.contributed[{j}]={wid!r}: not a member, or listed twice")
+                # A departed contributor stays listed (P1), so membership is not required.
+                _wid(wid, f"{path}.contributed[{j}]", config)
+                if wid in contributed:
+                    raise SnapshotError(f"{path}.contributed[{j}]={wid!r}: listed twice")
                 contributed[wid] = None
-            barriers.append(SyncBarrier(rid, contributed))
+            live = sum(1 for wid in contributed if wid in members)
+            barriers.append(SyncBarrier(rid, contributed, live))
         else:
             version = _int(f.get("version"), f"{path}.version", 0, None)
             held: dict[str, int] = {}
             for j, item in enumerate(_list(f.get("held"), f"{path}.held")):
                 wid, base = _pair(item, f"{path}.held[{j}]")
-                if wid not in members or wid in held:
-                    raise SnapshotError(f"{path}.held[{j}]={wid!r}: not a member, or listed twice")
+                _wid(wid, f"{path}.held[{j}][0]", config)
+                if wid in held:
+                    raise SnapshotError(f"{path}.held[{j}]={wid!r}: listed twice")
                 held[wid] = _int(base, f"{path}.held[{j}][1]", 0, version)
             if len(held) > config.max_held_per_fragment:
                 raise SnapshotError(f"{path}.held: more than max_held_per_fragment entries")
@@ -125,7 +129,7 @@ def load(snap: object) -> Parsed:
                     raise SnapshotError(f"{path}.last_base[{j}]={wid!r}: not a member")
                 last_base[wid] = _int(base, f"{path}.last_base[{j}][1]", 0, version)
             for wid, base in held.items():
-                if last_base.get(wid) != base:
+                if wid in members and last_base.get(wid) != base:
                     raise SnapshotError(f"{path}: held contribution of {wid!r} disagrees with last_base")
             lanes.append(AsyncLane(version, held, last_base))
     below = len(members) < min_workers

@@ -1,0 +1,127 @@
+"""The global parameters, their fragments, and the running sums of a round.
+
+Memory is O(parameters), not O(workers x parameters): a sync round keeps one
+running sum per fragment, added to as each contribution is accepted (an
+accepted contribution is never taken back, SPEC.md P1, so a sum never needs
+a subtraction). Async mode keeps the tensors of contributions *held* below
+quorum, bounded by ``max_held_per_fragment``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diloco.transport.messages import TensorSpec, Tensors, spec_of
+
+
+class ParamMismatch(ValueError):
+    """Tensors that do not match the run's parameters (names, shapes or dtypes)."""
+
+
+def partition(spec: tuple[TensorSpec, ...], num_fragments: int) -> tuple[tuple[str, ...], ...]:
+    """Split parameter names into ``num_fragments`` contiguous groups of similar size.
+
+    Contiguous (in model order) like Streaming DiLoCo's layer-wise fragments;
+    each fragment gets at least one tensor.
+    """
+    if num_fragments > len(spec):
+        raise ParamMismatch(f"num_fragments={num_fragments} but the model has only {len(spec)} tensors")
+    sizes = [max(1, _numel(s.shape)) for s in spec]
+    total = sum(sizes)
+    groups: list[list[str]] = [[] for _ in range(num_fragments)]
+    acc = 0
+    f = 0
+    for i, (s, n) in enumerate(zip(spec, sizes)):
+        remaining_tensors = len(spec) - i
+        remaining_groups = num_fragments - f - 1
+        # Move on when this group has its share, or when later groups need the rest.
+        if groups[f] and (acc >= total * (f + 1) / num_fragments or remaining_tensors <= remaining_groups):
+            f += 1
+        groups[f].append(s.name)
+        acc += n
+    return tuple(tuple(g) for g in groups)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def check_tensors(tensors: Tensors, expected: tuple[TensorSpec, ...], what: str) -> None:
+    """Raise ``ParamMismatch`` naming the first tensor whose name, shape or dtype is wrong."""
+    names = list(tensors)
+    want = [s.name for s in expected]
+    if names != want:
+        missing = [n for n in want if n not in tensors]
+        extra = [n for n in names if n not in set(want)]
+        if missing or extra:
+            raise ParamMismatch(f"{what}: missing tensors {missing[:5]}, unexpected tensors {extra[:5]}")
+        raise ParamMismatch(f"{what}: tensors out of order: expected {want[:5]}..., got {names[:5]}...")
+    for s in expected:
+        t = tensors[s.name]
+        got = TensorSpec.of(s.name, t)
+        if got.shape != s.shape or got.dtype != s.dtype:
+            raise ParamMismatch(
+                f"{what}: tensor {s.name!r} has shape {list(got.shape)} dtype {got.dtype}; "
+                f"the run's parameter has shape {list(s.shape)} dtype {s.dtype}"
+            )
+
+
+class ParamStore:
+    """Global fp32 params split into fragments, plus per-fragment running sums."""
+
+    def __init__(self, params: Tensors, num_fragments: int) -> None:
+        self.params: Tensors = {n: t.detach().to(torch.float32).clone().contiguous() for n, t in params.items()}
+        self.spec = spec_of(self.params)
+        self.fragments = partition(self.spec, num_fragments)
+        by_name = {s.name: s for s in self.spec}
+        self.fragment_specs = tuple(tuple(by_name[n] for n in names) for names in self.fragments)
+        self._sums: list[Tensors | None] = [None] * num_fragments
+        self._counts = [0] * num_fragments
+        self.bytes_received = 0
+
+    def fragment_params(self, fragment_id: int) -> Tensors:
+        return {n: self.params[n] for n in self.fragments[fragment_id]}
+
+    def fragment_spec(self, fragment_id: int) -> tuple[TensorSpec, ...]:
+        return self.fragment_specs[fragment_id]
+
+    def check_submission(self, fragment_id: int, tensors: Tensors) -> None:
+        """Names, shapes, dtypes and finiteness; raises ``ParamMismatch`` (checked before the core sees it)."""
+        check_tensors(tensors, self.fragment_specs[fragment_id], f"fragment {fragment_id} submission")
+        for name, t in tensors.items():
+            if not torch.isfinite(t).all():
+                raise ParamMismatch(f"fragment {fragment_id} submission: tensor {name!r} has non-finite values")
+
+    # -- sync rounds: running sums
+    def accumulate(self, fragment_id: int, tensors: Tensors) -> None:
+        s = self._sums[fragment_id]
+        if s is None:
+            self._sums[fragment_id] = {n: t.detach().to(torch.float32).clone() for n, t in tensors.items()}
+        else:
+            for n, t in tensors.items():
+                s[n].add_(t)
+        self._counts[fragment_id] += 1
+        self.bytes_received += sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def take_mean(self, fragment_id: int, contributors: int) -> Tensors:
+        """The mean pseudo-gradient of the round, and reset the sum. ``contributors`` must match."""
+        s, count = self._sums[fragment_id], self._counts[fragment_id]
+        if s is None or count != contributors:
+            raise RuntimeError(
+                f"fragment {fragment_id}: {count} contributions summed but the round lists {contributors}"
+            )
+        self._sums[fragment_id] = None
+        self._counts[fragment_id] = 0
+        for t in s.values():
+            t.div_(contributors)
+        return s
+
+    def reset_sum(self, fragment_id: int) -> None:
+        self._sums[fragment_id] = None
+        self._counts[fragment_id] = 0
+
+    def pending_count(self, fragment_id: int) -> int:
+        return self._counts[fragment_id]

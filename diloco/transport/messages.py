@@ -1,0 +1,220 @@
+"""The messages that cross a transport, one frozen dataclass per type.
+
+Tensors travel as ``dict[str, torch.Tensor]`` (ordered by the run's parameter
+order); the ZeroMQ codec sends them as raw frames after a msgpack header and
+never pickles anything. SPEC.md section 9 documents every type and field.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+#: Bumped on any incompatible change to these messages or their encoding.
+PROTOCOL_VERSION = 1
+
+Tensors = dict[str, torch.Tensor]
+
+
+class ErrorCode(str, enum.Enum):
+    """Codes in ``Error`` replies: the core's reject reasons plus transport-level ones."""
+
+    # -- from the round state machine (diloco.core.reasons.RejectReason, same values)
+    UNKNOWN_WORKER = "unknown_worker"
+    INVALID_WORKER_ID = "invalid_worker_id"
+    UNKNOWN_FRAGMENT = "unknown_fragment"
+    INVALID_ROUND = "invalid_round"
+    STALE_ROUND = "stale_round"
+    FUTURE_ROUND = "future_round"
+    DUPLICATE = "duplicate"
+    SHUTTING_DOWN = "shutting_down"
+    TOO_MANY_WORKERS = "too_many_workers"
+    HELD_LIMIT = "held_limit"
+    INVALID_MIN_WORKERS = "invalid_min_workers"
+    ALREADY_MEMBER = "already_member"
+    # -- from the coordinator and transports
+    #: Undecodable bytes, a missing or mistyped field, an unknown message type.
+    BAD_MESSAGE = "bad_message"
+    #: The peer speaks another protocol version (the detail names both).
+    PROTOCOL_VERSION = "protocol_version"
+    #: The joiner's model (tensor names, shapes, dtypes) differs from the run's.
+    MODEL_MISMATCH = "model_mismatch"
+    #: A submission's tensors do not match the run's parameters of that fragment.
+    TENSOR_MISMATCH = "tensor_mismatch"
+    #: A message larger than the transport's max_message_bytes.
+    TOO_LARGE = "too_large"
+    #: The run has stopped; the coordinator accepts nothing more.
+    STOPPED = "stopped"
+    #: An admin command the coordinator does not know, or bad arguments to one.
+    BAD_COMMAND = "bad_command"
+
+
+class Command(str, enum.Enum):
+    """What a heartbeat reply tells a worker to do."""
+
+    #: Keep going.
+    CONTINUE = "continue"
+    #: The run stopped (drain finished or abort): stop now.
+    STOP = "stop"
+    #: The run stopped with save-and-stop: save your own checkpoint, then stop.
+    SAVE_AND_STOP = "save_and_stop"
+    #: The coordinator does not know you (declared dead, or it restarted): join again.
+    REJOIN = "rejoin"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """Name, shape and dtype of one parameter tensor; how a run's model is identified."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> "TensorSpec":
+        return cls(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+
+
+def spec_of(tensors: Tensors) -> tuple[TensorSpec, ...]:
+    return tuple(TensorSpec.of(name, t) for name, t in tensors.items())
+
+
+# ---------------------------------------------------------------- worker -> coordinator
+
+
+@dataclass(frozen=True, slots=True)
+class Join:
+    """Ask to join. ``params`` are the worker's initial fp32 params: used only if the run has none yet."""
+
+    worker_id: str
+    protocol_version: int
+    spec: tuple[TensorSpec, ...]
+    params: Tensors = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """I am alive. Answered by ``HeartbeatReply``."""
+
+    worker_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    """A pseudo-gradient (global - local) for one fragment.
+
+    Sync: ``round_id`` is the round. Async: the fragment version training started from.
+    """
+
+    worker_id: str
+    fragment_id: int
+    round_id: int
+    tensors: Tensors
+
+
+@dataclass(frozen=True, slots=True)
+class Leave:
+    """Goodbye: the worker is stopping on its own."""
+
+    worker_id: str
+
+
+# ---------------------------------------------------------------- coordinator -> worker
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    """You are a member. Start from ``params`` (all fragments, current global values)."""
+
+    worker_id: str
+    #: Per fragment: the round to contribute to next (sync) or the current version (async).
+    round_ids: tuple[int, ...]
+    #: (fragment_id, round_id) pairs where a contribution of this worker's id is already
+    #: pending (from before a crash): wait for their ``Result`` before training (SPEC.md P2).
+    parked: tuple[tuple[int, int], ...]
+    #: "sync" or "async".
+    mode: str
+    #: Parameter names of each fragment, in order; fragment i syncs at inner steps
+    #: where (step // H) ... see SPEC.md section 9 for the streaming schedule.
+    fragments: tuple[tuple[str, ...], ...]
+    min_workers: int
+    below_min_workers: bool
+    #: How often to send heartbeats (a fraction of the coordinator's timeout).
+    heartbeat_interval_s: float
+    params: Tensors
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatReply:
+    below_min_workers: bool
+    min_workers: int
+    #: The run's phase (diloco.core.Phase value).
+    phase: str
+    command: Command = Command.CONTINUE
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """Your submission is kept; wait for its ``Result``."""
+
+    fragment_id: int
+    round_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """Your contribution to (fragment, round) was released.
+
+    ``outcome`` is a ``diloco.core.ReleaseOutcome`` value: "applied" (continue from
+    ``params``), "applied_final" (take ``params``, then stop), "stop" (stop now;
+    ``params`` empty). ``next_round_id`` is the fragment's next round (sync) or its
+    new version (async).
+    """
+
+    fragment_id: int
+    round_id: int
+    outcome: str
+    next_round_id: int
+    params: Tensors = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """Your message was refused; nothing it carried was kept."""
+
+    code: ErrorCode
+    detail: str
+    #: The type name of the message this answers (e.g. "Submit").
+    in_reply_to: str = ""
+
+
+# ---------------------------------------------------------------- admin
+
+
+@dataclass(frozen=True, slots=True)
+class AdminRequest:
+    """An operator command: status | shutdown | set_min_workers | kick."""
+
+    command: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class AdminReply:
+    ok: bool
+    data: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+
+
+Message = (
+    Join | Heartbeat | Submit | Leave | Welcome | HeartbeatReply | Accepted | Result | Error
+    | AdminRequest | AdminReply
+)
+
+MESSAGE_TYPES: tuple[type, ...] = (
+    Join, Heartbeat, Submit, Leave, Welcome, HeartbeatReply, Accepted, Result, Error,
+    AdminRequest, AdminReply,
+)
