@@ -1,0 +1,89 @@
+"""The coordinator's real-time loop: a transport, a monotonic clock, a ``Coordinator``.
+
+The only place the coordinator meets time and I/O. Each turn: receive one
+message (or time out), read the clock, let the coordinator handle it, persist
+if the run just stopped with save-and-stop, *then* send (SPEC.md section 5).
+After the run stops it lingers for a few heartbeat intervals so that every
+worker hears the stop from a heartbeat reply, then returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Callable
+
+from diloco.core import ShutdownKind
+from diloco.coordinator.checkpoint import save_coordinator
+from diloco.coordinator.service import Coordinator
+from diloco.transport.base import CoordinatorEndpoint
+
+log = logging.getLogger("diloco.coordinator")
+
+
+def serve(endpoint: CoordinatorEndpoint, coordinator: Coordinator, *,
+          checkpoint_dir: str | os.PathLike | None = None,
+          clock: Callable[[], float] = time.monotonic,
+          stop_event: threading.Event | None = None,
+          tick_interval_s: float = 0.05,
+          linger_s: float | None = None) -> Coordinator:
+    """Run until the run stops (and the linger passes) or ``stop_event`` is set."""
+    if linger_s is None:
+        linger_s = 3 * coordinator.config.heartbeat_interval_s
+    saved = False
+    stopped_at: float | None = None
+    while stop_event is None or not stop_event.is_set():
+        item = endpoint.recv(tick_interval_s)
+        now = clock()
+        if item is None:
+            out = coordinator.tick(now)
+        else:
+            peer, message = item
+            out = coordinator.handle(peer, message, now)
+        if coordinator.stopped and stopped_at is None:
+            stopped_at = now
+            log.info("run stopped (%s)", coordinator.stop_kind.value)
+            if coordinator.stop_kind is ShutdownKind.SAVE_AND_STOP and not saved:
+                if checkpoint_dir is None:
+                    log.warning("save-and-stop requested but no checkpoint directory is configured")
+                elif coordinator.store is None:
+                    log.warning("save-and-stop: no worker ever joined, nothing to save")
+                else:
+                    path = save_coordinator(coordinator, checkpoint_dir)
+                    log.info("checkpoint written to %s", path)
+                saved = True
+        for peer, message in out:
+            endpoint.send(peer, message)
+        if stopped_at is not None and now - stopped_at >= linger_s:
+            break
+    return coordinator
+
+
+class CoordinatorThread(threading.Thread):
+    """``serve`` in a daemon thread (tests, ``diloco demo``). ``stop()`` ends it."""
+
+    def __init__(self, endpoint: CoordinatorEndpoint, coordinator: Coordinator, **kwargs) -> None:
+        super().__init__(name="diloco-coordinator", daemon=True)
+        self.endpoint = endpoint
+        self.coordinator = coordinator
+        self._stop_event = threading.Event()
+        self._kwargs = kwargs
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            serve(self.endpoint, self.coordinator, stop_event=self._stop_event, **self._kwargs)
+        except BaseException as exc:  # surfaced to the caller by join_checked()
+            self.error = exc
+            log.exception("coordinator loop failed")
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop_event.set()
+        self.join(timeout_s)
+
+    def join_checked(self, timeout_s: float) -> None:
+        self.join(timeout_s)
+        if self.error is not None:
+            raise RuntimeError("the coordinator loop failed") from self.error

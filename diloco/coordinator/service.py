@@ -1,0 +1,448 @@
+"""The coordinator, sans-IO: (peer, message, clock reading) in, (peer, message) pairs out.
+
+Data flows one way (DESIGN.md section 2): a decoded message is checked here
+for what only the coordinator can check (protocol version, model shape,
+tensor shapes, finiteness), turned into an event, stepped through
+``RoundFSM``, and the effects are executed in order (SPEC.md section 5) into
+outgoing messages. This class never reads a clock, sleeps or touches a
+socket: the runner (real time, real transport) and the simulator (simulated
+time, simulated network) drive the very same code.
+
+What the coordinator owns: the global fp32 params and their fragments
+(``ParamStore``), one outer ``torch.optim`` optimizer per fragment, the
+running sums of open rounds, async contributions held below quorum, and the
+map from worker ids to transport peers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from diloco.core import (
+    AcceptContribution,
+    AcceptJoin,
+    ApplyRound,
+    ContributionSubmitted,
+    DeclareDead,
+    DiscardContribution,
+    HeartbeatSeen,
+    LeaveCause,
+    MinWorkersChanged,
+    Mode,
+    Phase,
+    PhaseChanged,
+    QuorumChanged,
+    Reject,
+    ReleaseOutcome,
+    ReleaseWorker,
+    RoundFSM,
+    ShutdownKind,
+    ShutdownRequested,
+    StopRun,
+    Ticked,
+    WorkerJoined,
+    WorkerLeft,
+)
+from diloco.coordinator.config import CoordinatorConfig
+from diloco.coordinator.outer import build_outer_optimizer
+from diloco.coordinator.params import ParamMismatch, ParamStore, check_tensors
+from diloco.transport.messages import (
+    PROTOCOL_VERSION,
+    Accepted,
+    AdminReply,
+    AdminRequest,
+    Command,
+    Error,
+    ErrorCode,
+    Heartbeat,
+    HeartbeatReply,
+    Join,
+    Leave,
+    Message,
+    Result,
+    Submit,
+    Tensors,
+    Welcome,
+)
+
+Outgoing = list[tuple[str, Message]]
+
+#: Observer hook: called as ``on_event(kind, now_s, info_dict)`` for applied rounds,
+#: quorum and phase changes, joins, deaths and the stop. The demo's timeline and
+#: the simulator's trace listen here; it must not raise.
+Observer = Callable[[str, float, dict], None]
+
+
+@dataclass
+class CoordinatorStats:
+    rounds_applied: int = 0
+    contributions_accepted: int = 0
+    bytes_received: int = 0
+    bytes_sent: int = 0
+    #: Total seconds spent below quorum after the run first formed.
+    paused_s: float = 0.0
+    paused_since_s: float | None = None
+    messages_refused: int = 0
+
+
+@dataclass
+class _Held:
+    """An async contribution's tensors, kept until it applies or is discarded."""
+
+    tensors: Tensors
+    base: int
+
+
+class Coordinator:
+    """Drives one run's ``RoundFSM``. See the module docstring and SPEC.md."""
+
+    def __init__(self, config: CoordinatorConfig, now_s: float = 0.0, *,
+                 fsm: RoundFSM | None = None, observer: Observer | None = None) -> None:
+        self.config = config
+        self.fsm = fsm if fsm is not None else RoundFSM(config.fsm, now_s)
+        self.store: ParamStore | None = None
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._peers: dict[str, str] = {}
+        self._held: dict[tuple[int, str], _Held] = {}
+        self._stop_kind: ShutdownKind | None = None
+        self.stats = CoordinatorStats()
+        self._observer = observer
+        self._sync = config.fsm.mode is Mode.SYNC
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop_kind is not None
+
+    @property
+    def stop_kind(self) -> ShutdownKind | None:
+        return self._stop_kind
+
+    def install_params(self, params: Tensors, optimizer_states: list[dict] | None = None) -> None:
+        """Set the global params (first joiner, or a checkpoint) and build the outer optimizers."""
+        self.store = ParamStore(params, self.config.fsm.num_fragments)
+        self._optimizers = []
+        for fid in range(self.config.fsm.num_fragments):
+            tensors = list(self.store.fragment_params(fid).values())
+            self._optimizers.append(build_outer_optimizer(tensors, self.config.outer, self.fsm.min_workers))
+        if optimizer_states is not None:
+            for opt, state in zip(self._optimizers, optimizer_states):
+                opt.load_state_dict(state)
+
+    def optimizer_states(self) -> list[dict]:
+        return [opt.state_dict() for opt in self._optimizers]
+
+    def peer_of(self, worker_id: str) -> str | None:
+        return self._peers.get(worker_id)
+
+    def status(self) -> dict:
+        """``diloco status --json``: the core's view plus the coordinator's counters."""
+        view = self.fsm.status().to_dict()
+        view.update(
+            rounds_applied=self.fsm.rounds_applied,
+            contributions_accepted=self.stats.contributions_accepted,
+            bytes_received=self.stats.bytes_received,
+            bytes_sent=self.stats.bytes_sent,
+            paused_s=self._paused_total(self.fsm.now_s),
+            messages_refused=self.stats.messages_refused,
+            stopped=self.stopped,
+            stop_kind=self._stop_kind.value if self._stop_kind else None,
+            num_params=sum(t.numel() for t in self.store.params.values()) if self.store else 0,
+            outer_optimizer=self.config.outer.name,
+        )
+        return view
+
+    # ----------------------------------------------------------------- inputs
+
+    def tick(self, now_s: float) -> Outgoing:
+        out: Outgoing = []
+        self._tick(now_s, out)
+        return out
+
+    def handle(self, peer: str, message: Message, now_s: float) -> Outgoing:
+        """Handle one decoded message from ``peer``; return what to send, in order."""
+        out: Outgoing = []
+        self._tick(now_s, out)
+        if isinstance(message, AdminRequest):
+            reply = self._admin(message, out)
+            out.append((peer, reply))
+            return out
+        if self.stopped:
+            self._answer_after_stop(peer, message, out)
+            return out
+        if isinstance(message, Heartbeat):
+            self._on_heartbeat(peer, message, out)
+        elif isinstance(message, Submit):
+            self._on_submit(peer, message, out)
+        elif isinstance(message, Join):
+            self._on_join(peer, message, out)
+        elif isinstance(message, Leave):
+            if self._peers.get(message.worker_id) == peer:
+                self._step(WorkerLeft(message.worker_id, LeaveCause.LEFT), out)
+        else:
+            self._refuse(peer, out, ErrorCode.BAD_MESSAGE,
+                         f"a coordinator does not accept {type(message).__name__} messages", message)
+        return out
+
+    def peer_lost(self, peer: str, now_s: float) -> Outgoing:
+        """The transport saw ``peer`` disconnect: report its worker gone (R7)."""
+        out: Outgoing = []
+        self._tick(now_s, out)
+        for wid, p in list(self._peers.items()):
+            if p == peer and not self.stopped and self.fsm.is_member(wid):
+                self._step(WorkerLeft(wid, LeaveCause.CRASHED), out)
+        return out
+
+    # --------------------------------------------------------------- handlers
+
+    def _tick(self, now_s: float, out: Outgoing) -> None:
+        if self.stopped or now_s <= self.fsm.now_s:
+            return
+        self._step(Ticked(now_s), out)
+
+    def _on_heartbeat(self, peer: str, msg: Heartbeat, out: Outgoing) -> None:
+        wid = msg.worker_id
+        command = Command.CONTINUE
+        if self._peers.get(wid) != peer or not self.fsm.is_member(wid):
+            command = Command.REJOIN
+        else:
+            self._step(HeartbeatSeen(wid), out)
+        out.append((peer, HeartbeatReply(self.fsm.below_min_workers, self.fsm.min_workers,
+                                         self.fsm.phase.value, command)))
+
+    def _on_join(self, peer: str, msg: Join, out: Outgoing) -> None:
+        if msg.protocol_version != PROTOCOL_VERSION:
+            self._refuse(peer, out, ErrorCode.PROTOCOL_VERSION,
+                         f"worker speaks protocol version {msg.protocol_version}; this coordinator speaks "
+                         f"version {PROTOCOL_VERSION}", msg)
+            return
+        if self.store is None:
+            try:
+                check_tensors(msg.params, msg.spec, "initial params of the first worker")
+            except ParamMismatch as exc:
+                self._refuse(peer, out, ErrorCode.BAD_MESSAGE, str(exc), msg)
+                return
+            if not msg.params:
+                self._refuse(peer, out, ErrorCode.BAD_MESSAGE,
+                             "the run has no params yet: the first worker must send its initial params", msg)
+                return
+        elif tuple(msg.spec) != self.store.spec:
+            self._refuse(peer, out, ErrorCode.MODEL_MISMATCH, _describe_mismatch(msg.spec, self.store.spec), msg)
+            return
+        wid = msg.worker_id
+        if isinstance(wid, str) and self.fsm.is_member(wid) and self._peers.get(wid) != peer:
+            # R6: a join for a live id from a new connection is that worker restarted.
+            self._step(WorkerLeft(wid, LeaveCause.CRASHED), out)
+            if self.stopped:
+                self._answer_after_stop(peer, msg, out)
+                return
+        self._step(WorkerJoined(wid), out, peer=peer, join=msg)
+
+    def _on_submit(self, peer: str, msg: Submit, out: Outgoing) -> None:
+        wid = msg.worker_id
+        if self._peers.get(wid) != peer or not self.fsm.is_member(wid):
+            self._refuse(peer, out, ErrorCode.UNKNOWN_WORKER,
+                         f"worker {wid!r} is not a live member on this connection (join first)", msg)
+            return
+        fid = msg.fragment_id
+        if self.store is not None and type(fid) is int and 0 <= fid < self.config.fsm.num_fragments:
+            try:
+                self.store.check_submission(fid, msg.tensors)
+            except ParamMismatch as exc:
+                self._refuse(peer, out, ErrorCode.TENSOR_MISMATCH, str(exc), msg)
+                return
+        self._step(ContributionSubmitted(wid, fid, msg.round_id), out, peer=peer, submit=msg)
+
+    def _admin(self, msg: AdminRequest, sink: Outgoing) -> AdminReply:
+        """Run an operator command; messages it causes for workers go to ``sink``."""
+        cmd, args = msg.command, msg.args if isinstance(msg.args, dict) else {}
+        if cmd == "status":
+            return AdminReply(True, self.status())
+        if self.stopped:
+            return AdminReply(False, self.status(), f"the run has stopped ({self._stop_kind.value})")
+        if cmd == "shutdown":
+            try:
+                kind = ShutdownKind(args.get("kind", "drain"))
+            except ValueError:
+                return AdminReply(False, {}, f"shutdown kind {args.get('kind')!r} is unknown: expected "
+                                             f"one of {[k.value for k in ShutdownKind]}")
+            effects = self._step(ShutdownRequested(kind), sink)
+        elif cmd == "set_min_workers":
+            effects = self._step(MinWorkersChanged(args.get("min_workers")), sink)
+        elif cmd == "kick":
+            wid = args.get("worker_id")
+            if not isinstance(wid, str) or not self.fsm.is_member(wid):
+                return AdminReply(False, {}, f"worker {wid!r} is not a live member")
+            effects = self._step(WorkerLeft(wid, LeaveCause.KICKED), sink)
+        else:
+            return AdminReply(False, {}, f"unknown admin command {cmd!r}: expected status, shutdown, "
+                                         f"set_min_workers or kick")
+        rejects = [e for e in effects if isinstance(e, Reject)]
+        if rejects:
+            return AdminReply(False, self.status(), rejects[0].detail)
+        return AdminReply(True, self.status())
+
+    def _answer_after_stop(self, peer: str, msg: Message, out: Outgoing) -> None:
+        if isinstance(msg, Heartbeat):
+            command = Command.SAVE_AND_STOP if self._stop_kind is ShutdownKind.SAVE_AND_STOP else Command.STOP
+            out.append((peer, HeartbeatReply(self.fsm.below_min_workers, self.fsm.min_workers,
+                                             Phase.STOPPED.value, command)))
+        elif not isinstance(msg, Leave):
+            self._refuse(peer, out, ErrorCode.STOPPED,
+                         f"the run has stopped ({self._stop_kind.value}); nothing more is accepted", msg)
+
+    def _refuse(self, peer: str, out: Outgoing, code: ErrorCode, detail: str, msg: Message) -> None:
+        self.stats.messages_refused += 1
+        out.append((peer, Error(code, detail, type(msg).__name__)))
+
+    # ---------------------------------------------------------------- effects
+
+    def _step(self, event, out: Outgoing, *, peer: str | None = None, join: Join | None = None,
+              submit: Submit | None = None) -> list:
+        effects = self.fsm.step(event)
+        now = self.fsm.now_s
+        for effect in effects:
+            kind = type(effect)
+            if kind is AcceptContribution:
+                self._accept(effect, submit, peer, out)
+            elif kind is ReleaseWorker:
+                self._release(effect, out)
+            elif kind is ApplyRound:
+                self._apply(effect, now)
+            elif kind is Reject:
+                target = peer if peer is not None else self._peers.get(effect.worker_id)
+                if target is not None:
+                    self._refuse(target, out, ErrorCode(effect.reason.value), effect.detail,
+                                 submit or join or event)
+            elif kind is AcceptJoin:
+                self._welcome(effect, peer, join, out, now)
+            elif kind is DeclareDead:
+                self._peers.pop(effect.worker_id, None)
+                self._notify("dead", now, worker_id=effect.worker_id, last_seen_s=effect.last_seen_s)
+            elif kind is DiscardContribution:
+                self._discard(effect)
+            elif kind is QuorumChanged:
+                self._quorum_changed(effect, now)
+            elif kind is PhaseChanged:
+                self._notify("phase", now, old=effect.old.value, new=effect.new.value)
+            elif kind is StopRun:
+                self._stop_kind = effect.kind
+                self._quorum_changed(None, now)
+                self._notify("stop", now, kind=effect.kind.value)
+        if type(event) is WorkerLeft:
+            self._peers.pop(event.worker_id, None)
+            self._notify("left", now, worker_id=event.worker_id, cause=event.cause.value)
+        return effects
+
+    def _welcome(self, effect: AcceptJoin, peer: str | None, join: Join | None, out: Outgoing, now: float) -> None:
+        assert peer is not None and join is not None
+        if self.store is None:
+            self.install_params(join.params)
+        self._peers[effect.worker_id] = peer
+        store = self.store
+        out.append((peer, Welcome(
+            worker_id=effect.worker_id,
+            round_ids=effect.round_ids,
+            parked=effect.parked,
+            mode=self.config.fsm.mode.value,
+            fragments=store.fragments,
+            min_workers=self.fsm.min_workers,
+            below_min_workers=self.fsm.below_min_workers,
+            heartbeat_interval_s=self.config.heartbeat_interval_s,
+            params=store.params,
+        )))
+        self.stats.bytes_sent += _nbytes(store.params)
+        self._notify("join", now, worker_id=effect.worker_id, parked=list(effect.parked))
+
+    def _accept(self, effect: AcceptContribution, submit: Submit | None, peer: str | None, out: Outgoing) -> None:
+        assert submit is not None and peer is not None and self.store is not None
+        self.stats.contributions_accepted += 1
+        self.stats.bytes_received += _nbytes(submit.tensors)
+        if self._sync:
+            self.store.accumulate(effect.fragment_id, submit.tensors)
+        else:
+            self._held[(effect.fragment_id, effect.worker_id)] = _Held(
+                {n: t.detach().to(torch.float32).clone() for n, t in submit.tensors.items()}, effect.round_id)
+        out.append((peer, Accepted(effect.fragment_id, effect.round_id)))
+
+    def _apply(self, effect: ApplyRound, now: float) -> None:
+        store = self.store
+        assert store is not None
+        fid = effect.fragment_id
+        if self._sync:
+            grad = store.take_mean(fid, len(effect.contributors))
+        else:
+            (wid,) = effect.contributors
+            grad = self._held.pop((fid, wid)).tensors
+        params = store.fragment_params(fid)
+        opt = self._optimizers[fid]
+        for name, p in params.items():
+            p.grad = grad[name]
+        opt.step()
+        for p in params.values():
+            p.grad = None
+        self.stats.rounds_applied += 1
+        self._notify("apply", now, fragment_id=fid, round_id=effect.round_id,
+                     contributors=list(effect.contributors))
+
+    def _release(self, effect: ReleaseWorker, out: Outgoing) -> None:
+        peer = self._peers.get(effect.worker_id)
+        if peer is None:
+            return
+        next_round = self.fsm.open_round_ids()[effect.fragment_id]
+        params: Tensors = {}
+        if effect.outcome is not ReleaseOutcome.STOP:
+            params = self.store.fragment_params(effect.fragment_id)
+            self.stats.bytes_sent += _nbytes(params)
+        out.append((peer, Result(effect.fragment_id, effect.round_id, effect.outcome.value, next_round, params)))
+
+    def _discard(self, effect: DiscardContribution) -> None:
+        if self._sync:
+            # Discards happen only at a stop (P1), which discards the whole round.
+            if self.store is not None:
+                self.store.reset_sum(effect.fragment_id)
+        else:
+            self._held.pop((effect.fragment_id, effect.worker_id), None)
+
+    def _quorum_changed(self, effect: QuorumChanged | None, now: float) -> None:
+        below = self.fsm.below_min_workers and not self.stopped
+        formed = self.fsm.phase is not Phase.FORMING
+        if below and formed and self.stats.paused_since_s is None:
+            self.stats.paused_since_s = now
+        elif (not below or self.stopped) and self.stats.paused_since_s is not None:
+            self.stats.paused_s += now - self.stats.paused_since_s
+            self.stats.paused_since_s = None
+        if effect is not None:
+            self._notify("quorum", now, below_min_workers=effect.below_min_workers,
+                         live_workers=effect.live_workers, min_workers=effect.min_workers, reason=effect.reason)
+
+    def _paused_total(self, now: float) -> float:
+        extra = now - self.stats.paused_since_s if self.stats.paused_since_s is not None else 0.0
+        return self.stats.paused_s + extra
+
+    def _notify(self, kind: str, now: float, **info) -> None:
+        if self._observer is not None:
+            self._observer(kind, now, info)
+
+
+def _nbytes(tensors: Tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _describe_mismatch(got, want) -> str:
+    got_by_name = {s.name: s for s in got}
+    for s in want:
+        g = got_by_name.get(s.name)
+        if g is None:
+            return f"the worker's model has no tensor {s.name!r} (the run's model has {len(want)} tensors)"
+        if tuple(g.shape) != tuple(s.shape) or g.dtype != s.dtype:
+            return (f"tensor {s.name!r}: the worker's model has shape {list(g.shape)} dtype {g.dtype}; "
+                    f"the run's has shape {list(s.shape)} dtype {s.dtype}")
+    extra = [s.name for s in got if s.name not in {w.name for w in want}]
+    if extra:
+        return f"the worker's model has tensors the run's model does not: {extra[:5]}"
+    return "the worker's model lists the run's tensors in a different order"
