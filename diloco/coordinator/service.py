@@ -424,9 +424,9 @@ class Coordinator:
         extra = now - self.stats.paused_since_s if self.stats.paused_since_s is not None else 0.0
         return self.stats.paused_s + extra
 
-    def _notify(self, kind: str, now: float, **info) -> None:
+    def _notify(self, what: str, now: float, **info) -> None:
         if self._observer is not None:
-            self._observer(kind, now, info)
+            self._observer(what, now, info)
 
 
 def _nbytes(tensors: Tensors) -> int:
