@@ -26,7 +26,9 @@ core's contract (effects, reason codes, O(1) timeouts, phases) costs on top.
 
 Each figure is the best (minimum) of several repetitions, with the garbage
 collector off during the timed loop (as ``timeit`` does); timings on a shared
-machine are noisy and the minimum is the least noisy estimate.
+machine are noisy and the minimum is the least noisy estimate. Repetitions
+are interleaved across sizes and between core and floor, so a burst of
+outside load does not skew one side of a ratio.
 
 Run it::
 
@@ -114,7 +116,10 @@ class Workload:
 
 
 def make_workload(n: int, n_events: int, seed: int) -> Workload:
-    """Generate a valid event list with a shadow model of the sync rules (SPEC.md R5, R7, R9, P1, P2)."""
+    """Generate a valid event list with a shadow model of the sync rules (SPEC.md R5, R7, R9, P1, P2).
+
+    Replacements always get fresh ids, so no join is ever a re-join of a live member (R6).
+    """
     rng = random.Random(f"bench_fsm:{seed}:{n}")
     min_workers = max(1, n // 2)
     # At most this many workers are dead and not yet replaced; never near quorum.
@@ -148,7 +153,10 @@ def make_workload(n: int, n_events: int, seed: int) -> Workload:
         if last != wid:
             member_list[i] = last
             member_pos[last] = i
-        contributed.pop(wid, None)  # P1: its contribution is discarded
+        # P1: its accepted contribution stays in the round, but it is no longer
+        # a live member, so it no longer counts toward completion: the shadow
+        # (and the floor) track *live* contributors only.
+        contributed.pop(wid, None)
 
     def new_id() -> str:
         nonlocal next_id
@@ -266,26 +274,23 @@ def validate(wl: Workload) -> dict[str, int]:
     return tally
 
 
-def time_core(wl: Workload, reps: int) -> float:
-    """Best-of-``reps`` seconds to step every timed event through a fresh steady-state machine."""
-    best = float("inf")
+def time_core_once(wl: Workload) -> float:
+    """Seconds to step every timed event through a fresh steady-state machine."""
+    fsm = fresh_machine(wl)
+    step = fsm.step
     events = wl.events
-    for _ in range(reps):
-        fsm = fresh_machine(wl)
-        step = fsm.step
-        gc.collect()
-        gc.disable()
-        try:
-            t0 = time.perf_counter()
-            for ev in events:
-                step(ev)
-            elapsed = time.perf_counter() - t0
-        finally:
-            gc.enable()
-        if fsm.rounds_applied != wl.rounds:
-            raise AssertionError("timed replay diverged from the validated one")
-        best = min(best, elapsed)
-    return best
+    gc.collect()
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        for ev in events:
+            step(ev)
+        elapsed = time.perf_counter() - t0
+    finally:
+        gc.enable()
+    if fsm.rounds_applied != wl.rounds:
+        raise AssertionError("timed replay diverged from the validated one")
+    return elapsed
 
 
 def floor_run(wl: Workload) -> tuple[float, int]:
@@ -330,19 +335,34 @@ def floor_run(wl: Workload) -> tuple[float, int]:
     return time.perf_counter() - t0, rounds
 
 
-def time_floor(wl: Workload, reps: int) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        gc.collect()
-        gc.disable()
-        try:
-            elapsed, rounds = floor_run(wl)
-        finally:
-            gc.enable()
-        if rounds != wl.rounds:
-            raise AssertionError(f"floor applied {rounds} rounds, expected {wl.rounds}")
-        best = min(best, elapsed)
-    return best
+def time_floor_once(wl: Workload) -> float:
+    gc.collect()
+    gc.disable()
+    try:
+        elapsed, rounds = floor_run(wl)
+    finally:
+        gc.enable()
+    if rounds != wl.rounds:
+        raise AssertionError(f"floor applied {rounds} rounds, expected {wl.rounds}")
+    return elapsed
+
+
+def measure(workloads: dict[int, Workload], reps: int) -> dict[int, tuple[float, float]]:
+    """Best (core s, floor s) per size.
+
+    The repetitions are interleaved -- every size and both loops in each
+    repetition, in alternating order -- so that a burst of load from
+    something else on the machine hits all the figures a ratio is made of,
+    and each minimum can come from a quiet moment.
+    """
+    best = {n: [float("inf"), float("inf")] for n in workloads}
+    sizes = list(workloads)
+    for rep in range(reps):
+        for n in (sizes if rep % 2 == 0 else sizes[::-1]):
+            wl = workloads[n]
+            best[n][0] = min(best[n][0], time_core_once(wl))
+            best[n][1] = min(best[n][1], time_floor_once(wl))
+    return {n: (c, f) for n, (c, f) in best.items()}
 
 
 def profile_core(wl: Workload, top: int = 15) -> str:
@@ -379,21 +399,21 @@ def main(argv: list[str] | None = None) -> int:
               f"{'core/floor':>10}")
     print(header)
     print("-" * len(header))
-    rows = {}
     workloads = {}
     for n in SIZES:
-        wl = make_workload(n, n_events, args.seed)
+        workloads[n] = wl = make_workload(n, n_events, args.seed)
         validate(wl)
-        core_s = time_core(wl, reps)
-        floor_s = time_floor(wl, reps)
+    timings = measure(workloads, reps)
+    rows = {}
+    for n in SIZES:
+        wl = workloads[n]
+        core_s, floor_s = timings[n]
         m = len(wl.events)
         c = wl.counts
         rows[n] = (m / core_s, core_s / m, m / floor_s, floor_s / m)
-        workloads[n] = wl
         print(f"{n:>8,} {m:>8,} {c['heartbeat']:>7,} {c['submit']:>7,} {c['tick']:>6,} {c['leave']:>6,} "
               f"{c['join']:>6,} {wl.rounds:>7,} {rows[n][0]:>11,.0f} {rows[n][1] * 1e9:>10.0f} "
               f"{rows[n][2]:>11,.0f} {rows[n][3] * 1e9:>11.0f} {core_s / floor_s:>10.2f}")
-        sys.stdout.flush()
 
     big, small = SIZES[-1], SIZES[0]
     eps_big = rows[big][0]
