@@ -1,0 +1,456 @@
+"""The wire codec shared by transports: a message <-> a list of frames. Never pickle.
+
+A message becomes one msgpack **header** frame followed by raw **tensor**
+frames (SPEC.md section 11)::
+
+    frame 0   msgpack {"v": PROTOCOL_VERSION, "type": "Submit", <fields>...,
+                       "tensors": [[field, name, dtype, shape, nframes], ...]}
+    frame 1.. the bytes of each tensor, in table order; a tensor larger than
+              ``chunk_bytes`` is split over several frames of ``chunk_bytes``
+              (the last one shorter)
+
+Why chunks: on this machine pyzmq moves 2-3 GB/s for 0.5-4 MB frames but only
+0.6-0.9 GB/s for 60 MB ones (DESIGN.md section 6), so a 40 MB tensor goes as
+ten 4 MB frames.
+
+Encoding is zero-copy: each frame is a ``memoryview`` of the contiguous
+tensor's bytes (``tensor_bytes`` may substitute a snapshot; the ZeroMQ
+transport does, so a tensor changed after ``send`` cannot tear a message
+still queued). Decoding is zero-copy for a tensor that arrives in one frame
+(``torch.frombuffer`` on the received buffer, which the tensor keeps alive);
+a chunked tensor is assembled with one copy.
+
+Decoding trusts nothing: the header must be a msgpack map with a known
+``type``; every field must be present with the right type, and no other; the
+tensor table must name a tensor field of that type, an allowed dtype and a
+sane shape, and the frames must match it exactly, byte for byte; the whole
+message must fit ``max_message_bytes``. Anything else raises
+``CodecError(code, detail)`` whose detail names the field, the value and what
+was expected. A header whose ``"v"`` is not ours is refused with
+``ErrorCode.PROTOCOL_VERSION`` before any other field is read, naming both
+versions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Iterable, Sequence
+
+import msgpack
+import torch
+
+from diloco.transport.messages import (
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    Command,
+    Error,
+    ErrorCode,
+    Message,
+    TensorSpec,
+)
+
+#: Tensors larger than this travel as several frames of this size (DESIGN.md section 6).
+CHUNK_BYTES = 4 << 20
+#: Default limit on a whole message (header + tensor frames).
+MAX_MESSAGE_BYTES = 1 << 30
+#: Limit on the header frame (it holds names and shapes, never tensor data).
+MAX_HEADER_BYTES = 16 << 20
+#: Most dimensions a tensor may have, and the largest single dimension.
+MAX_NDIM = 32
+MAX_DIM = 1 << 40
+#: Most tensors in one message.
+MAX_TENSORS = 1 << 20
+#: Longest string field (worker ids, names, details) the decoder accepts.
+MAX_STR_LEN = 1 << 16
+
+#: dtypes allowed on the wire (name on the wire -> torch dtype).
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+    "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
+    "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+}
+_ITEMSIZE = {name: torch.empty((), dtype=dt).element_size() for name, dt in DTYPES.items()}
+
+_RESERVED = ("v", "type", "tensors")
+
+
+class CodecError(ValueError):
+    """Frames that are not a valid message. ``code`` is the ``ErrorCode`` to answer with."""
+
+    def __init__(self, code: ErrorCode, detail: str, *, in_reply_to: str = "") -> None:
+        super().__init__(f"{code.value}: {detail}")
+        self.code = code
+        self.detail = detail
+        #: The message type named by the header, when it could be read (for the Error reply).
+        self.in_reply_to = in_reply_to
+
+
+# ------------------------------------------------------------------ field schemas
+#
+# One checker per field kind: takes the decoded msgpack value and returns the
+# Python value for the dataclass, or raises _FieldError(what was expected).
+
+class _FieldError(Exception):
+    pass
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise _FieldError("a string")
+    if len(v) > MAX_STR_LEN:
+        raise _FieldError(f"a string of at most {MAX_STR_LEN} characters")
+    return v
+
+
+def _int(v: Any) -> int:
+    if not _is_int(v):
+        raise _FieldError("an integer")
+    return v
+
+
+def _bool(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise _FieldError("a boolean")
+    return v
+
+
+def _float(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise _FieldError("a finite number")
+    return float(v)
+
+
+def _int_tuple(v: Any) -> tuple[int, ...]:
+    if not isinstance(v, list) or not all(_is_int(x) for x in v):
+        raise _FieldError("a list of integers")
+    return tuple(v)
+
+
+def _pair_tuple(v: Any) -> tuple[tuple[int, int], ...]:
+    if not isinstance(v, list) or not all(
+            isinstance(p, list) and len(p) == 2 and _is_int(p[0]) and _is_int(p[1]) for p in v):
+        raise _FieldError("a list of [fragment_id, round_id] integer pairs")
+    return tuple((p[0], p[1]) for p in v)
+
+
+def _names_tuple(v: Any) -> tuple[tuple[str, ...], ...]:
+    if not isinstance(v, list) or not all(
+            isinstance(g, list) and all(isinstance(n, str) for n in g) for g in v):
+        raise _FieldError("a list of lists of tensor names (strings)")
+    return tuple(tuple(g) for g in v)
+
+
+def _spec(v: Any) -> tuple[TensorSpec, ...]:
+    expected = "a list of [name, shape, dtype] entries (string, list of integers >= 0, string)"
+    if not isinstance(v, list):
+        raise _FieldError(expected)
+    out = []
+    for entry in v:
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
+                and isinstance(entry[1], list) and all(_is_int(d) and d >= 0 for d in entry[1])
+                and isinstance(entry[2], str)):
+            raise _FieldError(expected)
+        out.append(TensorSpec(entry[0], tuple(entry[1]), entry[2]))
+    return tuple(out)
+
+
+def _enum(enum_type: type) -> Callable[[Any], Any]:
+    values = [m.value for m in enum_type]
+
+    def check(v: Any):
+        try:
+            return enum_type(v)
+        except ValueError:
+            raise _FieldError(f"one of {values}") from None
+    return check
+
+
+def _plain(v: Any, depth: int = 0) -> Any:
+    """Admin arguments and replies: nil, bool, int, float, str, lists and str-keyed maps only."""
+    if depth > 32:
+        raise _FieldError("plain data nested at most 32 deep")
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, list):
+        return [_plain(x, depth + 1) for x in v]
+    if isinstance(v, dict):
+        if not all(isinstance(k, str) for k in v):
+            raise _FieldError("a map with string keys")
+        return {k: _plain(x, depth + 1) for k, x in v.items()}
+    raise _FieldError(f"plain msgpack data (nil, bool, int, float, str, list, map), not {type(v).__name__}")
+
+
+def _plain_map(v: Any) -> dict:
+    if not isinstance(v, dict):
+        raise _FieldError("a map with string keys")
+    return _plain(v)
+
+
+_TENSOR_FIELD = object()
+
+#: Per message type: field name -> checker (or _TENSOR_FIELD). SPEC.md section 11 lists the same.
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "Join": {"worker_id": _str, "protocol_version": _int, "spec": _spec, "params": _TENSOR_FIELD},
+    "Heartbeat": {"worker_id": _str},
+    "Submit": {"worker_id": _str, "fragment_id": _int, "round_id": _int, "tensors": _TENSOR_FIELD},
+    "Leave": {"worker_id": _str},
+    "Welcome": {"worker_id": _str, "round_ids": _int_tuple, "parked": _pair_tuple, "mode": _str,
+                "fragments": _names_tuple, "min_workers": _int, "below_min_workers": _bool,
+                "heartbeat_interval_s": _float, "params": _TENSOR_FIELD},
+    "HeartbeatReply": {"below_min_workers": _bool, "min_workers": _int, "phase": _str,
+                       "command": _enum(Command)},
+    "Accepted": {"fragment_id": _int, "round_id": _int},
+    "Result": {"fragment_id": _int, "round_id": _int, "outcome": _str, "next_round_id": _int,
+               "params": _TENSOR_FIELD},
+    "Error": {"code": _enum(ErrorCode), "detail": _str, "in_reply_to": _str},
+    "AdminRequest": {"command": _str, "args": _plain_map},
+    "AdminReply": {"ok": _bool, "data": _plain_map, "error": _str},
+}
+_CLASSES: dict[str, type] = {cls.__name__: cls for cls in MESSAGE_TYPES}
+assert set(SCHEMAS) == set(_CLASSES), "every message type needs a wire schema"
+for _name, _cls in _CLASSES.items():
+    assert [f.name for f in dataclasses.fields(_cls)] == list(SCHEMAS[_name]), _name
+
+
+# ------------------------------------------------------------------ encode
+
+def _wire_value(v: Any) -> Any:
+    if isinstance(v, (Command, ErrorCode)):
+        return v.value
+    if isinstance(v, TensorSpec):
+        return [v.name, list(v.shape), v.dtype]
+    if isinstance(v, tuple):
+        return [_wire_value(x) for x in v]
+    return v
+
+
+def tensor_view(t: torch.Tensor) -> memoryview:
+    """The bytes of ``t`` as a flat memoryview, without a copy when ``t`` is a contiguous CPU tensor."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).numpy())
+
+
+def encode(message: Message, *, chunk_bytes: int = CHUNK_BYTES,
+           tensor_bytes: Callable[[torch.Tensor], memoryview] = tensor_view) -> list:
+    """``message`` as frames: a msgpack header (bytes), then memoryviews of tensor bytes.
+
+    The frames alias the tensors' memory (unless ``tensor_bytes`` snapshots
+    them): do not change a tensor until the frames are sent.
+    """
+    name = type(message).__name__
+    schema = SCHEMAS.get(name)
+    if schema is None:
+        raise TypeError(f"cannot encode {name}: not a diloco message type")
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes={chunk_bytes!r}: expected an integer >= 1")
+    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": name}
+    table: list[list] = []
+    frames: list = [b""]
+    for fname, kind in schema.items():
+        value = getattr(message, fname)
+        if kind is not _TENSOR_FIELD:
+            header[fname] = _wire_value(value)
+            continue
+        for tname, t in value.items():
+            dtype = str(t.dtype).removeprefix("torch.")
+            if dtype not in DTYPES:
+                raise TypeError(f"{name}.{fname}[{tname!r}]: dtype {dtype} cannot be sent; "
+                                f"allowed: {sorted(DTYPES)}")
+            view = tensor_view(t) if tensor_bytes is tensor_view else tensor_bytes(t)
+            n = len(view)
+            parts = [view[i:i + chunk_bytes] for i in range(0, n, chunk_bytes)]
+            table.append([fname, tname, dtype, list(t.shape), len(parts)])
+            frames.extend(parts)
+    header["tensors"] = table
+    frames[0] = msgpack.packb(header, use_bin_type=True)
+    return frames
+
+
+# ------------------------------------------------------------------ decode
+
+def _nbytes(frame: Any) -> int:
+    if isinstance(frame, (bytes, bytearray)):
+        return len(frame)
+    if isinstance(frame, memoryview):
+        return frame.nbytes
+    buf = getattr(frame, "buffer", None)  # zmq.Frame
+    if buf is not None:
+        return buf.nbytes
+    return memoryview(frame).nbytes
+
+
+def _buffer(frame: Any) -> memoryview:
+    buf = getattr(frame, "buffer", None)  # zmq.Frame received with copy=False
+    if buf is not None:
+        return buf.cast("B") if buf.format != "B" else buf
+    mv = memoryview(frame)
+    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack extension type {code} is not allowed")
+
+
+def _short(v: Any, limit: int = 60) -> str:
+    r = repr(v)
+    return r if len(r) <= limit else r[:limit] + "..."
+
+
+def peek_version(frames: Sequence[Any]) -> int | None:
+    """The header's ``"v"`` if frame 0 is a msgpack map that has an integer one, else None."""
+    try:
+        header = msgpack.unpackb(_buffer(frames[0]), raw=False, ext_hook=_reject_ext)
+        v = header.get("v") if isinstance(header, dict) else None
+        return v if _is_int(v) else None
+    except Exception:
+        return None
+
+
+def decode(frames: Sequence[Any], *, max_message_bytes: int = MAX_MESSAGE_BYTES) -> Message:
+    """Frames (bytes, memoryviews or ``zmq.Frame``) -> a message. Raises ``CodecError``."""
+    bad = ErrorCode.BAD_MESSAGE
+    if not frames:
+        raise CodecError(bad, "empty message: expected a msgpack header frame")
+    sizes = [_nbytes(f) for f in frames]
+    total = sum(sizes)
+    if total > max_message_bytes:
+        raise CodecError(ErrorCode.TOO_LARGE, f"message is {total} bytes in {len(frames)} frames; "
+                                              f"the limit is max_message_bytes={max_message_bytes}")
+    if sizes[0] > MAX_HEADER_BYTES:
+        raise CodecError(ErrorCode.TOO_LARGE, f"header frame is {sizes[0]} bytes; the limit is {MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(_buffer(frames[0]), raw=False, strict_map_key=True,
+                                 ext_hook=_reject_ext)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise CodecError(bad, f"frame 0 is not a valid msgpack header ({type(exc).__name__}: "
+                              f"{_short(str(exc), 120)})") from None
+    if not isinstance(header, dict):
+        raise CodecError(bad, f"header is a msgpack {type(header).__name__}, expected a map")
+    v = header.get("v")
+    mtype = header.get("type")
+    reply_to = mtype if isinstance(mtype, str) and mtype in SCHEMAS else ""
+    if not _is_int(v):
+        raise CodecError(bad, f"header field 'v' is {_short(v)}, expected the protocol version "
+                              f"(an integer; this side speaks {PROTOCOL_VERSION})", in_reply_to=reply_to)
+    if v != PROTOCOL_VERSION:
+        raise CodecError(ErrorCode.PROTOCOL_VERSION,
+                         f"peer speaks protocol version {v}; this side speaks protocol version {PROTOCOL_VERSION}",
+                         in_reply_to=reply_to)
+    if not isinstance(mtype, str) or mtype not in SCHEMAS:
+        raise CodecError(bad, f"header field 'type' is {_short(mtype)}, expected one of {list(SCHEMAS)}")
+    schema = SCHEMAS[mtype]
+
+    def fail(detail: str, code: ErrorCode = bad) -> CodecError:
+        return CodecError(code, f"{mtype}: {detail}", in_reply_to=mtype)
+
+    extra = [k for k in header if k not in schema and k not in _RESERVED]
+    if extra:
+        raise fail(f"unknown field {_short(extra[0])}; {mtype} has fields {list(schema)}")
+    values: dict[str, Any] = {}
+    tensor_fields = []
+    for fname, check in schema.items():
+        if check is _TENSOR_FIELD:
+            if fname in header and fname != "tensors":  # Submit.tensors: the table's own key
+                raise fail(f"field {fname!r} carries tensors and belongs in the 'tensors' table, not the header")
+            values[fname] = {}
+            tensor_fields.append(fname)
+            continue
+        if fname not in header:
+            raise fail(f"field {fname!r} is missing")
+        try:
+            values[fname] = check(header[fname])
+        except _FieldError as exc:
+            raise fail(f"field {fname!r} is {_short(header[fname])}, expected {exc}") from None
+
+    table = header.get("tensors", [])
+    if not isinstance(table, list):
+        raise fail(f"field 'tensors' is {_short(table)}, expected a list of [field, name, dtype, shape, nframes]")
+    if len(table) > MAX_TENSORS:
+        raise fail(f"{len(table)} tensors; the limit is {MAX_TENSORS}", ErrorCode.TOO_LARGE)
+    if table and not tensor_fields:
+        raise fail("carries a tensor table but has no tensor fields")
+    frame_i = 1
+    declared = 0
+    for i, entry in enumerate(table):
+        where = f"tensors[{i}]"
+        if not (isinstance(entry, list) and len(entry) == 5):
+            raise fail(f"{where} is {_short(entry)}, expected [field, name, dtype, shape, nframes]")
+        fname, tname, dtype, shape, nframes = entry
+        if fname not in tensor_fields:
+            raise fail(f"{where} field is {_short(fname)}, expected one of {tensor_fields}")
+        if not isinstance(tname, str) or len(tname) > MAX_STR_LEN:
+            raise fail(f"{where} name is {_short(tname)}, expected a string")
+        if tname in values[fname]:
+            raise fail(f"{where} repeats tensor {tname!r} of field {fname!r}")
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise fail(f"{where} ({tname!r}) dtype is {_short(dtype)}, expected one of {sorted(DTYPES)}")
+        if not (isinstance(shape, list) and len(shape) <= MAX_NDIM
+                and all(_is_int(d) and 0 <= d <= MAX_DIM for d in shape)):
+            raise fail(f"{where} ({tname!r}) shape is {_short(shape)}, expected a list of at most {MAX_NDIM} "
+                       f"integers in [0, {MAX_DIM}]")
+        if not _is_int(nframes) or nframes < 0:
+            raise fail(f"{where} ({tname!r}) nframes is {_short(nframes)}, expected an integer >= 0")
+        nbytes = math.prod(shape) * _ITEMSIZE[dtype]
+        declared += nbytes
+        if declared > max_message_bytes:
+            raise fail(f"the tensor table declares more than max_message_bytes={max_message_bytes} bytes "
+                       f"(at {where}, {tname!r})", ErrorCode.TOO_LARGE)
+        if (nbytes == 0) != (nframes == 0):
+            raise fail(f"{where} ({tname!r}) is {nbytes} bytes in {nframes} frames")
+        if frame_i + nframes > len(frames):
+            raise fail(f"{where} ({tname!r}) needs frames {frame_i}..{frame_i + nframes - 1} but the message has "
+                       f"only {len(frames)} frames")
+        got = sum(sizes[frame_i:frame_i + nframes])
+        if got != nbytes:
+            raise fail(f"{where} ({tname!r}, {dtype}{shape}) needs {nbytes} bytes; frames "
+                       f"{frame_i}..{frame_i + nframes - 1} hold {got}")
+        values[fname][tname] = _tensor(frames[frame_i:frame_i + nframes], DTYPES[dtype], shape, nbytes)
+        frame_i += nframes
+    if frame_i != len(frames):
+        raise fail(f"the tensor table accounts for {frame_i - 1} tensor frames but {len(frames) - 1} followed the "
+                   f"header")
+    return _CLASSES[mtype](**values)
+
+
+def _tensor(parts: Sequence[Any], dtype: torch.dtype, shape: list[int], nbytes: int) -> torch.Tensor:
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    if len(parts) == 1:
+        t = torch.frombuffer(_buffer(parts[0]), dtype=dtype)
+        if t.data_ptr() % t.element_size():
+            t = t.clone()  # a misaligned receive buffer: copy rather than hand out unaligned memory
+        return t.reshape(shape)
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    pos = 0
+    for part in parts:
+        buf = _buffer(part)
+        n = buf.nbytes
+        if n:
+            out[pos:pos + n].copy_(torch.frombuffer(buf, dtype=torch.uint8))
+        pos += n
+    return out.view(dtype).reshape(shape)
+
+
+def error_for(exc: CodecError) -> Error:
+    """The ``Error`` reply to frames that failed to decode."""
+    return Error(exc.code, exc.detail, exc.in_reply_to)
+
+
+def message_nbytes(frames: Iterable[Any]) -> int:
+    return sum(_nbytes(f) for f in frames)
+
+
+__all__ = [
+    "CHUNK_BYTES", "MAX_MESSAGE_BYTES", "MAX_HEADER_BYTES", "DTYPES", "SCHEMAS", "CodecError",
+    "encode", "decode", "error_for", "peek_version", "tensor_view", "message_nbytes",
+]
