@@ -248,7 +248,8 @@ class RoundFSM:
     def _on_heartbeat(self, event: HeartbeatSeen, effects: list[Effect]) -> None:
         wid = event.worker_id
         members = self._members
-        if wid in members:
+        # R3: ids are untrusted; a non-string (maybe unhashable) id is unknown, not a TypeError.
+        if isinstance(wid, str) and wid in members:
             # R9: move to the back of the last-seen order; O(1).
             members[wid] = self._now_s
             members.move_to_end(wid)
@@ -325,7 +326,8 @@ class RoundFSM:
 
     def _on_leave(self, event: WorkerLeft, effects: list[Effect]) -> None:
         wid = event.worker_id
-        if wid not in self._members:
+        # R3: a non-string (maybe unhashable) id is unknown, not a TypeError.
+        if not isinstance(wid, str) or wid not in self._members:
             effects.append(_unknown_worker(wid))
             return
         self._remove_member(wid)
@@ -334,7 +336,8 @@ class RoundFSM:
     def _on_submit_sync(self, event: ContributionSubmitted, effects: list[Effect]) -> None:
         wid = event.worker_id
         members = self._members
-        if wid not in members:
+        # R3: a non-string (maybe unhashable) id is unknown, not a TypeError.
+        if not isinstance(wid, str) or wid not in members:
             effects.append(_unknown_worker(wid))
             return
         fid, rid = event.fragment_id, event.round_id
@@ -362,7 +365,8 @@ class RoundFSM:
     def _on_submit_async(self, event: ContributionSubmitted, effects: list[Effect]) -> None:
         wid = event.worker_id
         members = self._members
-        if wid not in members:
+        # R3: a non-string (maybe unhashable) id is unknown, not a TypeError.
+        if not isinstance(wid, str) or wid not in members:
             effects.append(_unknown_worker(wid))
             return
         fid, base = event.fragment_id, event.round_id
