@@ -266,11 +266,13 @@ class RoundFSM:
             )
         self._now_s = float(now)
         members = self._members
-        deadline = self._now_s - self._timeout_s
+        now, timeout = self._now_s, self._timeout_s
         dead: list[str] = []
         # Members are ordered oldest-seen first, so expired ones are a prefix.
+        # R9 says ``now_s - last_seen > heartbeat_timeout_s``; compute exactly that
+        # (``last < now - timeout`` disagrees in the last bit, e.g. 0.7 vs 1.0 - 0.3).
         for wid, last in members.items():
-            if last >= deadline:
+            if not now - last > timeout:
                 break
             dead.append(wid)
         if not dead:

@@ -118,3 +118,28 @@ def test_unhashable_worker_id_is_rejected_not_a_type_error(event, mode):
     assert effects == [Reject("", RejectReason.UNKNOWN_WORKER, effects[0].detail)]
     assert "['A']" in effects[0].detail or "{'id': 'A'}" in effects[0].detail
     assert run.fsm.snapshot() == before
+
+
+@pytest.mark.parametrize("last_s, now_s, timeout_s, dies", [
+    # 1.0 - 0.7 == 0.30000000000000004 > 0.3, but 0.7 < 1.0 - 0.3 is False.
+    (0.7, 1.0, 0.3, True),
+    # 11.8 - 1.8 == 10.0, not > 10.0, but 1.8 < 11.8 - 10.0 is True.
+    (1.8, 11.8, 10.0, False),
+])
+def test_heartbeat_deadline_is_exactly_now_minus_last_greater_than_timeout(last_s, now_s, timeout_s, dies):
+    """Found by test_reference_model (shrunk): ``tick 0.7 / join A / tick 1.0`` with timeout 0.3.
+
+    R9 defines death as ``now_s - last_seen > heartbeat_timeout_s``. The core
+    computed ``last_seen < now_s - heartbeat_timeout_s``, which in floating
+    point disagrees with the rule at the boundary, in both directions.
+    """
+    run = Run(heartbeat_timeout_s=timeout_s)
+    run.tick(last_s)
+    run.join("A")
+    effects = run.tick(now_s)
+    assert (now_s - last_s > timeout_s) is dies
+    if dies:
+        assert effects[0] == DeclareDead("A", last_s)
+        assert not run.fsm.is_member("A")
+    else:
+        assert effects == [] and run.fsm.is_member("A")

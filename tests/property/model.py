@@ -247,8 +247,9 @@ class Tracker:
             self._touch(event.worker_id)
         elif isinstance(event, Ticked):
             self.now_s = float(event.now_s)
-            deadline = self.now_s - self.config.heartbeat_timeout_s
-            expected_dead = [w for w, last in self.live.items() if last < deadline]
+            # R9, as written: silent for more than the timeout.
+            timeout = self.config.heartbeat_timeout_s
+            expected_dead = [w for w, last in self.live.items() if self.now_s - last > timeout]
 
         seen_dead: list[str] = []
         joins = accepts = qcs = 0
