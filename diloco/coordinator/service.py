@@ -111,6 +111,9 @@ class Coordinator:
         self.stats = CoordinatorStats()
         self._observer = observer
         self._sync = config.fsm.mode is Mode.SYNC
+        #: fragment -> (next round id / version, params right after its last ApplyRound in
+        #: this step). Results carry these copies, never the live tensors (see ``_release``).
+        self._released: dict[int, tuple[int, Tensors]] = {}
 
     # ------------------------------------------------------------------ state
 
@@ -336,6 +339,7 @@ class Coordinator:
         if type(event) is WorkerLeft:
             self._peers.pop(event.worker_id, None)
             self._notify("left", now, worker_id=event.worker_id, cause=event.cause.value)
+        self._released.clear()
         return effects
 
     def _welcome(self, effect: AcceptJoin, peer: str | None, join: Join | None, out: Outgoing, now: float) -> None:
@@ -353,7 +357,9 @@ class Coordinator:
             min_workers=self.fsm.min_workers,
             below_min_workers=self.fsm.below_min_workers,
             heartbeat_interval_s=self.config.heartbeat_interval_s,
-            params=store.params,
+            # A copy: the message must keep the values of *now* however long the driver
+            # holds it (the store's tensors change in place at every outer step).
+            params={n: t.clone() for n, t in store.params.items()},
         )))
         self.stats.bytes_sent += _nbytes(store.params)
         self._notify("join", now, worker_id=effect.worker_id, parked=list(effect.parked))
@@ -385,6 +391,10 @@ class Coordinator:
         opt.step()
         for p in params.values():
             p.grad = None
+        # Snapshot for the Results of this apply (SPEC.md section 5, rule 1: they follow
+        # it). One copy shared by all its contributors; a later apply of the same fragment
+        # in the same step (async, held contributions) takes a new one.
+        self._released[fid] = (effect.round_id + 1, {n: p.detach().clone() for n, p in params.items()})
         self.stats.rounds_applied += 1
         self._notify("apply", now, fragment_id=fid, round_id=effect.round_id,
                      contributors=list(effect.contributors))
@@ -393,10 +403,15 @@ class Coordinator:
         peer = self._peers.get(effect.worker_id)
         if peer is None:
             return
-        next_round = self.fsm.open_round_ids()[effect.fragment_id]
         params: Tensors = {}
-        if effect.outcome is not ReleaseOutcome.STOP:
-            params = self.store.fragment_params(effect.fragment_id)
+        if effect.outcome is ReleaseOutcome.STOP:
+            next_round = self.fsm.open_round_ids()[effect.fragment_id]
+        else:
+            # The values right after the ApplyRound that released this worker, not the live
+            # tensors: a driver may hold the message while later steps apply more rounds
+            # (the simulator delays delivery), and in async mode several held contributions
+            # apply in one step, each releasing its worker at its own version.
+            next_round, params = self._released[effect.fragment_id]
             self.stats.bytes_sent += _nbytes(params)
         out.append((peer, Result(effect.fragment_id, effect.round_id, effect.outcome.value, next_round, params)))
 

@@ -1,0 +1,31 @@
+"""Fixtures for tests/training (the harness itself is ``training_harness.py``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def no_thread_leaks():
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + 10.0
+    while True:
+        extra = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+        if not extra or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    assert not extra, f"threads left running: {[t.name for t in extra]}"
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    # Several worker threads share 2 cores: intra-op threads would only oversubscribe them.
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

@@ -1,0 +1,77 @@
+"""Regression: the messages ``Coordinator.handle`` returns are values, not views.
+
+The coordinator is sans-IO: whoever drives it may hold the returned messages
+for a while before sending them (the simulator delays delivery). Welcome and
+Result params used to be the store's live tensors, which every later outer
+step changes in place, so a delayed message carried params it was never sent
+with; and in async mode a step that applies several held contributions gave
+each released worker the params after *all* of them, paired with a
+``next_round_id`` that did not match its own apply.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diloco.core import FSMConfig, Mode
+from diloco.coordinator import Coordinator, CoordinatorConfig, OuterConfig
+from diloco.transport.messages import (
+    PROTOCOL_VERSION,
+    AdminRequest,
+    Join,
+    Result,
+    Submit,
+    Welcome,
+    spec_of,
+)
+
+P0 = {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([0.5])}
+
+
+def grad(v: float) -> dict[str, torch.Tensor]:
+    return {n: torch.full_like(t, v) for n, t in P0.items()}
+
+
+def make(mode: Mode, min_workers: int) -> Coordinator:
+    return Coordinator(CoordinatorConfig(FSMConfig(min_workers=min_workers, mode=mode),
+                                         outer=OuterConfig("sgd", 1.0, 0.0)))
+
+
+def only(out, kind):
+    return [(peer, m) for peer, m in out if isinstance(m, kind)]
+
+
+def test_sync_result_keeps_its_values_after_later_rounds():
+    c = make(Mode.SYNC, 1)
+    c.handle("a", Join("a", PROTOCOL_VERSION, spec_of(P0), P0), 0.0)
+    (_, first), = only(c.handle("a", Submit("a", 0, 0, grad(0.5)), 0.0), Result)
+    kept = {n: t.clone() for n, t in first.params.items()}
+    c.handle("a", Submit("a", 0, 1, grad(0.25)), 0.0)   # the driver has not sent `first` yet
+    for n in P0:
+        assert torch.equal(first.params[n], kept[n]), "a held Result changed under the driver"
+    assert torch.equal(kept["w"], torch.tensor([0.5, 1.5]))
+
+
+def test_welcome_keeps_its_values_after_later_rounds():
+    c = make(Mode.SYNC, 1)
+    (_, welcome), = only(c.handle("a", Join("a", PROTOCOL_VERSION, spec_of(P0), P0), 0.0), Welcome)
+    c.handle("a", Submit("a", 0, 0, grad(0.5)), 0.0)
+    assert torch.equal(welcome.params["w"], P0["w"])
+
+
+def test_async_held_contributions_release_each_worker_at_its_own_version():
+    c = make(Mode.ASYNC, 2)
+    c.handle("a", Join("a", PROTOCOL_VERSION, spec_of(P0), P0), 0.0)
+    c.handle("b", Join("b", PROTOCOL_VERSION, spec_of(P0), P0), 0.0)
+    # Below quorum: both contributions are held (SPEC.md P3) ...
+    c.handle("admin", AdminRequest("set_min_workers", {"min_workers": 3}), 0.0)
+    assert not only(c.handle("a", Submit("a", 0, 0, grad(0.5)), 0.0), Result)
+    assert not only(c.handle("b", Submit("b", 0, 0, grad(0.25)), 0.0), Result)
+    # ... and apply one by one, in arrival order, when the quorum returns.
+    out = c.handle("admin", AdminRequest("set_min_workers", {"min_workers": 2}), 0.0)
+    res = dict(only(out, Result))
+    assert (res["a"].next_round_id, res["b"].next_round_id) == (1, 2)
+    # Outer SGD lr 1: version 1 = P0 - 0.5, version 2 = P0 - 0.75.
+    assert torch.equal(res["a"].params["w"], P0["w"] - 0.5)
+    assert torch.equal(res["b"].params["w"], P0["w"] - 0.75)
+    assert torch.equal(c.store.params["w"], P0["w"] - 0.75)
