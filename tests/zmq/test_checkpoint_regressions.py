@@ -1,0 +1,41 @@
+"""Regressions found while running deployments for real (not ZeroMQ-specific).
+
+0-dim tensors (an optimizer's step count: AdamW's ``step``, DelayedNesterov's
+``step``) could not be written by ``diloco.tensorfile``: ``view(torch.uint8)``
+refuses a 0-dim tensor whose element is wider than a byte. A worker's
+save-and-stop (AdamW state) and an async coordinator's checkpoint (Delayed
+Nesterov state) both failed with a RuntimeError.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diloco.coordinator import Coordinator, CoordinatorConfig
+from diloco.coordinator.checkpoint import load_coordinator, save_coordinator
+from diloco.core import FSMConfig, Mode
+from diloco.tensorfile import load_tensorfile, save_tensorfile
+from diloco.transport.messages import PROTOCOL_VERSION, Join, Submit, spec_of
+
+
+def test_tensorfile_round_trips_zero_dim_tensors(tmp_path):
+    tensors = {"f": torch.tensor(3.5), "i": torch.tensor(7, dtype=torch.int64), "b": torch.tensor(True),
+               "h": torch.tensor(1.5, dtype=torch.bfloat16), "v": torch.arange(4.0)}
+    save_tensorfile(tmp_path / "x.ckpt", {"k": 1}, tensors)
+    meta, back = load_tensorfile(tmp_path / "x.ckpt")
+    assert meta == {"k": 1}
+    for name, t in tensors.items():
+        assert back[name].shape == t.shape and back[name].dtype == t.dtype and torch.equal(back[name], t)
+
+
+def test_async_coordinator_checkpoint_with_delayed_nesterov_state(tmp_path):
+    config = CoordinatorConfig(fsm=FSMConfig(min_workers=1, mode=Mode.ASYNC))
+    c = Coordinator(config)
+    params = {"w": torch.zeros(3)}
+    c.handle("p", Join("w1", PROTOCOL_VERSION, spec_of(params), params), 1.0)
+    c.handle("p", Submit("w1", 0, 0, {"w": torch.ones(3)}), 2.0)
+    assert c.fsm.rounds_applied == 1
+    save_coordinator(c, tmp_path)
+    back = load_coordinator(tmp_path, 10.0)
+    assert torch.equal(back.store.params["w"], c.store.params["w"])
+    assert back.fsm.rounds_applied == 1
