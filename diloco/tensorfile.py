@@ -55,7 +55,8 @@ def save_tensorfile(path: str | os.PathLike, meta: dict, tensors: dict[str, torc
         t = t.detach().contiguous().cpu()
         if dtype_name(t.dtype) not in _DTYPES:
             raise CheckpointError(f"tensor {name!r} has unsupported dtype {t.dtype}")
-        data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        # reshape(-1): a 0-dim tensor (an optimizer's step count) cannot be viewed as bytes directly
+        data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
         entries.append([name, dtype_name(t.dtype), list(t.shape), offset, len(data)])
         chunks.append(data)
         digest.update(data)
