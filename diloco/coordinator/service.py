@@ -308,6 +308,10 @@ class Coordinator:
               submit: Submit | None = None) -> list:
         effects = self.fsm.step(event)
         now = self.fsm.now_s
+        if type(event) is WorkerLeft and not (effects and type(effects[0]) is Reject):
+            # Observers hear of the leave before what it caused (quorum and phase changes,
+            # an apply, a stop), as they hear of a DeclareDead: in effect order (SPEC.md 5.3).
+            self._notify("left", now, worker_id=event.worker_id, cause=event.cause.value)
         for effect in effects:
             kind = type(effect)
             if kind is AcceptContribution:
@@ -338,7 +342,6 @@ class Coordinator:
                 self._notify("stop", now, kind=effect.kind.value)
         if type(event) is WorkerLeft:
             self._peers.pop(event.worker_id, None)
-            self._notify("left", now, worker_id=event.worker_id, cause=event.cause.value)
         self._released.clear()
         return effects
 
