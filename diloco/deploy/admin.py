@@ -1,0 +1,82 @@
+"""The operator's side: ``status``, ``shutdown``, ``set-min-workers`` and ``kick`` over ZeroMQ.
+
+Each command is one ``AdminRequest`` from a short-lived DEALER to the
+coordinator's ROUTER (the same address the workers use), answered by one
+``AdminReply``. Nothing waits longer than ``timeout_s``: a coordinator that
+does not answer is reported unreachable (exit code 3), never a hang.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+from diloco.transport.messages import AdminReply, AdminRequest
+from diloco.transport.zmq import CoordinatorUnreachable, admin_request
+
+__all__ = ["request", "render_status", "CoordinatorUnreachable"]
+
+
+def request(address: str, command: str, args: dict[str, Any] | None = None, *, timeout_s: float = 5.0) -> AdminReply:
+    """One admin round trip. Raises ``CoordinatorUnreachable`` after ``timeout_s``."""
+    return admin_request(address, AdminRequest(command, dict(args or {})), timeout_s=timeout_s)
+
+
+def _age(seconds: float) -> str:
+    return f"{seconds:.1f} s"
+
+
+def render_status(status: dict, address: str = "", *, width: int = 100) -> str:
+    """A readable page of ``status`` (the coordinator's status dict), as plain text via rich."""
+    from rich.console import Console
+    from rich.table import Table
+
+    buf = io.StringIO()
+    console = Console(file=buf, width=width, color_system=None, force_terminal=False, highlight=False)
+    below = status.get("below_min_workers")
+    live = len(status.get("members", []))
+    stopped = f" ({status.get('stop_kind')})" if status.get("stopped") else ""
+    console.print(f"coordinator {address}  phase [b]{status.get('phase', '?').upper()}[/b]{stopped}  "
+                  f"mode {status.get('mode', '?')}  rounds applied {status.get('rounds_applied', 0)}")
+    gate = "BELOW min_workers: nothing applies" if below else "quorum met"
+    console.print(f"quorum: {live} live / min_workers {status.get('min_workers')}: {gate}")
+    console.print(f"  reason: {status.get('quorum_reason', '')}")
+    paused = status.get("paused_s") or 0.0
+    console.print(f"  paused {paused:.1f} s in total; {status.get('contributions_accepted', 0)} contributions "
+                  f"accepted; {status.get('num_params', 0)} params; outer {status.get('outer_optimizer', '?')}")
+
+    members = Table(title="members", title_justify="left", show_edge=False)
+    members.add_column("worker")
+    members.add_column("last heartbeat", justify="right")
+    parked = set(status.get("parked_workers", []))
+    members.add_column("state")
+    awaited = {w for f in status.get("fragments", []) for w in f.get("awaited", [])}
+    for m in status.get("members", []):
+        wid = m.get("worker_id")
+        state = "parked at barrier" if wid in parked else ("training" if wid in awaited else "")
+        members.add_row(str(wid), _age(m.get("age_s", 0.0)) + " ago", state)
+    if not status.get("members"):
+        members.add_row("(none)", "", "")
+    console.print(members)
+
+    frags = Table(title="open rounds", title_justify="left", show_edge=False)
+    for col in ("fragment", "round", "contributed (parked)", "awaited", "held (async)"):
+        frags.add_column(col)
+    for f in status.get("fragments", []):
+        frags.add_row(str(f.get("fragment_id")), str(f.get("round_id")),
+                      ", ".join(f.get("contributed", [])) or "-", ", ".join(f.get("awaited", [])) or "-",
+                      ", ".join(f.get("held", [])) or "-")
+    console.print(frags)
+    gone_parked = [w for w in status.get("parked_workers", []) if w not in {m.get("worker_id") for m in
+                                                                          status.get("members", [])}]
+    if parked:
+        console.print(f"parked workers: {', '.join(status.get('parked_workers', []))}"
+                      + (f" (departed, contribution kept: {', '.join(gone_parked)})" if gone_parked else ""))
+    t = status.get("transport")
+    if t:
+        console.print(f"transport: {t.get('messages_in', 0)} messages in, {t.get('messages_out', 0)} out; "
+                      f"malformed {t.get('malformed_total', 0)} {t.get('malformed') or ''}; "
+                      f"refused {status.get('messages_refused', 0)}; dropped {t.get('dropped_queue_full', 0)} "
+                      f"(queue full) + {t.get('dropped_unroutable', 0)} (peer gone); "
+                      f"handshake failures {t.get('handshake_failures', 0)}")
+    return buf.getvalue().rstrip() + "\n"

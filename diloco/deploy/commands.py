@@ -1,0 +1,279 @@
+"""CLI commands for ZeroMQ deployments: server, worker, status, shutdown, set-min-workers, kick.
+
+Exit codes follow ``diloco.cli``: 0 ok; 1 the command ran and the
+coordinator refused it (or a worker failed); 2 bad usage or input; 3 the
+coordinator did not answer within ``--timeout``; 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from diloco.cli import EXIT_OK, EXIT_PROBLEM, EXIT_UNREACHABLE, EXIT_USAGE, UsageError
+
+DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} is not >= 1")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"{v} is not a finite number > 0")
+    return v
+
+
+def _add_connect(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--connect", default=DEFAULT_ADDRESS, metavar="ADDR",
+                   help=f"the coordinator's address, as given to `diloco server --bind` (default {DEFAULT_ADDRESS})")
+    p.add_argument("--timeout", type=_positive_float, default=5.0, metavar="S",
+                   help="give up after S seconds without an answer: exit code 3 (default 5)")
+
+
+def register(subparsers) -> None:
+    fmt = argparse.RawDescriptionHelpFormatter
+
+    # ------------------------------------------------------------- server
+    p = subparsers.add_parser(
+        "server", formatter_class=fmt,
+        help="run the coordinator: workers connect to it over ZeroMQ",
+        description="Run the coordinator of one DiLoCo run on a ZeroMQ ROUTER socket.\n\n"
+                    "Workers (`diloco worker --connect ADDR`) join it; it averages their pseudo-gradients\n"
+                    "and applies an outer step per round, but never with fewer than --min-workers\n"
+                    "contributors: below that the run pauses until a replacement joins or the quorum is\n"
+                    "lowered (`diloco set-min-workers`). A worker silent for --heartbeat-timeout seconds\n"
+                    "is declared dead. Prints one line per join, death, quorum change and applied round.\n"
+                    "`diloco shutdown --save` writes DIR/coordinator.ckpt before any worker is told to\n"
+                    "stop; `diloco server --resume DIR` continues that run (workers re-join).",
+        epilog="example:\n  diloco server --bind tcp://127.0.0.1:5555 --min-workers 3 --heartbeat-timeout 5 "
+               "--checkpoint-dir ckpt/server")
+    p.add_argument("--bind", default=DEFAULT_ADDRESS, metavar="tcp://HOST:PORT",
+                   help=f"address to listen on; port 0 picks a free port (printed) (default {DEFAULT_ADDRESS})")
+    p.add_argument("--min-workers", type=_positive_int, default=None, metavar="N",
+                   help="the quorum: no outer step with fewer contributors (default 1; on --resume: the saved value)")
+    p.add_argument("--heartbeat-timeout", type=_positive_float, default=None, metavar="S",
+                   help="seconds of silence after which a worker is declared dead; workers heartbeat every S/4 "
+                        "(default 30)")
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="where save-and-stop writes coordinator.ckpt (without it, `shutdown --save` saves nothing)")
+    p.add_argument("--mode", choices=("sync", "async"), default=None,
+                   help="sync: rounds with a barrier (DiLoCo); async: one outer step per contribution "
+                        "(Async Local-SGD) (default sync)")
+    p.add_argument("--fragments", type=_positive_int, default=None, metavar="F",
+                   help="Streaming DiLoCo: split the params into F fragments that sync separately (default 1)")
+    p.add_argument("--outer-optimizer", choices=("nesterov", "sgd", "adam", "delayed_nesterov"), default=None,
+                   help="outer optimizer (default nesterov; delayed_nesterov in async mode)")
+    p.add_argument("--outer-lr", type=_positive_float, default=None, metavar="X", help="outer learning rate (default 0.7)")
+    p.add_argument("--outer-momentum", type=float, default=None, metavar="X", help="outer momentum (default 0.9)")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue the run saved in DIR/coordinator.ckpt (same params, optimizer state and round "
+                        "counters); options given here override the saved ones (not --mode or --fragments)")
+    p.add_argument("--max-message-mb", type=_positive_float, default=None, metavar="MB",
+                   help="largest message accepted, in MiB (default 1024)")
+    p.set_defaults(handler=cmd_server)
+
+    # ------------------------------------------------------------- worker
+    p = subparsers.add_parser(
+        "worker", formatter_class=fmt,
+        help="train as one worker of a run (the built-in demo model, or yours via --entry)",
+        description="Train as one worker: join the coordinator at --connect, run H inner steps, send the\n"
+                    "pseudo-gradient, wait for the round, continue from the new global params; repeat\n"
+                    "until the coordinator stops the run. While the run is below quorum the worker idles\n"
+                    "at its sync point and stays stoppable. After a coordinator restart it re-joins.\n\n"
+                    "Without --entry it trains the built-in char transformer on the Python standard\n"
+                    "library's own source text (tiny settings: a round takes a few seconds on 2 cores).\n"
+                    "With --entry module:function it calls your function, which returns a\n"
+                    "diloco.worker.TrainingSetup(model, optimizer, batches, loss_fn); the function may take\n"
+                    "a `worker_id` keyword argument (to pick a data shard).",
+        epilog="example:\n  diloco worker --connect tcp://127.0.0.1:5555 --id w1 --checkpoint-dir ckpt/w1\n"
+               "  diloco worker --connect tcp://10.0.0.5:5555 --entry mytrain:make_setup --sync-every 100")
+    p.add_argument("--connect", default=DEFAULT_ADDRESS, metavar="ADDR",
+                   help=f"the coordinator's address (default {DEFAULT_ADDRESS})")
+    p.add_argument("--id", dest="worker_id", default=None, metavar="NAME",
+                   help="this worker's id, unique in the run (default: HOSTNAME-PID)")
+    p.add_argument("--entry", default=None, metavar="module:function",
+                   help="your training setup; default: the built-in demo (diloco.deploy.default_entry:make_setup)")
+    p.add_argument("--sync-every", type=_positive_int, default=None, metavar="H",
+                   help="inner steps per outer round (default 10 for the built-in demo, else 100)")
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="the worker's own checkpoint (its inner optimizer state and place in the run), written "
+                        "on save-and-stop and read when it starts again")
+    p.add_argument("--max-steps", type=_positive_int, default=None, metavar="N",
+                   help="stop (leave the run) after N inner steps (default: train until the coordinator stops)")
+    p.add_argument("--join-timeout", type=_positive_float, default=30.0, metavar="S",
+                   help="give up when the coordinator has not answered the join after S seconds: exit 3 (default 30)")
+    p.add_argument("--threads", type=_positive_int, default=1, metavar="N",
+                   help="torch CPU threads for this worker (default 1)")
+    p.set_defaults(handler=cmd_worker)
+
+    # ------------------------------------------------------------- status
+    p = subparsers.add_parser(
+        "status", formatter_class=fmt,
+        help="show the run: phase, quorum and why, members with heartbeat ages, open rounds",
+        description="Ask the coordinator for its status and print it: the phase (forming, running, paused,\n"
+                    "draining, stopped), the quorum (live workers vs min_workers) and the reason for the\n"
+                    "decision, every member with the age of its last heartbeat, each open round with who\n"
+                    "contributed (parked at the barrier) and who is still awaited, and rounds applied.\n"
+                    "--json prints the coordinator's status dict (keys include phase, below_min_workers,\n"
+                    "min_workers, members, fragments, parked_workers, rounds_applied, quorum_reason,\n"
+                    "transport).")
+    _add_connect(p)
+    p.add_argument("--json", action="store_true", help="print the raw status as one JSON object")
+    p.add_argument("--watch", action="store_true",
+                   help="refresh every --interval seconds until Ctrl-C (keeps retrying while unreachable)")
+    p.add_argument("--interval", type=_positive_float, default=1.0, metavar="S", help="--watch refresh period (default 1)")
+    p.set_defaults(handler=cmd_status)
+
+    # ------------------------------------------------------------- shutdown
+    p = subparsers.add_parser(
+        "shutdown", formatter_class=fmt,
+        help="end the run: drain (default), --save (checkpoint then stop) or --abort",
+        description="End the run. Every worker, including those parked at the barrier, is told to stop and\n"
+                    "exits 0.\n"
+                    "  (default) drain: the round in flight applies, then the run stops; below quorum it\n"
+                    "            stops at once (a paused run must always be stoppable).\n"
+                    "  --save    stop now and write the coordinator's checkpoint (params, outer optimizer,\n"
+                    "            round counters) before telling any worker; workers save their own state.\n"
+                    "            Resume with `diloco server --resume DIR`.\n"
+                    "  --abort   stop now; nothing is saved.")
+    _add_connect(p)
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument("--drain", dest="kind", action="store_const", const="drain", help="finish the round in flight (default)")
+    kind.add_argument("--save", dest="kind", action="store_const", const="save_and_stop", help="checkpoint, then stop")
+    kind.add_argument("--abort", dest="kind", action="store_const", const="abort", help="stop now, save nothing")
+    p.set_defaults(handler=cmd_shutdown, kind="drain")
+
+    # ------------------------------------------------------------- set-min-workers
+    p = subparsers.add_parser(
+        "set-min-workers", formatter_class=fmt,
+        help="change the quorum at run time (lowering it can release a paused round)",
+        description="Set min_workers, the quorum, while the run is going. Lowering it re-checks every\n"
+                    "parked round and applies those that are complete (a paused run resumes); raising it\n"
+                    "may pause the run.")
+    p.add_argument("min_workers", type=_positive_int, metavar="N")
+    _add_connect(p)
+    p.set_defaults(handler=cmd_set_min_workers)
+
+    # ------------------------------------------------------------- kick
+    p = subparsers.add_parser(
+        "kick", formatter_class=fmt,
+        help="remove a worker from the run",
+        description="Remove a member now (as if it had died). Its contribution to the open round, if any,\n"
+                    "still counts (SPEC.md P1); the quorum is re-checked. The worker is answered `rejoin` on\n"
+                    "its next heartbeat and joins again unless you stop it.")
+    p.add_argument("worker_id", metavar="WORKER")
+    _add_connect(p)
+    p.set_defaults(handler=cmd_kick)
+
+
+# ------------------------------------------------------------------ handlers
+
+def cmd_server(args) -> int:
+    from diloco.deploy.server import ServerError, ServerSettings, run_server
+
+    settings = ServerSettings(
+        bind=args.bind, min_workers=args.min_workers, heartbeat_timeout_s=args.heartbeat_timeout,
+        checkpoint_dir=args.checkpoint_dir, mode=args.mode, fragments=args.fragments,
+        outer_optimizer=args.outer_optimizer, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+        resume=args.resume,
+        max_message_bytes=None if args.max_message_mb is None else int(args.max_message_mb * (1 << 20)),
+    )
+    try:
+        run_server(settings)
+    except ServerError as exc:
+        raise UsageError(str(exc)) from None
+    return EXIT_OK
+
+
+def cmd_worker(args) -> int:
+    from diloco.deploy.worker_main import run_worker_command
+
+    return run_worker_command(args)
+
+
+def _unreachable(args, exc: Exception) -> int:
+    print(f"diloco {args.command}: error: coordinator unreachable: {exc}", file=sys.stderr)
+    return EXIT_UNREACHABLE
+
+
+def _admin(args, command: str, payload: dict | None = None):
+    from diloco.deploy.admin import request
+    from diloco.transport.base import TransportError
+
+    if not args.connect.startswith(("tcp://", "ipc://")):
+        raise UsageError(f"--connect {args.connect!r}: expected tcp://HOST:PORT (or ipc://PATH)")
+    try:
+        return request(args.connect, command, payload, timeout_s=args.timeout), None
+    except TransportError as exc:
+        return None, exc
+
+
+def cmd_status(args) -> int:
+    from diloco.deploy.admin import render_status
+
+    if not args.watch:
+        reply, err = _admin(args, "status")
+        if err is not None:
+            return _unreachable(args, err)
+        if args.json:
+            print(json.dumps(reply.data, indent=2, sort_keys=True))
+        else:
+            print(render_status(reply.data, args.connect), end="")
+        return EXIT_OK
+    try:
+        while True:
+            reply, err = _admin(args, "status")
+            if args.json:
+                print(json.dumps(reply.data if err is None else {"error": str(err)}, sort_keys=True), flush=True)
+            else:
+                page = (render_status(reply.data, args.connect) if err is None
+                        else f"coordinator unreachable: {err} (retrying)\n")
+                print(f"\x1b[2J\x1b[H{time.strftime('%H:%M:%S')}\n{page}" if sys.stdout.isatty()
+                      else f"--- {time.strftime('%H:%M:%S')}\n{page}", end="", flush=True)
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
+def _report(args, reply, err, ok_text: str) -> int:
+    if err is not None:
+        return _unreachable(args, err)
+    if not reply.ok:
+        print(f"diloco {args.command}: refused: {reply.error}", file=sys.stderr)
+        return EXIT_PROBLEM
+    d = reply.data
+    print(f"{ok_text}: phase {d.get('phase')}, {len(d.get('members', []))} live, min_workers "
+          f"{d.get('min_workers')}, rounds applied {d.get('rounds_applied')}")
+    return EXIT_OK
+
+
+def cmd_shutdown(args) -> int:
+    reply, err = _admin(args, "shutdown", {"kind": args.kind})
+    return _report(args, reply, err, f"shutdown ({args.kind}) accepted")
+
+
+def cmd_set_min_workers(args) -> int:
+    reply, err = _admin(args, "set_min_workers", {"min_workers": args.min_workers})
+    return _report(args, reply, err, f"min_workers set to {args.min_workers}")
+
+
+def cmd_kick(args) -> int:
+    reply, err = _admin(args, "kick", {"worker_id": args.worker_id})
+    return _report(args, reply, err, f"kicked {args.worker_id}")
+
+
+__all__ = ["register", "EXIT_USAGE"]

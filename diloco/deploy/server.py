@@ -1,0 +1,221 @@
+"""``diloco server``: the coordinator as a process, on a ZeroMQ ROUTER.
+
+It wires three existing parts together: ``ZmqCoordinatorEndpoint`` (bytes),
+``Coordinator`` (the sans-IO service around ``RoundFSM``) and
+``coordinator.runner.serve`` (the real-time loop that writes the checkpoint
+on save-and-stop *before* telling anyone to stop, SPEC.md section 5). What it
+adds: a line on stdout per join, death, leave, quorum change, phase change,
+applied round and stop; the transport's counters in every status reply; a
+resume from a checkpoint; a clean exit on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TextIO
+
+from diloco.coordinator import Coordinator, CoordinatorConfig, OuterConfig
+from diloco.coordinator.checkpoint import FILENAME, restore_coordinator
+from diloco.coordinator.runner import serve
+from diloco.core import ConfigError, Mode
+from diloco.tensorfile import CheckpointError, load_tensorfile
+from diloco.transport.messages import AdminReply, Message
+from diloco.transport.zmq import ZmqCoordinatorEndpoint, ZmqOptions
+
+
+class ServerError(Exception):
+    """The server cannot start (bad settings, unusable address, unreadable checkpoint)."""
+
+
+@dataclasses.dataclass
+class ServerSettings:
+    bind: str = "tcp://127.0.0.1:5555"
+    min_workers: int | None = None
+    heartbeat_timeout_s: float | None = None
+    checkpoint_dir: str | None = None
+    mode: str | None = None
+    fragments: int | None = None
+    outer_optimizer: str | None = None
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
+    resume: str | None = None
+    max_message_bytes: int | None = None
+    #: Seconds to keep answering after the run stops, so every worker hears it (default: 3 heartbeats).
+    linger_s: float | None = None
+
+
+class EventPrinter:
+    """The coordinator's observer: one readable line per event worth a line."""
+
+    def __init__(self, out: TextIO = sys.stdout) -> None:
+        self.out = out
+        self.coordinator: Coordinator | None = None
+
+    def _live(self) -> str:
+        c = self.coordinator
+        if c is None:
+            return ""
+        return f"{c.fsm.live_workers} live, min {c.fsm.min_workers}"
+
+    def __call__(self, kind: str, now_s: float, info: dict) -> None:
+        if kind == "join":
+            parked = f", parked on {info['parked']}" if info.get("parked") else ""
+            line = f"join     {info['worker_id']} ({self._live()}){parked}"
+        elif kind == "apply":
+            who = ", ".join(info["contributors"])
+            line = (f"applied  fragment {info['fragment_id']} round {info['round_id']} "
+                    f"from {len(info['contributors'])} contributors [{who}]")
+        elif kind == "quorum":
+            state = "BELOW" if info["below_min_workers"] else "ok"
+            line = f"quorum   {state}: {info['live_workers']} live, min {info['min_workers']} ({info['reason']})"
+        elif kind == "dead":
+            line = f"dead     {info['worker_id']} (silent for {now_s - info['last_seen_s']:.1f} s) ({self._live()})"
+        elif kind == "left":
+            line = f"left     {info['worker_id']} ({info['cause']}) ({self._live()})"
+        elif kind == "phase":
+            line = f"phase    {info['old']} -> {info['new']}"
+        elif kind == "stop":
+            line = f"stopped  {info['kind']}"
+        else:
+            line = f"{kind:8} {info}"
+        print(f"{time.strftime('%H:%M:%S')} {line}", file=self.out, flush=True)
+
+
+class _StatusEndpoint:
+    """Adds the transport's counters (malformed input, drops, traffic) to every status reply."""
+
+    def __init__(self, inner: ZmqCoordinatorEndpoint) -> None:
+        self.inner = inner
+
+    def recv(self, timeout_s: float):
+        return self.inner.recv(timeout_s)
+
+    def send(self, peer: str, message: Message) -> None:
+        if isinstance(message, AdminReply) and "phase" in message.data:
+            message = dataclasses.replace(message, data={**message.data, "transport": self.inner.stats()})
+        self.inner.send(peer, message)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def build_config(s: ServerSettings, base: CoordinatorConfig | None = None) -> CoordinatorConfig:
+    """Settings -> config; on resume, ``base`` is the saved config and only given settings override it."""
+    base = base or CoordinatorConfig()
+    fsm = base.fsm
+    changes = {}
+    for field, value in (("min_workers", s.min_workers), ("heartbeat_timeout_s", s.heartbeat_timeout_s),
+                         ("mode", s.mode), ("num_fragments", s.fragments)):
+        if value is not None:
+            changes[field] = value
+    outer = base.outer
+    outer_changes = {k: v for k, v in (("name", s.outer_optimizer), ("lr", s.outer_lr),
+                                        ("momentum", s.outer_momentum)) if v is not None}
+    try:
+        if changes:
+            fsm = dataclasses.replace(fsm, **changes)
+        if outer_changes:
+            outer = dataclasses.replace(outer, **outer_changes)
+        hb_interval = base.heartbeat_interval_s if s.heartbeat_timeout_s is None else 0.0
+        if fsm.mode is Mode.SYNC and outer.name == "delayed_nesterov" and "name" not in outer_changes:
+            outer = dataclasses.replace(outer, name="nesterov")
+        return CoordinatorConfig(fsm=fsm, outer=outer, heartbeat_interval_s=hb_interval)
+    except (ConfigError, ValueError) as exc:
+        raise ServerError(str(exc)) from None
+
+
+def make_coordinator(s: ServerSettings, printer: EventPrinter, now_s: float) -> Coordinator:
+    if s.resume is None:
+        coordinator = Coordinator(build_config(s), now_s, observer=printer)
+    else:
+        path = Path(s.resume)
+        if path.is_dir():
+            path = path / FILENAME
+        try:
+            meta, tensors = load_tensorfile(path)
+            saved = CoordinatorConfig.from_dict(meta["config"])
+        except CheckpointError as exc:
+            raise ServerError(f"cannot resume: {exc}") from None
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ServerError(f"cannot resume: {path}: the checkpoint's config is invalid ({exc})") from None
+        config = build_config(s, saved)
+        try:
+            coordinator = restore_coordinator(meta, tensors, now_s, observer=printer, config=config)
+        except CheckpointError as exc:
+            raise ServerError(f"cannot resume: {path}: {exc}") from None
+    printer.coordinator = coordinator
+    return coordinator
+
+
+def warm_up(config: CoordinatorConfig) -> None:
+    """Build and step a throwaway outer optimizer once.
+
+    The first ``torch.optim`` optimizer a process builds imports ``torch._dynamo``,
+    which takes seconds (4-8 s on a loaded 2-core machine). Done lazily, that
+    stall would fall inside the first worker's join, and the next tick would find
+    that worker silent for those seconds (and possibly declare it dead). So the
+    server pays it before it starts listening.
+    """
+    import torch
+
+    from diloco.coordinator.outer import build_outer_optimizer
+
+    p = torch.zeros(1)
+    opt = build_outer_optimizer([p], config.outer, 1)
+    p.grad = torch.zeros(1)
+    opt.step()
+
+
+def run_server(s: ServerSettings, out: TextIO = sys.stdout, stop_event: threading.Event | None = None) -> Coordinator:
+    """Serve one run until it stops (or ``stop_event``/SIGTERM). Raises ``ServerError`` on bad settings."""
+    if not s.bind.startswith(("tcp://", "ipc://")):
+        raise ServerError(f"--bind {s.bind!r}: expected tcp://HOST:PORT (or ipc://PATH)")
+    printer = EventPrinter(out)
+    coordinator = make_coordinator(s, printer, time.monotonic())
+    warm_up(coordinator.config)
+    options = ZmqOptions() if s.max_message_bytes is None else ZmqOptions(max_message_bytes=s.max_message_bytes)
+    try:
+        endpoint = ZmqCoordinatorEndpoint(s.bind, options=options)
+    except Exception as exc:
+        raise ServerError(str(exc)) from None
+    cfg = coordinator.config
+    print(f"diloco server listening on {endpoint.address}", file=out, flush=True)
+    print(f"  mode {cfg.fsm.mode.value}, {cfg.fsm.num_fragments} fragment(s), min_workers {coordinator.fsm.min_workers}, "
+          f"heartbeat timeout {cfg.fsm.heartbeat_timeout_s:g} s (workers beat every {cfg.heartbeat_interval_s:g} s), "
+          f"outer {cfg.outer.name} lr {cfg.outer.lr:g} momentum {cfg.outer.momentum:g}", file=out, flush=True)
+    if s.resume is not None:
+        print(f"  resumed from {s.resume}: open rounds {list(coordinator.fsm.open_round_ids())}, "
+              f"rounds applied {coordinator.fsm.rounds_applied}, "
+              f"{sum(t.numel() for t in coordinator.store.params.values())} params", file=out, flush=True)
+    if s.checkpoint_dir:
+        print(f"  checkpoint on save-and-stop: {os.path.join(s.checkpoint_dir, FILENAME)}", file=out, flush=True)
+    stop_event = stop_event or threading.Event()
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, lambda *_: stop_event.set())
+    try:
+        serve(_StatusEndpoint(endpoint), coordinator, checkpoint_dir=s.checkpoint_dir, stop_event=stop_event,
+              linger_s=s.linger_s)
+    finally:
+        endpoint.close()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    if coordinator.stopped:
+        kind = coordinator.stop_kind.value
+        extra = ""
+        if kind == "save_and_stop" and s.checkpoint_dir and coordinator.store is not None:
+            extra = f"; checkpoint {os.path.join(s.checkpoint_dir, FILENAME)}"
+        print(f"run ended ({kind}) after {coordinator.fsm.rounds_applied} applied rounds{extra}", file=out, flush=True)
+    else:
+        print(f"server stopped by signal after {coordinator.fsm.rounds_applied} applied rounds (nothing saved)",
+              file=out, flush=True)
+    return coordinator
+
+
+__all__ = ["ServerSettings", "ServerError", "EventPrinter", "run_server", "build_config", "warm_up"]

@@ -1,0 +1,176 @@
+"""``diloco worker``: one worker process, from a training setup to a finished run.
+
+Loads the setup (``--entry module:function`` or the built-in demo), connects
+a ``ZmqWorkerEndpoint`` to the coordinator, wraps model and optimizer in a
+``DilocoWorker`` and runs ``run_training`` until the coordinator stops the
+run (or ``--max-steps``). Prints a line per round synced and per state worth
+knowing (joining, paused, stopped). Exit codes: 0 stopped cleanly (told to
+stop, drained, saved, or reached ``--max-steps``); 1 the run refused this
+worker or training failed; 2 bad ``--entry``; 3 the coordinator did not
+answer the join; 130 Ctrl-C. SIGTERM asks the worker to stop (saving its
+checkpoint if it has a ``--checkpoint-dir``) and exits 0.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from diloco.cli import EXIT_OK, EXIT_PROBLEM, EXIT_UNREACHABLE, UsageError
+
+DEFAULT_ENTRY = "diloco.deploy.default_entry:make_setup"
+
+
+def load_entry(spec: str) -> Callable[..., Any]:
+    """``module:function`` or ``path/to/file.py:function`` -> the function. Raises ``UsageError``."""
+    module_name, sep, func_name = spec.rpartition(":")
+    if not sep or not module_name or not func_name:
+        raise UsageError(f"--entry {spec!r}: expected module:function (or path/to/file.py:function)")
+    try:
+        if module_name.endswith(".py") or os.sep in module_name:
+            path = Path(module_name)
+            if not path.is_file():
+                raise UsageError(f"--entry {spec!r}: no such file {path}")
+            mod_spec = importlib.util.spec_from_file_location(f"diloco_entry_{path.stem}", path)
+            module = importlib.util.module_from_spec(mod_spec)
+            mod_spec.loader.exec_module(module)
+        else:
+            if "" not in sys.path and os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())  # like `python -m`: your module in the current directory
+            module = importlib.import_module(module_name)
+    except UsageError:
+        raise
+    except Exception as exc:
+        raise UsageError(f"--entry {spec!r}: cannot import {module_name!r}: {type(exc).__name__}: {exc}") from None
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise UsageError(f"--entry {spec!r}: {module_name!r} has no function {func_name!r}")
+    return func
+
+
+def call_entry(func: Callable[..., Any], worker_id: str):
+    """Call the entry with ``worker_id=`` if it takes one; check it returned a ``TrainingSetup``."""
+    from diloco.worker import TrainingSetup
+
+    try:
+        params = inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        params = {}
+    takes_id = "worker_id" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    setup = func(worker_id=worker_id) if takes_id else func()
+    if not isinstance(setup, TrainingSetup):
+        raise UsageError(f"the entry function returned {type(setup).__name__}; expected diloco.worker.TrainingSetup")
+    return setup
+
+
+class _Printer:
+    """Worker progress on stdout: joins, pauses, rounds synced (with the last loss), the stop."""
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self.worker = None
+        self.last_loss = math.nan
+        self._last_state = None
+        self._rounds_printed = 0
+
+    def line(self, text: str) -> None:
+        print(f"{time.strftime('%H:%M:%S')} {self.worker_id} {text}", flush=True)
+
+    def loss_fn(self, inner: Callable):
+        def wrapped(model, batch):
+            loss = inner(model, batch)
+            try:
+                self.last_loss = float(loss.detach())
+            except Exception:  # a loss that is not a scalar tensor: just do not print it
+                pass
+            return loss
+        return wrapped
+
+    def attach(self, worker) -> None:
+        self.worker = worker
+        self._rounds_printed = worker.rounds_synced
+
+    def on_state(self, worker_id: str, state: str, t: float) -> None:
+        w = self.worker
+        prev, self._last_state = self._last_state, state
+        if w is not None and w.rounds_synced > self._rounds_printed:
+            self._rounds_printed = w.rounds_synced
+            loss = "-" if math.isnan(self.last_loss) else f"{self.last_loss:.3f}"
+            self.line(f"synced: next round {list(w.round_ids)}, inner step {w.inner_step}, loss {loss}")
+        if w is None or state == prev:
+            return
+        if state == "joining":
+            self.line("joining" if prev is None else "joining again")
+        elif state == "paused":
+            self.line(f"paused: the run is below quorum (min_workers {w.min_workers}); waiting at the sync point")
+        elif prev == "paused" and state in ("syncing", "training"):
+            self.line("resumed: quorum is back")
+        elif state == "stopped":
+            self.line(f"stopped ({w.stop_reason})")
+
+
+def run_worker_command(args) -> int:
+    import torch
+
+    from diloco.transport.zmq import ZmqWorkerEndpoint
+    from diloco.worker import DilocoWorker, run_training
+    from diloco.worker.worker import DilocoWorkerError
+
+    torch.set_num_threads(args.threads)
+    if not args.connect.startswith(("tcp://", "ipc://")):
+        raise UsageError(f"--connect {args.connect!r}: expected tcp://HOST:PORT (or ipc://PATH)")
+    worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    entry = args.entry or DEFAULT_ENTRY
+    func = load_entry(entry)
+    setup = call_entry(func, worker_id)
+    sync_every = args.sync_every
+    if sync_every is None:
+        if args.entry is None:
+            from diloco.deploy.default_entry import SYNC_EVERY
+            sync_every = SYNC_EVERY
+        else:
+            sync_every = 100
+    printer = _Printer(worker_id)
+    endpoint = ZmqWorkerEndpoint(args.connect, label=worker_id)
+    try:
+        worker = DilocoWorker(setup.model, setup.optimizer, endpoint, worker_id=worker_id, sync_every=sync_every,
+                              checkpoint_dir=args.checkpoint_dir, on_state=printer.on_state,
+                              join_timeout_s=args.join_timeout)
+    except DilocoWorkerError as exc:
+        endpoint.close()
+        raise UsageError(str(exc)) from None
+    except ValueError as exc:
+        endpoint.close()
+        raise UsageError(str(exc)) from None
+    printer.attach(worker)
+    restored = (f", restored from its checkpoint at inner step {worker.inner_step}" if worker.restored else "")
+    printer.line(f"connecting to {args.connect} (routing id {endpoint.peer}), H={sync_every}{restored}")
+    previous = signal.signal(signal.SIGTERM, lambda *_: worker.request_stop(save=args.checkpoint_dir is not None))
+    try:
+        report = run_training(worker, setup.batches, printer.loss_fn(setup.loss_fn), max_steps=args.max_steps)
+    except DilocoWorkerError as exc:
+        code = getattr(exc, "code", None)
+        print(f"diloco worker {worker_id}: {exc}", file=sys.stderr, flush=True)
+        return EXIT_UNREACHABLE if code == "join_timeout" else EXIT_PROBLEM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        try:
+            worker.leave()
+        except Exception:
+            pass
+    saved = ""
+    if worker.stop_reason == "save_and_stop" and worker.checkpoint_path is not None:
+        saved = f"; checkpoint {worker.checkpoint_path}"
+    printer.line(f"done ({worker.stop_reason}): {worker.inner_step} inner steps, {worker.rounds_synced} rounds synced, "
+                 f"{worker.seconds_paused:.1f} s paused{saved}")
+    del report
+    return EXIT_OK
