@@ -21,7 +21,9 @@ import sys
 from diloco import __version__
 
 #: Modules that register subcommands, in the order ``--help`` lists them.
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = (
+    "diloco.deploy.commands",
+)
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
