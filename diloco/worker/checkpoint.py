@@ -1,0 +1,119 @@
+"""A worker's own checkpoint: what the coordinator's checkpoint cannot hold.
+
+The coordinator saves the global params and the outer optimizer (SPEC.md P4);
+each worker saves what only it has: its model's state (local params, which
+may be up to H inner steps away from the global ones, and buffers), its inner
+optimizer's state (DiLoCo keeps each worker's AdamW moments across rounds),
+its inner-step and schedule counters, its copy of the global params and the
+round ids it holds. One file per worker, ``worker-<id>.ckpt``, written with
+``diloco.tensorfile`` (msgpack + raw tensor bytes, atomic, no pickle).
+
+A pseudo-gradient that was pending when the run stopped was discarded by the
+coordinator (P4); nothing is lost, because the local params and the global
+copy are both here: after resume the worker recomputes the same
+pseudo-gradient and submits it again for the same round.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import urllib.parse
+from dataclasses import dataclass
+
+import torch
+
+from diloco.tensorfile import CheckpointError, flatten, load_tensorfile, save_tensorfile, unflatten
+
+KIND = "diloco.worker"
+VERSION = 1
+
+
+def checkpoint_path(directory: str | os.PathLike, worker_id: str) -> pathlib.Path:
+    """``<directory>/worker-<id>.ckpt``; the id is percent-quoted so it can never leave the directory."""
+    return pathlib.Path(directory) / f"worker-{urllib.parse.quote(worker_id, safe='')}.ckpt"
+
+
+@dataclass
+class WorkerCheckpoint:
+    """The plain data of a worker checkpoint (tensors already unflattened)."""
+
+    worker_id: str
+    sync_every: int
+    inner_step: int
+    sched_step: int
+    next_close: list[int]
+    round_ids: list[int]
+    rounds_synced: int
+    mode: str | None
+    fragments: tuple[tuple[str, ...], ...]
+    model_state: dict[str, torch.Tensor]
+    optimizer_state: dict
+    global_params: dict[str, torch.Tensor]
+
+
+def save_worker_checkpoint(path: pathlib.Path, ckpt: WorkerCheckpoint) -> None:
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in ckpt.model_state.items():
+        tensors[f"model/{name}"] = t.detach().clone()
+    for name, t in ckpt.global_params.items():
+        tensors[f"global/{name}"] = t.detach().clone()
+    optimizer = flatten(ckpt.optimizer_state, "optim", tensors)
+    meta = {
+        "kind": KIND,
+        "version": VERSION,
+        "worker_id": ckpt.worker_id,
+        "sync_every": ckpt.sync_every,
+        "inner_step": ckpt.inner_step,
+        "sched_step": ckpt.sched_step,
+        "next_close": list(ckpt.next_close),
+        "round_ids": list(ckpt.round_ids),
+        "rounds_synced": ckpt.rounds_synced,
+        "mode": ckpt.mode,
+        "fragments": [list(f) for f in ckpt.fragments],
+        "model_keys": list(ckpt.model_state),
+        "global_names": list(ckpt.global_params),
+        "optimizer": optimizer,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_tensorfile(path, meta, tensors)
+
+
+def load_worker_checkpoint(path: pathlib.Path) -> WorkerCheckpoint:
+    """Read and check a worker checkpoint; raises ``CheckpointError`` naming what is wrong."""
+    meta, tensors = load_tensorfile(path)
+    if meta.get("kind") != KIND:
+        raise CheckpointError(f"{path}: not a worker checkpoint (kind={meta.get('kind')!r})")
+    if meta.get("version") != VERSION:
+        raise CheckpointError(f"{path}: worker checkpoint version {meta.get('version')!r} is not supported "
+                              f"(this diloco reads version {VERSION})")
+    try:
+        ckpt = WorkerCheckpoint(
+            worker_id=_typed(meta, "worker_id", str),
+            sync_every=_typed(meta, "sync_every", int),
+            inner_step=_typed(meta, "inner_step", int),
+            sched_step=_typed(meta, "sched_step", int),
+            next_close=[int(x) for x in meta["next_close"]],
+            round_ids=[int(x) for x in meta["round_ids"]],
+            rounds_synced=_typed(meta, "rounds_synced", int),
+            mode=meta.get("mode"),
+            fragments=tuple(tuple(str(n) for n in f) for f in meta["fragments"]),
+            model_state={k: tensors[f"model/{k}"] for k in meta["model_keys"]},
+            optimizer_state=unflatten(meta["optimizer"], tensors),
+            global_params={n: tensors[f"global/{n}"] for n in meta["global_names"]},
+        )
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: worker checkpoint metadata is incomplete or invalid ({exc!r})") from None
+    if len(ckpt.next_close) != len(ckpt.fragments) or len(ckpt.round_ids) != len(ckpt.fragments):
+        raise CheckpointError(f"{path}: {len(ckpt.fragments)} fragments but {len(ckpt.round_ids)} round ids "
+                              f"and {len(ckpt.next_close)} sync points")
+    return ckpt
+
+
+def _typed(meta: dict, key: str, kind: type):
+    value = meta[key]
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise CheckpointError(f"field {key!r} is {value!r}; expected {kind.__name__}")
+    return value

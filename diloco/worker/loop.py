@@ -1,0 +1,103 @@
+"""The convenience loop: join, train, ``step_done`` after every step, leave.
+
+``run_training`` is the few lines a user would write around ``DilocoWorker``;
+``TrainingSetup`` is what a ``--entry`` function hands the CLI (a model, its
+inner optimizer, an iterable of batches and a loss function).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+
+from diloco.worker.worker import DilocoWorker
+
+
+@dataclass
+class TrainingSetup:
+    """What a user's entry function returns: everything ``run_training`` needs besides the worker."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    #: Any iterable of batches; each is passed to ``loss_fn`` as is.
+    batches: Iterable[Any]
+    #: ``loss_fn(model, batch) -> scalar loss tensor`` (``backward()`` is called on it).
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
+
+
+@dataclass
+class WorkerReport:
+    """How a worker's run went (returned by ``run_training``)."""
+
+    worker_id: str
+    #: The worker's inner step counter at the end (includes steps restored from a checkpoint).
+    inner_steps: int
+    #: Inner steps taken in this call.
+    steps_this_run: int
+    rounds_synced: int
+    #: Why it ended: the worker's ``stop_reason``, or "max_steps" / "batches_exhausted".
+    stop_reason: str | None
+    seconds_paused: float
+    bytes_sent: int
+    bytes_received: int
+    wall_s: float
+    #: Training loss of every inner step of this call, in order.
+    losses: list[float] = field(default_factory=list)
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.losses[-1] if self.losses else None
+
+
+def run_training(worker: DilocoWorker, batches: Iterable[Any],
+                 loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+                 max_steps: int | None = None) -> WorkerReport:
+    """Join, then for each batch: zero_grad, loss, backward, step, ``step_done``; leave at the end.
+
+    Ends when the run tells the worker to stop, when ``batches`` runs out, or when the
+    worker's ``inner_step`` reaches ``max_steps`` (a total: a worker restored from its
+    checkpoint at step 40 with ``max_steps=100`` takes 60 more). Always leaves (even on
+    an exception), so the coordinator hears of it at once instead of after a timeout.
+    """
+    started = time.monotonic()
+    model, opt = worker.model, worker.inner_optimizer
+    losses: list[float] = []
+    reason: str | None = None
+    try:
+        worker.join()
+        if not worker.stopped:
+            reason = "batches_exhausted"
+            it = iter(batches)
+            while True:
+                if max_steps is not None and worker.inner_step >= max_steps:
+                    reason = "max_steps"
+                    break
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    break
+                opt.zero_grad(set_to_none=True)
+                loss = loss_fn(model, batch)
+                loss.backward()
+                opt.step()
+                losses.append(float(loss.detach()))
+                if not worker.step_done():
+                    reason = None
+                    break
+    finally:
+        worker.leave()
+    return WorkerReport(
+        worker_id=worker.worker_id,
+        inner_steps=worker.inner_step,
+        steps_this_run=len(losses),
+        rounds_synced=worker.rounds_synced,
+        stop_reason=reason or worker.stop_reason,
+        seconds_paused=worker.seconds_paused,
+        bytes_sent=worker.bytes_sent,
+        bytes_received=worker.bytes_received,
+        wall_s=time.monotonic() - started,
+        losses=losses,
+    )

@@ -1,0 +1,153 @@
+"""Membership end to end: a death pauses the survivor, a replacement resumes the run,
+a shutdown or a local stop releases a paused worker at once."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from diloco.worker import DilocoWorker
+from training_harness import Run, batch_at, batches, linear, params_of, wait_for
+
+
+class Killed(Exception):
+    """The simulated crash of a worker process."""
+
+
+def dying_batches(worker_endpoint, seed: int, die_before_step: int):
+    """Yield batches, then crash: the endpoint goes silent (no Leave) and the loop dies."""
+    for step in range(die_before_step):
+        yield batch_at(seed, step)
+    worker_endpoint.close()
+    raise Killed(f"killed before step {die_before_step + 1}")
+
+
+def test_death_pauses_the_survivor_and_a_replacement_resumes_the_run():
+    H, steps = 5, 30
+    states: list[tuple[str, str, float]] = []
+    replacement_start: dict[str, dict[str, torch.Tensor]] = {}
+    with Run(min_workers=2, heartbeat_timeout_s=0.5) as run:
+        survivor = run.worker("survivor", linear(1), sync_every=H, on_state=lambda *a: states.append(a))
+        doomed = run.worker("doomed", linear(2), sync_every=H)
+        run.start(survivor, batches(seed=1), max_steps=steps)
+        # Dies in the middle of round 1 (after inner step 7), without a Leave.
+        run.start(doomed, dying_batches(doomed.endpoint, seed=2, die_before_step=7))
+
+        # The survivor reaches step 10, submits round 1 and waits; the coordinator declares
+        # the doomed worker dead after 0.5 s of silence; below quorum, the survivor pauses.
+        wait_for(lambda: survivor.state == "paused", 10.0, "the survivor to pause")
+        assert survivor.inner_step == 2 * H
+        assert run.coordinator.fsm.open_round_ids() == (1,)
+        time.sleep(0.4)
+        assert survivor.state == "paused" and survivor.inner_step == 2 * H, "trained ahead while paused"
+        assert run.handles["doomed"].join(5.0, expect_error=True) is None
+        assert isinstance(run.handles["doomed"].error, Killed)
+
+        def on_replacement_state(wid, state, t):
+            if state == "training" and wid not in replacement_start:
+                replacement_start[wid] = params_of(replacement.model)
+
+        replacement = run.worker("replacement", linear(3), sync_every=H, on_state=on_replacement_state)
+        # Placed on the schedule from the Welcome's round ids (round 1 open): 5 steps to
+        # round 1's close, then rounds 2..5 with the survivor.
+        run.start(replacement, batches(seed=3), max_steps=steps - H)
+        reports = {wid: run.handles[wid].join(30.0) for wid in ("survivor", "replacement")}
+
+    kinds = [k for k, _ in run.events]
+    dead = kinds.index("dead")
+    assert run.events[dead][1]["worker_id"] == "doomed"
+    # Round 0 applied before the death; nothing applied while paused; rounds 1..5 after.
+    assert [r for _, r, _ in run.applied] == list(range(6))
+    apply_1 = next(i for i, (k, info) in enumerate(run.events) if k == "apply" and info["round_id"] == 1)
+    assert apply_1 > dead
+    assert run.events[apply_1][1]["contributors"] == ["survivor", "replacement"]
+    # The replacement started from the global params of the moment (round 1's base = after round 0).
+    _, _, after_round_0 = run.applied[0]
+    assert all(torch.equal(replacement_start["replacement"][n], t) for n, t in after_round_0.items())
+    # The survivor's timeline: training, syncing, paused, syncing (quorum back), training.
+    seq = [s for wid, s, _ in states]
+    assert "paused" in seq and seq[seq.index("paused") + 1] == "syncing"
+    assert reports["survivor"].rounds_synced == 6 and reports["survivor"].inner_steps == steps
+    assert reports["survivor"].seconds_paused > 0.3
+    assert reports["replacement"].rounds_synced == 5
+    final = run.coordinator.store.params
+    assert all(torch.equal(survivor.global_params[n], final[n]) for n in final)
+    assert all(torch.equal(replacement.global_params[n], final[n]) for n in final)
+
+
+@pytest.mark.parametrize("kind", ["abort", "drain", "save_and_stop"])
+def test_shutdown_releases_a_paused_worker_promptly(kind, tmp_path):
+    stopped_at: list[float] = []
+    with Run(min_workers=2, checkpoint_dir=tmp_path / "coordinator") as run:
+        w = run.worker("lonely", linear(1), sync_every=3, checkpoint_dir=tmp_path / "workers",
+                       on_state=lambda wid, s, t: stopped_at.append(time.monotonic()) if s == "stopped" else None)
+        run.start(w, batches(seed=1), max_steps=100)
+        wait_for(lambda: w.state == "paused", 10.0, "the worker to pause below quorum")
+        t0 = time.monotonic()
+        assert run.admin("shutdown", kind=kind).ok
+        report = run.handles["lonely"].join(5.0)
+        assert stopped_at and stopped_at[0] - t0 < 2.0, "a paused worker must stop at once"
+    assert report.inner_steps == 3
+    if kind == "save_and_stop":
+        assert report.stop_reason == "save_and_stop"
+        assert w.checkpoint_path.exists()
+        assert (tmp_path / "coordinator" / "coordinator.ckpt").exists()
+    else:
+        assert report.stop_reason == "stop"
+        assert not w.checkpoint_path.exists()
+
+
+def test_request_stop_breaks_a_pause_and_leaves():
+    with Run(min_workers=2) as run:
+        w = run.worker("lonely", linear(1), sync_every=3)
+        run.start(w, batches(seed=1), max_steps=100)
+        wait_for(lambda: w.state == "paused", 10.0, "the worker to pause below quorum")
+        t0 = time.monotonic()
+        w.request_stop()
+        report = run.handles["lonely"].join(5.0)
+        assert time.monotonic() - t0 < 2.0
+        assert report.stop_reason == "stop_requested" and w.state == "stopped"
+        wait_for(lambda: run.coordinator.fsm.live_workers == 0, 5.0, "the Leave to reach the coordinator")
+    # P1: its accepted contribution stays pending although it left.
+    assert [k for k, _ in run.events].count("left") == 1
+
+
+def test_a_worker_declared_dead_rejoins_on_its_own():
+    """A partition longer than the heartbeat timeout: the coordinator declares the worker
+    dead; when it heals, the heartbeat reply says rejoin, and the worker joins again."""
+    H = 4
+    with Run(min_workers=1, heartbeat_timeout_s=0.5) as run:
+        w = run.worker("flaky", linear(1), sync_every=H)
+        gate = {"slow": True}
+
+        def slow_batches():
+            for step in range(12):
+                if step == 5 and gate["slow"]:
+                    run.net.partition("flaky")
+                    wait_for(lambda: "dead" in [k for k, _ in run.events], 10.0, "the death")
+                    run.net.heal("flaky")
+                yield batch_at(1, step)
+
+        run.start(w, slow_batches(), max_steps=12)
+        report = run.handles["flaky"].join(20.0)
+    kinds = [k for k, _ in run.events]
+    assert kinds.count("join") == 2 and "dead" in kinds
+    assert report.inner_steps == 12 and report.stop_reason == "max_steps"
+    # It re-joined between rounds and every later round applied.
+    assert run.coordinator.fsm.open_round_ids()[0] >= 2
+    final = run.coordinator.store.params
+    assert all(torch.equal(w.global_params[n], final[n]) for n in final)
+
+
+def test_step_done_before_join_is_an_error():
+    from diloco.transport.inproc import InprocNetwork
+    from diloco.worker import DilocoWorkerError
+    model = linear(1)
+    w = DilocoWorker(model, torch.optim.SGD(model.parameters(), lr=0.1), InprocNetwork().connect("x"),
+                     worker_id="x", sync_every=2)
+    with pytest.raises(DilocoWorkerError, match="call join"):
+        w.step_done()
+    w.leave()
+    assert w.state == "stopped" and w.step_done() is False
