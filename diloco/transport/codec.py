@@ -426,7 +426,10 @@ def _tensor(parts: Sequence[Any], dtype: torch.dtype, shape: list[int], nbytes: 
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     if len(parts) == 1:
-        t = torch.frombuffer(_buffer(parts[0]), dtype=dtype)
+        buf = _buffer(parts[0])
+        if buf.readonly:  # e.g. bytes: copy rather than hand out a tensor over immutable memory
+            buf = bytearray(buf)
+        t = torch.frombuffer(buf, dtype=dtype)
         if t.data_ptr() % t.element_size():
             t = t.clone()  # a misaligned receive buffer: copy rather than hand out unaligned memory
         return t.reshape(shape)
@@ -436,7 +439,7 @@ def _tensor(parts: Sequence[Any], dtype: torch.dtype, shape: list[int], nbytes: 
         buf = _buffer(part)
         n = buf.nbytes
         if n:
-            out[pos:pos + n].copy_(torch.frombuffer(buf, dtype=torch.uint8))
+            out[pos:pos + n].copy_(torch.frombuffer(buf if not buf.readonly else bytearray(buf), dtype=torch.uint8))
         pos += n
     return out.view(dtype).reshape(shape)
 

@@ -18,6 +18,11 @@ Limits (DESIGN.md section 4, "a limit on everything that grows"):
   ``send_timeout_s``: the worker sees the silence and acts on it.
 * every blocking call polls with a timeout; sockets close with linger 0.
 
+Sending is zero-copy: libzmq reads the tensors' memory after ``send``
+returns, so a sender must not change a tensor in place once sent (or set
+``ZmqOptions.copy_on_send``). Receiving is zero-copy for a tensor that fits
+one frame (the tensor keeps the libzmq message alive).
+
 Nothing here blocks forever, pickles, or knows what a round is.
 """
 
@@ -67,8 +72,12 @@ class ZmqOptions:
     #: ZMTP-level pings: a TCP peer silent this long is disconnected (and a DEALER reconnects).
     zmtp_heartbeat_ivl_ms: int = 1000
     zmtp_heartbeat_timeout_ms: int = 5000
-    #: Snapshot tensors on send so a tensor changed after ``send`` cannot tear a queued message.
-    copy_on_send: bool = True
+    #: Snapshot tensors on send (one copy per tensor version), so a tensor changed in place
+    #: after ``send`` cannot tear a message still queued. Off by default: ``send`` is
+    #: zero-copy and the sender must not modify a tensor it sent. The coordinator and
+    #: ``DilocoWorker`` always send tensors nobody modifies afterwards (fresh
+    #: pseudo-gradients, copies of the params), so they pay no copy.
+    copy_on_send: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_message_bytes", "chunk_bytes", "router_sndhwm", "router_rcvhwm", "dealer_sndhwm",
