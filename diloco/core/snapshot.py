@@ -133,9 +133,23 @@ def load(snap: object) -> Parsed:
                     raise SnapshotError(f"{path}: held contribution of {wid!r} disagrees with last_base")
             lanes.append(AsyncLane(version, held, last_base))
     below = len(members) < min_workers
-    if phase is Phase.RUNNING and below or phase in (Phase.FORMING, Phase.PAUSED) and not below:
+    # I12: RUNNING and DRAINING imply quorum (a drain that loses it stops, P4); FORMING and PAUSED imply none.
+    if (phase in (Phase.RUNNING, Phase.DRAINING) and below
+            or phase in (Phase.FORMING, Phase.PAUSED) and not below):
         raise SnapshotError(f"snapshot.phase={phase.value!r} contradicts {len(members)} members "
                             f"and min_workers={min_workers}")
+    if phase is Phase.DRAINING and config.mode is not Mode.SYNC:
+        raise SnapshotError("snapshot.phase='draining' contradicts mode='async' (an async drain stops at once, P4)")
+    for fid, b in enumerate(barriers):
+        if b.contributed and phase is Phase.STOPPED:
+            raise SnapshotError(f"snapshot.fragments[{fid}]: contributions pending in a stopped run (I5)")
+        if b.contributed and b.live_contributed == len(members) and not below and phase is not Phase.STOPPED:
+            raise SnapshotError(f"snapshot.fragments[{fid}]: round {b.round_id} is complete with quorum "
+                                f"but did not apply (I7)")
+    for fid, lane in enumerate(lanes):
+        if lane.held and (phase is Phase.STOPPED or not below):
+            raise SnapshotError(f"snapshot.fragments[{fid}]: contributions held in a stopped run or "
+                                f"although quorum holds (I5, I7)")
     return Parsed(config, phase, min_workers, now_s, members, barriers, lanes)
 
 

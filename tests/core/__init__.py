@@ -1,0 +1,1 @@
+"""Tests of the pure core (diloco/core): scenarios, bad input, snapshots."""

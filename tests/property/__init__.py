@@ -1,0 +1,1 @@
+"""Property tests of the pure core: stateful, reference model, exhaustive, phase x event."""
