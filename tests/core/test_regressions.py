@@ -23,6 +23,7 @@ from diloco.core import (
     FSMConfig,
     HeartbeatSeen,
     LeaveCause,
+    MachineStoppedError,
     MinWorkersChanged,
     Mode,
     Phase,
@@ -143,3 +144,365 @@ def test_heartbeat_deadline_is_exactly_now_minus_last_greater_than_timeout(last_
         assert not run.fsm.is_member("A")
     else:
         assert effects == [] and run.fsm.is_member("A")
+
+
+# ------------------------------------------------ the motivating regression
+
+
+def _a_parked_b_dead(run: Run, how: str) -> list:
+    """min_workers=2 / join A / join B / submit A r0 / B dies."""
+    assert run.join("A") == [AcceptJoin("A", (0,))]
+    effects = run.join("B")
+    assert kinds(effects) == [AcceptJoin, QuorumChanged, PhaseChanged]
+    assert effects[2] == PhaseChanged(Phase.FORMING, Phase.RUNNING)
+    if how == "tick":
+        run.tick(5.0)
+        assert run.submit("A", 0) == [AcceptContribution("A", 0, 0)]  # A last seen 5.0, B 0.0
+        return run.tick(10.5)  # B silent 10.5 s > 10 s; A 5.5 s
+    assert run.submit("A", 0) == [AcceptContribution("A", 0, 0)]
+    return run.crash("B")
+
+
+@pytest.mark.parametrize("how", ["crash", "tick"])
+def test_a_death_never_releases_a_round_below_quorum(how):
+    """The bug a gate on the submit path alone lets through (R5, R7, I1).
+
+    min_workers=2 / join A / join B / submit A r0 / B dies
+      -> no ApplyRound; A stays parked; round 0 still open; PAUSED
+    join C / submit C r0
+      -> ApplyRound(r0, contributors A, C); A and C released APPLIED
+    """
+    run = Run(min_workers=2)
+    effects = _a_parked_b_dead(run, how)
+    dead = [DeclareDead("B", 0.0)] if how == "tick" else []
+    assert kinds(effects) == [type(e) for e in dead] + [QuorumChanged, PhaseChanged]
+    assert effects[: len(dead)] == dead
+    qc = effects[len(dead)]
+    assert (qc.below_min_workers, qc.live_workers, qc.min_workers) == (True, 1, 2)
+    assert effects[-1] == PhaseChanged(Phase.RUNNING, Phase.PAUSED)
+    assert not any(isinstance(e, (ApplyRound, ReleaseWorker)) for e in effects)
+    st = run.fsm.status()
+    assert st.phase is Phase.PAUSED and st.below_min_workers
+    assert st.parked_workers == ("A",)
+    assert st.fragments[0].round_id == 0 and st.fragments[0].contributed == ("A",)
+    assert st.fragments[0].awaited == ()
+    assert run.fsm.open_round_ids() == (0,) and run.fsm.rounds_applied == 0
+    assert "waiting for 1 more" in st.quorum_reason
+
+    # A replacement joins: quorum is back, but the round now waits for it (P2).
+    effects = run.join("C")
+    assert effects[0] == AcceptJoin("C", (0,))
+    assert effects[-1] == PhaseChanged(Phase.PAUSED, Phase.RUNNING)
+    assert not any(isinstance(e, ApplyRound) for e in effects)
+    assert run.fsm.status().fragments[0].awaited == ("C",)
+
+    assert run.submit("C", 0) == [
+        AcceptContribution("C", 0, 0),
+        ApplyRound(0, 0, ("A", "C")),
+        ReleaseWorker("A", 0, 0, APPLIED),
+        ReleaseWorker("C", 0, 0, APPLIED),
+    ]
+    assert run.fsm.open_round_ids() == (1,) and run.parked == ()
+
+
+def test_lowering_min_workers_releases_the_parked_round():
+    """R8: a change of min_workers goes through the same gate and may apply a parked round."""
+    run = Run(min_workers=2)
+    _a_parked_b_dead(run, "crash")
+    effects = run.set_min(1)
+    assert kinds(effects) == [QuorumChanged, PhaseChanged, ApplyRound, ReleaseWorker]
+    assert effects[0].below_min_workers is False and effects[0].min_workers == 1
+    assert effects[1:] == [PhaseChanged(Phase.PAUSED, Phase.RUNNING), ApplyRound(0, 0, ("A",)),
+                           ReleaseWorker("A", 0, 0, APPLIED)]
+
+
+def test_lowering_min_workers_completes_a_forming_round():
+    """min 3 / join A, B / both submit: complete but below quorum -> parked; min 2 -> applies."""
+    run = Run(min_workers=3)
+    run.join("A"), run.join("B")
+    assert run.submit("A", 0) == [AcceptContribution("A", 0, 0)]
+    assert run.submit("B", 0) == [AcceptContribution("B", 0, 0)]
+    assert run.fsm.phase is Phase.FORMING and run.parked == ("A", "B")
+    effects = run.set_min(2)
+    assert effects[1:] == [PhaseChanged(Phase.FORMING, Phase.RUNNING), ApplyRound(0, 0, ("A", "B")),
+                           ReleaseWorker("A", 0, 0, APPLIED), ReleaseWorker("B", 0, 0, APPLIED)]
+
+
+def test_raising_min_workers_pauses_and_submissions_then_park():
+    run = Run(min_workers=1)
+    run.join("A"), run.join("B")
+    effects = run.set_min(3)
+    assert kinds(effects) == [QuorumChanged, PhaseChanged]
+    assert effects[1] == PhaseChanged(Phase.RUNNING, Phase.PAUSED)
+    assert run.fsm.below_min_workers
+    run.submit("A", 0)
+    assert run.submit("B", 0) == [AcceptContribution("B", 0, 0)]  # complete, but no quorum
+    assert run.parked == ("A", "B") and run.fsm.rounds_applied == 0
+    # Setting the same value again still announces it (R8) and changes nothing else.
+    effects = run.set_min(3)
+    assert kinds(effects) == [QuorumChanged] and effects[0].below_min_workers is True
+
+
+# ------------------------------------------------------ deaths and leaves
+
+
+def test_a_death_that_completes_a_round_applies_it_if_quorum_holds():
+    """R7: the dead worker was the last one awaited; 2 live >= min 2, so the round applies on the death path."""
+    run = Run(min_workers=2)
+    for w in "ABC":
+        run.join(w)
+    run.submit("A", 0), run.submit("B", 0)
+    assert run.crash("C") == [ApplyRound(0, 0, ("A", "B")), ReleaseWorker("A", 0, 0, APPLIED),
+                              ReleaseWorker("B", 0, 0, APPLIED)]
+
+
+def test_a_heartbeat_timeout_that_completes_a_round_applies_it():
+    run = Run(min_workers=2)
+    for w in "ABC":
+        run.join(w)
+    run.tick(6.0)
+    run.submit("A", 0), run.submit("B", 0)  # A, B seen at 6.0; C at 0.0
+    run.heartbeat("A")
+    assert run.tick(10.0) == []  # C silent exactly 10 s: not more than the timeout
+    assert run.tick(10.001) == [DeclareDead("C", 0.0), ApplyRound(0, 0, ("A", "B")),
+                                ReleaseWorker("A", 0, 0, APPLIED), ReleaseWorker("B", 0, 0, APPLIED)]
+
+
+def test_departed_contributor_counts_but_is_not_released():
+    """P1: A's accepted contribution stays in its round after A crashes; it applies, nobody to wake."""
+    run = Run(min_workers=2)
+    for w in "ABC":
+        run.join(w)
+    run.submit("A", 0)
+    assert run.crash("A") == []  # 2 live >= 2: no quorum change; the round waits for B and C
+    st = run.fsm.status()
+    assert st.fragments[0].contributed == ("A",) and st.fragments[0].awaited == ("B", "C")
+    assert st.parked_workers == ("A",)
+    run.submit("B", 0)
+    assert run.submit("C", 0) == [
+        AcceptContribution("C", 0, 0),
+        ApplyRound(0, 0, ("A", "B", "C")),
+        ReleaseWorker("B", 0, 0, APPLIED),
+        ReleaseWorker("C", 0, 0, APPLIED),
+    ]
+
+
+def test_departed_contributor_does_not_count_towards_quorum():
+    """P1/R5: contributions of departed workers never stand in for live members."""
+    run = Run(min_workers=2)
+    run.join("A"), run.join("B")
+    run.submit("A", 0)
+    run.crash("A")  # PAUSED: 1 live < 2
+    assert run.submit("B", 0) == [AcceptContribution("B", 0, 0)]
+    assert run.fsm.phase is Phase.PAUSED and run.fsm.rounds_applied == 0
+    assert set(run.parked) == {"A", "B"}
+
+
+def test_rejoin_of_a_departed_contributor_parks_it_and_can_complete_the_round():
+    """P1/P2: the same id re-joins while its contribution is pending: parked on it; the join completes the round."""
+    run = Run(min_workers=2)
+    run.join("A"), run.join("B")
+    run.submit("A", 0)
+    run.leave("A")
+    run.submit("B", 0)  # complete, but 1 live < 2
+    effects = run.join("A")
+    assert effects[0] == AcceptJoin("A", (0,), ((0, 0),))
+    assert kinds(effects) == [AcceptJoin, QuorumChanged, PhaseChanged, ApplyRound, ReleaseWorker, ReleaseWorker]
+    assert effects[-3:] == [ApplyRound(0, 0, ("A", "B")), ReleaseWorker("A", 0, 0, APPLIED),
+                            ReleaseWorker("B", 0, 0, APPLIED)]
+
+
+def test_join_of_a_live_member_is_already_member_and_leave_then_join_restarts_it():
+    """R6: a second join for a live id is refused; the driver reports the old incarnation gone first."""
+    run = Run(min_workers=1)
+    run.join("A"), run.join("B")
+    run.submit("A", 0)
+    before = run.fsm.snapshot()
+    effects = run.join("A")
+    assert len(effects) == 1 and effects[0].reason is RejectReason.ALREADY_MEMBER
+    assert run.fsm.snapshot() == before
+    run.crash("A")  # the coordinator saw a new connection for "A": old one gone
+    assert run.join("A")[0] == AcceptJoin("A", (0,), ((0, 0),))
+    # The restarted worker is parked on its old contribution; a second one is a duplicate (R4).
+    assert run.submit("A", 0)[0].reason is RejectReason.DUPLICATE
+    assert run.submit("B", 0)[1] == ApplyRound(0, 0, ("A", "B"))
+
+
+# --------------------------------------------------------------- shutdown
+
+
+@pytest.mark.parametrize("kind", [ShutdownKind.SAVE_AND_STOP, ShutdownKind.ABORT])
+def test_save_and_abort_wake_parked_workers_with_stop_and_nothing_applies_after(kind):
+    """P4/R12/I5: save-and-stop and abort stop at once; every parked member gets STOP."""
+    run = Run(min_workers=2, num_fragments=2)
+    for w in "ABC":
+        run.join(w)
+    run.submit("A", 0), run.submit("B", 0), run.submit("C", 0, fid=1)
+    run.crash("B")  # B's contribution stays pending (P1); B is nobody to wake
+    effects = run.shutdown(kind)
+    assert effects == [
+        DiscardContribution("A", 0, 0, DiscardReason.SHUTDOWN), ReleaseWorker("A", 0, 0, STOP),
+        DiscardContribution("B", 0, 0, DiscardReason.SHUTDOWN),
+        DiscardContribution("C", 1, 0, DiscardReason.SHUTDOWN), ReleaseWorker("C", 1, 0, STOP),
+        PhaseChanged(Phase.RUNNING, Phase.STOPPED),
+        StopRun(kind),
+    ]
+    assert run.parked == () and run.fsm.phase is Phase.STOPPED
+    for ev in (ContributionSubmitted("A", 0, 0), WorkerLeft("C"), MinWorkersChanged(1)):
+        with pytest.raises(MachineStoppedError):
+            run.fsm.step(ev)
+    assert run.fsm.rounds_applied == 0
+
+
+def test_drain_below_quorum_stops_at_once_and_wakes_the_paused_worker():
+    """P4: a paused run must always be stoppable."""
+    run = Run(min_workers=2)
+    _a_parked_b_dead(run, "crash")
+    assert run.shutdown(ShutdownKind.DRAIN) == [
+        DiscardContribution("A", 0, 0, DiscardReason.SHUTDOWN), ReleaseWorker("A", 0, 0, STOP),
+        PhaseChanged(Phase.PAUSED, Phase.STOPPED), StopRun(ShutdownKind.DRAIN),
+    ]
+
+
+def test_drain_finishes_the_round_in_flight_with_applied_final():
+    """P4: drain / joins refused / the round completes -> APPLIED_FINAL, then the machine stops."""
+    run = Run(min_workers=2)
+    run.join("A"), run.join("B")
+    run.submit("A", 0)
+    assert run.shutdown(ShutdownKind.DRAIN) == [PhaseChanged(Phase.RUNNING, Phase.DRAINING)]
+    assert run.join("C")[0].reason is RejectReason.SHUTTING_DOWN
+    assert run.heartbeat("A") == []
+    assert run.submit("B", 0) == [
+        AcceptContribution("B", 0, 0),
+        ApplyRound(0, 0, ("A", "B")),
+        ReleaseWorker("A", 0, 0, FINAL),
+        ReleaseWorker("B", 0, 0, FINAL),
+        PhaseChanged(Phase.DRAINING, Phase.STOPPED),
+        StopRun(ShutdownKind.DRAIN),
+    ]
+    assert run.fsm.rounds_applied == 1
+
+
+def test_drain_with_fragments_stops_after_the_first_round_and_discards_the_rest():
+    run = Run(min_workers=2, num_fragments=2)
+    run.join("A"), run.join("B")
+    run.submit("A", 0), run.submit("B", 0, fid=1)
+    run.shutdown(ShutdownKind.DRAIN)
+    assert run.submit("B", 0) == [
+        AcceptContribution("B", 0, 0),
+        ApplyRound(0, 0, ("A", "B")),
+        ReleaseWorker("A", 0, 0, FINAL), ReleaseWorker("B", 0, 0, FINAL),
+        DiscardContribution("B", 1, 0, DiscardReason.SHUTDOWN), ReleaseWorker("B", 1, 0, STOP),
+        PhaseChanged(Phase.DRAINING, Phase.STOPPED), StopRun(ShutdownKind.DRAIN),
+    ]
+
+
+def test_drain_that_loses_quorum_stops_at_once():
+    run = Run(min_workers=2)
+    run.join("A"), run.join("B")
+    run.submit("A", 0)
+    run.shutdown(ShutdownKind.DRAIN)
+    effects = run.crash("B")
+    assert kinds(effects) == [QuorumChanged, DiscardContribution, ReleaseWorker, PhaseChanged, StopRun]
+    assert effects[1:] == [DiscardContribution("A", 0, 0, DiscardReason.SHUTDOWN), ReleaseWorker("A", 0, 0, STOP),
+                           PhaseChanged(Phase.DRAINING, Phase.STOPPED), StopRun(ShutdownKind.DRAIN)]
+
+
+def test_drain_in_async_stops_at_once():
+    run = Run(min_workers=1, mode=Mode.ASYNC)
+    run.join("A")
+    assert run.shutdown(ShutdownKind.DRAIN) == [PhaseChanged(Phase.RUNNING, Phase.STOPPED),
+                                                StopRun(ShutdownKind.DRAIN)]
+
+
+# ------------------------------------------------------------------ async
+
+
+def test_async_held_contributions_flush_fifo_when_quorum_returns():
+    """R5/P3: below quorum, contributions are held in arrival order; a join brings quorum; they apply one by one."""
+    run = Run(min_workers=3, mode=Mode.ASYNC)
+    run.join("A"), run.join("B")
+    assert run.submit("B", 0) == [AcceptContribution("B", 0, 0)]
+    assert run.submit("A", 0) == [AcceptContribution("A", 0, 0)]
+    assert run.fsm.status().fragments[0].held == ("B", "A")
+    effects = run.join("C")
+    assert effects[0] == AcceptJoin("C", (0,))
+    assert effects[-4:] == [
+        ApplyRound(0, 0, ("B",)), ReleaseWorker("B", 0, 0, APPLIED),
+        ApplyRound(0, 1, ("A",)), ReleaseWorker("A", 0, 0, APPLIED),
+    ]
+    assert run.fsm.open_round_ids() == (2,)
+    # With quorum, each contribution applies on arrival.
+    assert run.submit("C", 1) == [AcceptContribution("C", 0, 1), ApplyRound(0, 2, ("C",)),
+                                  ReleaseWorker("C", 0, 1, APPLIED)]
+
+
+def test_async_held_contribution_of_a_departed_worker_still_applies():
+    """P1 in async: held, worker leaves, quorum returns -> it applies; no ReleaseWorker for the departed."""
+    run = Run(min_workers=2, mode=Mode.ASYNC)
+    run.join("A")
+    run.submit("A", 0)
+    run.leave("A")
+    effects = run.join("B")
+    assert effects[0] == AcceptJoin("B", (0,))
+    effects = run.join("C")
+    assert effects[-1] == ApplyRound(0, 0, ("A",))
+
+
+def test_async_staleness_window():
+    """P3: base version b accepted iff 0 <= v - b <= max_staleness."""
+    run = Run(min_workers=1, mode=Mode.ASYNC, max_staleness=1)
+    run.join("A"), run.join("B")
+    run.submit("A", 0), run.submit("A", 1)  # version 2
+    assert run.submit("B", 0)[0].reason is RejectReason.STALE_ROUND
+    assert run.submit("B", 1)[1] == ApplyRound(0, 2, ("B",))
+    assert run.submit("B", 4)[0].reason is RejectReason.FUTURE_ROUND
+
+
+# -------------------------------------------------------------- fragments
+
+
+def test_fragments_have_independent_counters_and_barriers():
+    """R11: a submission touches only its fragment."""
+    run = Run(min_workers=1, num_fragments=3)
+    run.join("A"), run.join("B")
+    run.submit("A", 0, fid=1)
+    assert run.submit("B", 0, fid=1)[1] == ApplyRound(1, 0, ("A", "B"))
+    assert run.fsm.open_round_ids() == (0, 1, 0)
+    assert run.submit("A", 1, fid=0)[0].reason is RejectReason.FUTURE_ROUND
+    assert run.submit("A", 0, fid=2) == [AcceptContribution("A", 2, 0)]
+    assert run.submit("A", 0, fid=1)[0].reason is RejectReason.STALE_ROUND
+    st = run.fsm.status()
+    assert [f.contributed for f in st.fragments] == [(), (), ("A",)]
+    assert run.join("C")[0] == AcceptJoin("C", (0, 1, 0))
+
+
+# ------------------------------------------------------------------ limits
+
+
+def test_max_workers_limit():
+    run = Run(max_workers=2)
+    run.join("A"), run.join("B")
+    effects = run.join("C")
+    assert effects[0].reason is RejectReason.TOO_MANY_WORKERS and "max_workers=2" in effects[0].detail
+    run.leave("A")
+    assert run.join("C")[0] == AcceptJoin("C", (0,))
+
+
+def test_max_held_per_fragment_limit():
+    run = Run(min_workers=3, mode=Mode.ASYNC, max_held_per_fragment=2, num_fragments=2)
+    for w in "AB":
+        run.join(w)
+    run.submit("A", 0), run.submit("B", 0)
+    run.leave("B")
+    run.join("C")
+    effects = run.submit("C", 0)
+    assert effects[0].reason is RejectReason.HELD_LIMIT and "max_held_per_fragment=2" in effects[0].detail
+    assert run.submit("C", 0, fid=1) == [AcceptContribution("C", 1, 0)]  # the limit is per fragment
+
+
+def test_max_worker_id_len_limit():
+    run = Run(max_worker_id_len=4)
+    assert run.join("ABCD")[0] == AcceptJoin("ABCD", (0,))  # exactly at the limit: fine
+    effects = run.join("ABCDE")
+    assert effects[0].reason is RejectReason.INVALID_WORKER_ID and "at most 4 characters" in effects[0].detail
