@@ -22,7 +22,9 @@ from diloco import __version__
 
 #: Modules that register subcommands, in the order ``--help`` lists them.
 COMMAND_MODULES: tuple[str, ...] = (
+    "diloco.demo.command",
     "diloco.deploy.commands",
+    "diloco.sim.command",
 )
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130

@@ -1,0 +1,356 @@
+"""``diloco demo``: a real DiLoCo run in one process, with a fault, against two baselines.
+
+k worker threads each train a replica of the char transformer on their own
+i.i.d. shard with AdamW, through the real ``DilocoWorker`` library, talking to
+the real ``Coordinator`` over the in-process transport. With faults on (the
+default), ``min_workers`` equals k and one worker is killed mid-run: its
+heartbeats stop, the coordinator declares it dead, the survivors pause at
+their sync point (SPEC.md R5, R10), a replacement joins the open round
+(P2) and the run resumes. Then fully synchronous data parallel and a single
+worker train for the same number of inner steps, for comparison
+(``diloco.baselines``).
+
+This module does the work and reports through a ``DemoUI``; ``command.py``
+owns the terminal (progress bars, table, RESULT line).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from diloco.baselines import (
+    BaselineResult,
+    TrainSettings,
+    _clip,
+    _inner_optimizer,
+    _samplers,
+    comm_bytes_per_sync,
+    train_single_worker,
+    train_sync_data_parallel,
+)
+from diloco.coordinator import Coordinator, CoordinatorConfig, OuterConfig
+from diloco.coordinator.runner import CoordinatorThread
+from diloco.core import FSMConfig
+from diloco.data import Corpus, derive_seed
+from diloco.models import build_model, evaluate_loss, param_bytes
+from diloco.plots.timeline import TimelineRecorder, WorkerState
+from diloco.transport.inproc import InprocNetwork
+from diloco.transport.messages import AdminRequest
+from diloco.worker import DilocoWorker
+
+#: Worker lifecycle states (diloco.worker) -> what the timeline draws.
+_TIMELINE_STATE = {
+    "joining": WorkerState.TRAINING,
+    "training": WorkerState.TRAINING,
+    "syncing": WorkerState.WAITING,
+    "paused": WorkerState.PAUSED,
+    "stopping": WorkerState.STOPPED,
+    "stopped": WorkerState.STOPPED,
+}
+
+
+class DemoError(Exception):
+    """The demo could not run as configured (bad settings, a worker failed)."""
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    #: Workers k (and min_workers when faults are on).
+    workers: int = 4
+    #: Inner steps per worker (and for each baseline).
+    steps: int = 300
+    #: Inner steps per outer round, H.
+    sync_every: int = 10
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    #: Kill one worker mid-run and bring in a replacement.
+    faults: bool = True
+    #: Seconds without a heartbeat before the coordinator declares a worker dead.
+    heartbeat_timeout_s: float = 1.5
+    #: How long the run stays paused before the replacement is started.
+    replacement_delay_s: float = 2.0
+    #: Skip the two baselines (faster; the table then shows DiLoCo only).
+    baselines: bool = True
+    seed: int = 0
+    #: A text file to train on instead of the Python standard library's sources.
+    data: pathlib.Path | None = None
+    settings: TrainSettings = field(default_factory=lambda: TrainSettings(batch_size=16, eval_every=50))
+
+    def __post_init__(self) -> None:
+        def bad(name, allowed):
+            raise DemoError(f"{name}={getattr(self, name)!r} is invalid: expected {allowed}")
+        for name in ("workers", "steps", "sync_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                bad(name, "an integer >= 1")
+        if self.faults and self.workers < 2:
+            bad("workers", "at least 2 with faults on (one is killed); use --no-faults for 1")
+        if self.steps < 2 * self.sync_every:
+            bad("steps", f"at least 2 * sync_every = {2 * self.sync_every} (two outer rounds)")
+        if self.faults and self.steps < 4 * self.sync_every:
+            bad("steps", f"at least 4 * sync_every = {4 * self.sync_every} with faults on "
+                         "(rounds before the kill and after the replacement)")
+        if not 0 < self.heartbeat_timeout_s <= 60:
+            bad("heartbeat_timeout_s", "a number of seconds in (0, 60]")
+
+
+class DemoUI(Protocol):
+    def phase(self, name: str, total: int) -> None: ...
+    def advance(self, name: str, step: int, loss: float) -> None: ...
+    def note(self, text: str) -> None: ...
+    def finish(self, name: str, text: str) -> None: ...
+
+
+@dataclass
+class DemoResult:
+    config: DemoConfig
+    diloco: BaselineResult
+    baseline: BaselineResult | None
+    single: BaselineResult | None
+    paused_s: float
+    bytes_moved: int
+    timeline: object
+    events: list[tuple[float, str]]
+    png: pathlib.Path | None = None
+
+
+class _Run:
+    """The DiLoCo part: coordinator thread, worker threads, the kill and the replacement."""
+
+    def __init__(self, cfg: DemoConfig, corpus: Corpus, ui: DemoUI) -> None:
+        self.cfg, self.corpus, self.ui = cfg, corpus, ui
+        self.s = cfg.settings
+        self.target_rounds = cfg.steps // cfg.sync_every
+        self.t0 = time.monotonic()
+        self.recorder = TimelineRecorder()
+        self.events: list[tuple[float, str]] = []
+        self.round_params: list[tuple[int, dict[str, torch.Tensor]]] = []
+        self.lock = threading.Lock()
+        self.rounds_applied = 0
+        self.below = False
+        self.below_event = threading.Event()
+        self.errors: list[BaseException] = []
+        self.losses: dict[int, list[float]] = {}
+        self.samplers = _samplers(corpus, cfg.workers, self.s, cfg.seed)
+        self.net = InprocNetwork()
+        fsm = FSMConfig(min_workers=cfg.workers if cfg.faults else 1,
+                        heartbeat_timeout_s=cfg.heartbeat_timeout_s)
+        self.coordinator = Coordinator(
+            CoordinatorConfig(fsm, OuterConfig("nesterov", cfg.outer_lr, cfg.outer_momentum)),
+            now_s=time.monotonic(), observer=self._observe)
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def log(self, text: str) -> None:
+        self.events.append((self.now(), text))
+        self.ui.note(f"[{self.now():6.1f}s] {text}")
+
+    # Called from the coordinator thread after each event it handles.
+    def _observe(self, what: str, now_s: float, info: dict) -> None:
+        t = self.now()
+        with self.lock:
+            if what == "apply":
+                self.rounds_applied += 1
+                self.recorder.applied_round(t, info["fragment_id"], info["round_id"])
+                params = {n: p.detach().clone() for n, p in self.coordinator.store.params.items()}
+                self.round_params.append((info["round_id"], params))
+            elif what == "quorum":
+                self.below = info["below_min_workers"]
+                if self.rounds_applied >= self.target_rounds:
+                    return  # the run is over; workers leaving is not a pause
+                self.recorder.quorum_changed(t, self.below)
+                if self.below and self.rounds_applied:
+                    self.below_event.set()
+                    self.log(f"quorum lost: {info['reason']}")
+                elif not self.below and self.rounds_applied:
+                    self.log(f"quorum back: {info['reason']}")
+            elif what == "dead":
+                self.recorder.set_state(info["worker_id"], WorkerState.DEAD, t)
+                self.log(f"{info['worker_id']} declared dead (no heartbeat for "
+                         f"{self.cfg.heartbeat_timeout_s:g}s)")
+            elif what == "join" and self.rounds_applied:
+                self.log(f"{info['worker_id']} joined; enlisted in the open round")
+
+    def _on_state(self, worker_id: str, state: str, _t: float) -> None:
+        mapped = _TIMELINE_STATE.get(state)
+        if mapped is None:
+            return
+        with self.lock:
+            if self.recorder.state_of(worker_id) is WorkerState.DEAD:
+                return
+            self.recorder.set_state(worker_id, mapped, self.now())
+
+    def worker(self, index: int, worker_id: str, kill: threading.Event | None) -> None:
+        try:
+            self._train(index, worker_id, kill)
+        except BaseException as exc:  # reported by run(); a demo must not hang on a dead thread
+            self.errors.append(exc)
+
+    def _train(self, index: int, worker_id: str, kill: threading.Event | None) -> None:
+        s = self.s
+        model = build_model(s.model, derive_seed(self.cfg.seed, "model"))
+        opt, sched = _inner_optimizer(model, s, self.cfg.steps)
+        endpoint = self.net.connect(worker_id)
+        w = DilocoWorker(model, opt, endpoint, worker_id=worker_id, sync_every=self.cfg.sync_every,
+                         on_state=self._on_state, join_timeout_s=30.0)
+        w.join()
+        start_round = w.round_ids[0]
+        # A replacement continues the schedule: it trains the rounds that remain.
+        steps = (self.target_rounds - start_round) * self.cfg.sync_every
+        # Advance the lr schedule to where the run is, so the replacement matches its peers.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "scheduler.step() before optimizer.step()"
+            for _ in range(start_round * self.cfg.sync_every):
+                sched.step()
+        sampler = self.samplers[index]
+        name = f"DiLoCo {worker_id}"
+        self.ui.phase(name, steps)
+        for step in range(1, steps + 1):
+            if kill is not None and kill.is_set():
+                endpoint.close()  # a crash: no goodbye, heartbeats just stop
+                with self.lock:
+                    self.recorder.set_state(worker_id, WorkerState.DEAD, self.now())
+                self.log(f"{worker_id} killed (crash: no Leave, its heartbeats stop)")
+                self.ui.finish(name, "killed")
+                return
+            x, y = sampler.next()
+            loss = model.loss(x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            _clip(model, s)
+            opt.step()
+            sched.step()
+            self.losses.setdefault(step + start_round * self.cfg.sync_every, []).append(loss.item())
+            self.ui.advance(name, step, loss.item())
+            if not w.step_done():
+                break
+        w.leave()
+        with self.lock:
+            self.recorder.set_state(worker_id, WorkerState.STOPPED, self.now())
+
+    def run(self) -> tuple[BaselineResult, float, int]:
+        cfg = self.cfg
+        thread = CoordinatorThread(self.net.coordinator(), self.coordinator, tick_interval_s=0.02)
+        thread.start()
+        kill = threading.Event()
+        victim = cfg.workers - 1
+        threads = []
+        for i in range(cfg.workers):
+            wid = f"worker-{i + 1}"
+            t = threading.Thread(target=self.worker, args=(i, wid, kill if cfg.faults and i == victim else None),
+                                 name=wid, daemon=True)
+            t.start()
+            threads.append(t)
+        if cfg.faults:
+            self._inject_fault(kill, victim, threads)
+        deadline = time.monotonic() + 3600
+        for t in threads:
+            while t.is_alive() and time.monotonic() < deadline:
+                t.join(0.2)
+                if self.errors:
+                    break
+        self._shutdown(thread)
+        if self.errors:
+            raise DemoError(f"a worker failed: {self.errors[0]!r}") from self.errors[0]
+        status = self.coordinator.status()
+        wall = self.now()
+        timeline = self.recorder.finish(wall)
+        self.timeline = timeline
+        return self._result(status, wall), status["paused_s"], status["bytes_received"] + status["bytes_sent"]
+
+    def _inject_fault(self, kill: threading.Event, victim: int, threads: list[threading.Thread]) -> None:
+        cfg = self.cfg
+        kill_round = max(1, int(self.target_rounds * 0.35))
+        while self.rounds_applied < kill_round and not self.errors:
+            time.sleep(0.05)
+        self.log(f"round {self.rounds_applied} applied: killing worker-{victim + 1} "
+                 f"(min_workers={cfg.workers}, so the run must pause)")
+        kill.set()
+        if not self.below_event.wait(timeout=cfg.heartbeat_timeout_s * 10 + 30):
+            raise DemoError("the coordinator never noticed the killed worker")
+        # Let the survivors reach their sync point and sit there paused (R10), so the
+        # pause is visible, then keep it a little longer before the replacement comes.
+        survivors = [f"worker-{i + 1}" for i in range(cfg.workers) if i != victim]
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not self.errors:
+            with self.lock:
+                if all(self.recorder.state_of(w) is WorkerState.PAUSED for w in survivors):
+                    break
+            time.sleep(0.05)
+        self.log(f"{', '.join(survivors)} paused at their sync point: below quorum nothing is applied")
+        time.sleep(cfg.replacement_delay_s)
+        wid = f"worker-{cfg.workers + 1}"
+        self.log(f"starting replacement {wid}")
+        t = threading.Thread(target=self.worker, args=(victim, wid, None), name=wid, daemon=True)
+        t.start()
+        threads.append(t)
+
+    def _shutdown(self, thread: CoordinatorThread) -> None:
+        admin = self.net.connect("demo-admin")
+        admin.send(AdminRequest("shutdown", {"kind": "drain"}))
+        admin.recv(5.0)
+        admin.close()
+        thread.stop(5.0)
+
+    def _result(self, status: dict, wall: float) -> BaselineResult:
+        cfg, s = self.cfg, self.s
+        model = build_model(s.model, derive_seed(cfg.seed, "model"))
+        eval_steps, eval_losses = [0], [evaluate_loss(model, self.corpus.eval, batch_size=s.eval_batch_size,
+                                                       num_batches=s.eval_batches)]
+        final = None
+        for round_id, params in self.round_params:
+            step = (round_id + 1) * cfg.sync_every
+            model.load_state_dict(params, strict=False)
+            if step % s.eval_every == 0 or round_id == self.round_params[-1][0]:
+                eval_steps.append(step)
+                eval_losses.append(evaluate_loss(model, self.corpus.eval, batch_size=s.eval_batch_size,
+                                                 num_batches=s.eval_batches))
+            final = params
+        steps = sorted(self.losses)
+        return BaselineResult(
+            name="diloco", label=f"DiLoCo k={cfg.workers} H={cfg.sync_every}", steps=steps,
+            train_losses=[sum(v) / len(v) for _, v in sorted(self.losses.items())],
+            eval_steps=eval_steps, eval_losses=eval_losses, final_eval_loss=eval_losses[-1],
+            syncs=status["rounds_applied"], bytes_moved=status["bytes_received"] + status["bytes_sent"],
+            k=cfg.workers, H=cfg.sync_every, num_params=status["num_params"], wall_s=wall,
+            config=dict(dataclasses.asdict(cfg), settings=s.to_dict(), data=str(cfg.data) if cfg.data else None),
+            final_state=final or {},
+        )
+
+
+def run_demo(cfg: DemoConfig, ui: DemoUI) -> DemoResult:
+    corpus = Corpus.from_file(cfg.data) if cfg.data is not None else Corpus.from_stdlib()
+    # k worker threads share 2 cores: one intra-op thread each avoids oversubscription.
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run = _Run(cfg, corpus, ui)
+        diloco, paused_s, moved = run.run()
+    finally:
+        torch.set_num_threads(threads_before)
+    baseline = single = None
+    if cfg.baselines:
+        ui.phase("sync data parallel", cfg.steps)
+        baseline = train_sync_data_parallel(cfg.workers, cfg.steps, settings=cfg.settings, corpus=corpus,
+                                            seed=cfg.seed,
+                                            progress=lambda st, tot, loss: ui.advance("sync data parallel", st, loss))
+        ui.phase("single worker", cfg.steps)
+        single = train_single_worker(cfg.steps, settings=cfg.settings, corpus=corpus, seed=cfg.seed,
+                                     progress=lambda st, tot, loss: ui.advance("single worker", st, loss))
+    return DemoResult(cfg, diloco, baseline, single, paused_s, moved, run.timeline, run.events)
+
+
+def baseline_bytes(result: BaselineResult) -> int:
+    return result.syncs * comm_bytes_per_sync(result.k, result.num_params * 4)
+
+
+__all__ = ["DemoConfig", "DemoError", "DemoResult", "DemoUI", "run_demo", "param_bytes"]
