@@ -53,6 +53,11 @@ Welcome has ``join_timeout_s``, and a coordinator that answers nothing for
 ``coordinator_timeout_s`` stops the worker (with its checkpoint, if it has
 a directory).
 
+A Result lost in transit would leave a worker waiting, unpaused, for ever;
+after ``RESYNC_INTERVALS`` heartbeat intervals of that (doubling each time)
+the worker leaves and joins again, which is safe (SPEC.md P1: the Welcome
+parks it on a contribution still pending, or brings the new params).
+
 Heartbeats while training are sent from ``step_done`` (between inner steps)
 once the interval has elapsed, so **one inner step must take well under the
 coordinator's heartbeat timeout** (``heartbeat_timeout_s``; the default
@@ -131,6 +136,8 @@ _REJOIN_CODES = frozenset({ErrorCode.STALE_ROUND, ErrorCode.FUTURE_ROUND, ErrorC
 _STOP_CODES = frozenset({ErrorCode.STOPPED, ErrorCode.SHUTTING_DOWN})
 #: How many sync history entries ``sync_history`` keeps.
 HISTORY_LIMIT = 10_000
+#: Heartbeat intervals of unpaused waiting before a worker suspects a lost Result (doubles).
+RESYNC_INTERVALS = 16
 #: Retries of a join answered ``already_member`` (Leave, then Join again).
 _ALREADY_MEMBER_RETRIES = 3
 
@@ -218,6 +225,8 @@ class DilocoWorker:
         self._stop_requested = threading.Event()
         self._save_on_request = False
         self._paused_since: float | None = None
+        self._syncing_since: float | None = None    # start of the current unpaused wait
+        self._resync_after_s = math.inf
         self._announced = False
         self._left = False
         self._welcomed = False
@@ -429,6 +438,9 @@ class DilocoWorker:
         self._hb_outstanding = 0
         self._stale_replies = 0
         self._quorum_fresh = True
+        self._syncing_since = None
+        if not self._welcomed:
+            self._resync_after_s = RESYNC_INTERVALS * self.heartbeat_interval_s
         self._welcomed = True
         log.info("worker %s joined: mode=%s round_ids=%s parked=%s kept_local=%s", self.worker_id, self.mode,
                  self._round_ids, list(msg.parked), kept)
@@ -500,6 +512,7 @@ class DilocoWorker:
                 self._lifecycle.go(S.TRAINING)
                 return
             self._set_paused(self.below_min_workers and self._quorum_fresh)
+            self._maybe_resync()
             self._wait_turn()
 
     def _submit(self, fid: int) -> None:
@@ -534,6 +547,33 @@ class DilocoWorker:
             self._dispatch(msg)
             msg = self._recv(0.0)
         self._check_silence(self._clock())
+
+    def _maybe_resync(self) -> None:
+        """Recover from a lost Result: after a long unpaused wait, leave and join again.
+
+        A transport may drop a message (ZeroMQ drops what a ROUTER sends to a peer that
+        is reconnecting), and nothing else would tell a worker whose Result was lost: its
+        heartbeats are answered, the run is not paused, it just waits. Leaving and joining
+        again is safe in both modes (SPEC.md P1: an accepted contribution stays pending
+        and the Welcome parks the worker on it; if it already applied, the Welcome brings
+        the new params). Waiting for slow peers is normal, so the first resync comes after
+        ``RESYNC_INTERVALS`` heartbeat intervals and the delay doubles each time.
+        """
+        now = self._clock()
+        if self._lifecycle.state is not S.SYNCING or not self._waiting:
+            self._syncing_since = None
+            return
+        if self._syncing_since is None:
+            self._syncing_since = now
+            return
+        if now - self._syncing_since < self._resync_after_s:
+            return
+        log.warning("worker %s: no Result for %s after %.1f s at the sync point; leaving and joining again",
+                    self.worker_id, dict(self._waiting), now - self._syncing_since)
+        self._resync_after_s *= 2
+        self._syncing_since = None
+        self._send(Leave(self.worker_id))
+        self._rejoin_needed = True
 
     def _set_paused(self, paused: bool) -> None:
         state = self._lifecycle.state
@@ -604,6 +644,8 @@ class DilocoWorker:
             else:
                 self._next_close[fid] += self.sync_every
             self.rounds_synced += 1
+            self._syncing_since = None
+            self._resync_after_s = RESYNC_INTERVALS * self.heartbeat_interval_s
             self.sync_history.append((self.inner_step, fid, msg.round_id, outcome))
             if outcome == "applied_final":
                 self._stop_cmd = ("drain", False)

@@ -29,3 +29,15 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def torch_warmed_up():
+    """Pay torch's one-time lazy initialisation (seconds, on the first optimizer step) here,
+    not inside a test whose worker must heartbeat within a fraction of a second."""
+    model = torch.nn.Linear(2, 1)
+    for opt in (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True),
+                torch.optim.AdamW(model.parameters())):
+        model(torch.randn(4, 2)).sum().backward()
+        opt.step()
+    torch.isfinite(torch.zeros(1)).all()

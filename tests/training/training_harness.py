@@ -180,3 +180,41 @@ class Run:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class LoopbackEndpoint:
+    """A ``WorkerEndpoint`` wired straight to a sans-IO ``Coordinator``, no threads.
+
+    ``send`` runs ``coordinator.handle`` at once and queues what it answers to this
+    peer (``tamper`` may rewrite a message on its way in). For single-worker tests of
+    the worker's reactions, deterministic and instant.
+    """
+
+    def __init__(self, coordinator: Coordinator, peer: str, tamper=None) -> None:
+        import collections
+        self.coordinator = coordinator
+        self.peer = peer
+        self.tamper = tamper
+        self.inbox: "collections.deque" = collections.deque()
+        self.sent: list = []
+        self.closed = False
+
+    def send(self, message) -> None:
+        from diloco.transport.base import TransportClosed
+        if self.closed:
+            raise TransportClosed("closed")
+        if self.tamper is not None:
+            message = self.tamper(message)
+        self.sent.append(message)
+        for peer, reply in self.coordinator.handle(self.peer, message, time.monotonic()):
+            if peer == self.peer:
+                self.inbox.append(reply)
+
+    def recv(self, timeout_s: float):
+        if self.inbox:
+            return self.inbox.popleft()
+        time.sleep(min(timeout_s, 0.001))
+        return None
+
+    def close(self) -> None:
+        self.closed = True
