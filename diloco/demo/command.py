@@ -91,7 +91,9 @@ def main(args: argparse.Namespace) -> int:
 
     console = Console(stderr=False, highlight=False)
     try:
-        settings = TrainSettings(batch_size=args.batch_size, eval_every=50)
+        # About 15 held-out evaluations per curve, at round boundaries.
+        eval_every = max(args.sync_every, (args.steps // 15) // max(1, args.sync_every) * args.sync_every)
+        settings = TrainSettings(batch_size=args.batch_size, eval_every=eval_every)
         cfg = DemoConfig(workers=args.workers, steps=args.steps, sync_every=args.sync_every,
                          outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, faults=args.faults,
                          baselines=args.baselines, seed=args.seed, data=args.data, settings=settings)
