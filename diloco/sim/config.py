@@ -1,0 +1,292 @@
+"""Every knob of a simulated run, derived from one seed.
+
+One ``random.Random(seed)`` (never the global ``random``) draws a fixed
+sequence of uniform numbers, in a fixed order, *before* any command-line
+override is applied; the knobs are then computed from those numbers. So
+``--workers 7`` changes the worker count without shifting any other knob of
+the same seed, and a run is reproduced exactly by its seed plus the
+overrides, both of which the trace's first record carries.
+
+The simulation's own randomness during the run (which worker crashes, link
+jitter, ...) comes from a second stream, ``random.Random(f"{seed}/run")``,
+so adding a knob here does not reshuffle every run's fault schedule.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass, field, fields
+
+#: Fault levels ``--faults`` accepts.
+FAULT_LEVELS = ("none", "light", "heavy")
+#: Shutdown kinds a run may end with ("none": the run is cut off after the liveness phase).
+SHUTDOWN_KINDS = ("none", "drain", "save_and_stop", "abort")
+#: Fault kinds the safety phase injects.
+FAULT_KINDS = ("crash", "leave", "kick", "freeze", "partition", "coord_crash", "straggle",
+               "min_workers", "join")
+
+#: Hard limits on the overrides (a limit on everything that grows).
+MAX_WORKERS = 100_000
+MAX_ROUNDS = 1_000_000
+MAX_FRAGMENTS = 8
+
+#: Link delays are capped here, so the liveness bound below can be finite.
+MAX_LINK_DELAY_S = 0.25
+
+
+class SimConfigError(ValueError):
+    """A bad override: names the option, the value and what is allowed."""
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """A simulated run. Times are simulated seconds."""
+
+    seed: int
+    #: Workers started at the beginning (ids worker-0 .. worker-{workers-1}).
+    workers: int
+    #: The safety phase ends once this many outer steps have applied (all fragments together).
+    rounds: int
+    faults: str
+    mode: str
+    num_fragments: int
+    min_workers: int
+    heartbeat_timeout_s: float
+    heartbeat_interval_s: float
+    #: The coordinator is ticked this often when no message arrives (the runner's recv timeout).
+    tick_interval_s: float
+    #: One training segment (H inner steps for one fragment) at speed 1.
+    train_s: float
+    #: Per-worker speed factors are drawn from [1, speed_spread]; > 1 is slower.
+    speed_spread: float
+    #: Fraction of workers that are permanent stragglers, and how much slower they are.
+    straggler_fraction: float
+    straggler_factor: float
+    #: Fraction of the initial workers that start late (within a few rounds).
+    late_fraction: float
+    #: Per-link base delay is drawn from [link_delay_min_s, link_delay_max_s]; jitter on top.
+    link_delay_min_s: float
+    link_delay_max_s: float
+    #: Mean jitter as a fraction of the link's base delay (exponential, capped at MAX_LINK_DELAY_S).
+    jitter: float
+    #: Fault injection: mean faults per simulated second (0 for faults=none).
+    fault_rate_per_s: float
+    #: Relative weight of each fault kind, in FAULT_KINDS order.
+    fault_weights: tuple[float, ...]
+    #: After a crash: chance the transport reports the peer lost; chance it restarts (same id);
+    #: otherwise chance a replacement (new id) starts.
+    peer_lost_p: float
+    restart_p: float
+    replace_p: float
+    #: Mean durations of the timed faults.
+    partition_mean_s: float
+    freeze_mean_s: float
+    coord_down_mean_s: float
+    straggle_mean_s: float
+    straggle_max_factor: float
+    #: The coordinator's in-memory snapshot for crash/restart is taken this often.
+    snapshot_interval_s: float
+    shutdown: str
+    #: The shutdown comes this long (in segments) after the liveness phase passed, so rounds are in flight.
+    shutdown_delay_segments: float
+    #: Pause the run first (raise min_workers above the live members), then shut down: a paused
+    #: run must always be stoppable, and its parked workers must be released.
+    shutdown_paused: bool
+    outer_lr: float
+    outer_momentum: float
+    #: Delayed Nesterov's delay (async); 0 = the coordinator's default (min_workers at install).
+    outer_delay: int
+    max_staleness: int
+    #: Element count of each model tensor (the light worker's "model" is these float32 vectors).
+    param_sizes: tuple[int, ...]
+    #: Overrides given on the command line (for the record; the values above already include them).
+    overrides: dict = field(default_factory=dict)
+
+    # ------------------------------------------------------------ derived timings
+
+    @property
+    def max_segment_s(self) -> float:
+        """Longest training segment outside a straggle episode."""
+        slow = self.straggler_factor if self.straggler_fraction > 0 else 1.0
+        return self.train_s * self.speed_spread * slow
+
+    @property
+    def join_timeout_s(self) -> float:
+        """A worker that got no Welcome within this retries on a new connection."""
+        return self.heartbeat_timeout_s
+
+    @property
+    def wait_timeout_s(self) -> float:
+        """A worker waiting this long for its Result (lost to a partition) re-joins."""
+        return 2 * self.heartbeat_timeout_s + self.max_segment_s
+
+    @property
+    def liveness_bound_s(self) -> float:
+        """After healing, every fragment must apply another round within this (SPEC.md I7).
+
+        Dead members are declared dead within one heartbeat timeout plus a tick;
+        a worker the coordinator forgot learns it from its next heartbeat reply
+        and re-joins (join timeout); a Result lost before the heal is noticed
+        within the wait timeout; a segment started during a straggle episode
+        may still be running; then every fragment needs one training segment
+        (fragments go in turn). Two heartbeat timeouts of slack on top.
+        """
+        straggled = self.max_segment_s * self.straggle_max_factor
+        return (4 * self.heartbeat_timeout_s + self.join_timeout_s + self.wait_timeout_s
+                + straggled + (self.num_fragments + 1) * self.max_segment_s + 10.0)
+
+    @property
+    def linger_s(self) -> float:
+        """After the stop the coordinator keeps answering this long (the runner's linger)."""
+        return 3 * self.heartbeat_interval_s + 4 * MAX_LINK_DELAY_S + 1.0
+
+    @property
+    def safety_cap_s(self) -> float:
+        """The safety phase ends at this simulated time even if ``rounds`` did not apply."""
+        per_round = self.max_segment_s * (1.0 if self.mode == "sync" else 1.0 / max(1, self.workers))
+        return 20 * self.heartbeat_timeout_s + 4 * self.rounds * per_round + 60.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["fault_weights"] = list(self.fault_weights)
+        d["param_sizes"] = list(self.param_sizes)
+        return d
+
+    def describe(self) -> str:
+        return (f"mode={self.mode} workers={self.workers} min_workers={self.min_workers} "
+                f"fragments={self.num_fragments} faults={self.faults} rounds={self.rounds} "
+                f"shutdown={self.shutdown} heartbeat_timeout_s={self.heartbeat_timeout_s:.1f} "
+                f"train_s={self.train_s:.1f}")
+
+
+def _check_override(name: str, value, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise SimConfigError(f"{name}={value!r} is invalid: expected an integer in {low}..{high}")
+    return value
+
+
+def derive_config(seed: int, *, workers: int | None = None, rounds: int | None = None,
+                  faults: str | None = None, mode: str | None = None,
+                  fragments: int | None = None, shutdown: str | None = None) -> SimConfig:
+    """The run that ``seed`` (plus the given overrides) stands for."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise SimConfigError(f"seed={seed!r} is invalid: expected an integer >= 0")
+    overrides = {}
+    if workers is not None:
+        overrides["workers"] = _check_override("workers", workers, 1, MAX_WORKERS)
+    if rounds is not None:
+        overrides["rounds"] = _check_override("rounds", rounds, 1, MAX_ROUNDS)
+    if faults is not None:
+        if faults not in FAULT_LEVELS:
+            raise SimConfigError(f"faults={faults!r} is invalid: expected one of {', '.join(FAULT_LEVELS)}")
+        overrides["faults"] = faults
+    if mode is not None:
+        if mode not in ("sync", "async"):
+            raise SimConfigError(f"mode={mode!r} is invalid: expected sync or async")
+        overrides["mode"] = mode
+    if fragments is not None:
+        overrides["fragments"] = _check_override("fragments", fragments, 1, MAX_FRAGMENTS)
+    if shutdown is not None:
+        if shutdown not in SHUTDOWN_KINDS:
+            raise SimConfigError(f"shutdown={shutdown!r} is invalid: expected one of {', '.join(SHUTDOWN_KINDS)}")
+        overrides["shutdown"] = shutdown
+
+    rng = random.Random(seed)
+    # A fixed number of draws in a fixed order, before any override is looked at.
+    u = [rng.random() for _ in range(40)]
+    weights_u = [rng.random() for _ in FAULT_KINDS]
+    sizes_u = [rng.random() for _ in range(MAX_FRAGMENTS + 3)]
+
+    def pick(x: float, table: list[tuple[float, object]]):
+        acc = 0.0
+        for p, value in table:
+            acc += p
+            if x < acc:
+                return value
+        return table[-1][1]
+
+    n_workers = overrides.get("workers") or pick(u[0], [(0.05, 1), (0.45, None), (0.50, -1)])
+    if n_workers is None:
+        n_workers = 2 + int(u[1] * 3)          # 2..4
+    elif n_workers == -1:
+        n_workers = 5 + int(u[1] * 8)          # 5..12
+    n_rounds = overrides.get("rounds") or 8 + int(u[2] * 33)
+    level = overrides.get("faults") or pick(u[3], [(0.15, "none"), (0.40, "light"), (0.45, "heavy")])
+    run_mode = overrides.get("mode") or ("sync" if u[4] < 0.65 else "async")
+    n_frag = overrides.get("fragments") or pick(u[5], [(0.6, 1), (0.25, 2), (0.1, 3), (0.05, 4)])
+    if u[6] < 0.3:
+        min_w = n_workers
+    else:
+        min_w = 1 + int(u[7] * n_workers)
+    timeout = 4.0 + 16.0 * u[8]
+    interval = timeout * (0.15 + 0.1 * u[9])
+    train = timeout * (0.3 + 2.7 * u[10])
+    heavy = level == "heavy"
+    rate = {"none": 0.0, "light": 1.0 / (60 + 120 * u[11]), "heavy": 1.0 / (5 + 15 * u[11])}[level]
+    weights = tuple(round(0.2 + w, 6) for w in weights_u)
+    if heavy:
+        weights = tuple(w / 3 if k == "coord_crash" else w for k, w in zip(FAULT_KINDS, weights))
+    else:
+        # Light faults: no coordinator crashes, fewer admin changes.
+        weights = tuple(0.0 if k == "coord_crash" else (w / 3 if k in ("min_workers", "kick") else w)
+                        for k, w in zip(FAULT_KINDS, weights))
+    n_tensors = max(n_frag, 1 + int(sizes_u[0] * 4))
+    sizes = tuple(1 + int(sizes_u[1 + i] * 4) for i in range(n_tensors))
+    delay_lo = 0.0005 + 0.01 * u[12]
+    delay_hi = delay_lo + (0.05 if u[13] < 0.8 else 0.15) * u[14]
+    shutdown_kind = overrides.get("shutdown") or pick(u[15], [(0.25, "none"), (0.35, "drain"),
+                                                              (0.2, "save_and_stop"), (0.2, "abort")])
+    cfg = SimConfig(
+        seed=seed,
+        workers=n_workers,
+        rounds=n_rounds,
+        faults=level,
+        mode=run_mode,
+        num_fragments=n_frag,
+        min_workers=min(min_w, n_workers),
+        heartbeat_timeout_s=round(timeout, 6),
+        heartbeat_interval_s=round(interval, 6),
+        tick_interval_s=round(min(0.5, timeout / 8), 6),
+        train_s=round(train, 6),
+        speed_spread=round(1.0 + 0.5 * u[16], 6),
+        straggler_fraction=0.0 if u[17] < 0.5 else round(0.3 * u[18], 6),
+        straggler_factor=round(1.5 + 2.5 * u[19], 6),
+        late_fraction=0.0 if u[20] < 0.5 else round(0.5 * u[21], 6),
+        link_delay_min_s=round(delay_lo, 6),
+        link_delay_max_s=round(min(delay_hi, MAX_LINK_DELAY_S), 6),
+        jitter=round(0.1 + 0.5 * u[22], 6),
+        fault_rate_per_s=round(rate, 9),
+        fault_weights=weights,
+        peer_lost_p=round(u[23], 6),
+        restart_p=round(0.3 + 0.6 * u[24], 6),
+        replace_p=round(0.5 + 0.5 * u[25], 6),
+        partition_mean_s=round(timeout * (0.3 + 2.7 * u[26]), 6),
+        freeze_mean_s=round(timeout * (0.3 + 2.0 * u[27]), 6),
+        coord_down_mean_s=round(timeout * (0.2 + 1.5 * u[28]), 6),
+        straggle_mean_s=round(train * (1.0 + 4.0 * u[29]), 6),
+        straggle_max_factor=round(2.0 + 6.0 * u[30], 6),
+        snapshot_interval_s=round(train * (0.5 + 5.0 * u[31]), 6),
+        shutdown=shutdown_kind,
+        shutdown_delay_segments=round(1.5 * u[37], 6),
+        shutdown_paused=u[38] < 0.3,
+        outer_lr=round(0.3 + 0.7 * u[32], 6),
+        outer_momentum=round(0.9 * u[33], 6) if u[34] < 0.85 else 0.0,
+        outer_delay=0 if u[35] < 0.6 else 1 + int(u[36] * 4),
+        max_staleness=max(8, 4 * n_workers * n_frag),
+        param_sizes=sizes,
+        overrides=overrides,
+    )
+    return cfg
+
+
+def config_from_dict(d: dict) -> SimConfig:
+    """Rebuild a config from a trace's first record (``--replay``)."""
+    names = {f.name for f in fields(SimConfig)}
+    missing = sorted(names - set(d))
+    if missing:
+        raise SimConfigError(f"the trace's config record lacks {missing}")
+    kwargs = {k: d[k] for k in names}
+    kwargs["fault_weights"] = tuple(kwargs["fault_weights"])
+    kwargs["param_sizes"] = tuple(kwargs["param_sizes"])
+    return SimConfig(**kwargs)
+
