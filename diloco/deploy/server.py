@@ -140,9 +140,14 @@ def make_coordinator(s: ServerSettings, printer: EventPrinter, now_s: float) -> 
         try:
             meta, tensors = load_tensorfile(path)
             saved = CoordinatorConfig.from_dict(meta["config"])
+            # The quorum in force when the run stopped (set-min-workers changes it at run
+            # time) is the machine's, not the start-up config's: keep it unless overridden.
+            live_min = meta["fsm"].get("min_workers") if isinstance(meta.get("fsm"), dict) else None
+            if isinstance(live_min, int) and not isinstance(live_min, bool) and live_min != saved.fsm.min_workers:
+                saved = dataclasses.replace(saved, fsm=dataclasses.replace(saved.fsm, min_workers=live_min))
         except CheckpointError as exc:
             raise ServerError(f"cannot resume: {exc}") from None
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, ConfigError) as exc:
             raise ServerError(f"cannot resume: {path}: the checkpoint's config is invalid ({exc})") from None
         config = build_config(s, saved)
         try:
