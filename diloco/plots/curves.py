@@ -40,15 +40,22 @@ def _validate(curves: object) -> dict[str, tuple[list[float], list[float]]]:
     return out
 
 
-def _auto_top(all_ys: Sequence[list[float]]) -> float | None:
-    """Cut off the first ~5% of each curve (the initial drop) when it would squash the rest."""
-    tails = [y for ys in all_ys for y in ys[max(1, len(ys) // 20):] if math.isfinite(y)]
-    heads = [y for ys in all_ys for y in ys if math.isfinite(y)]
+def _auto_top(data: Mapping[str, tuple[list[float], list[float]]]) -> float | None:
+    """Trim the y axis above the early steep drop when it would squash the rest.
+
+    Looks at the points past the first 10% of the x range: if the full range
+    is more than 2.5x theirs, the top is set just above their maximum.
+    """
+    xs_all = [x for xs, _ in data.values() for x in xs]
+    x0, x1 = min(xs_all), max(xs_all)
+    cut = x0 + 0.1 * (x1 - x0)
+    heads = [y for _, ys in data.values() for y in ys if math.isfinite(y)]
+    tails = [y for xs, ys in data.values() for x, y in zip(xs, ys) if x >= cut and math.isfinite(y)]
     if len(tails) < 2 or not heads:
         return None
     lo, hi_tail, hi = min(heads), max(tails), max(heads)
-    if hi - lo > 2.5 * (hi_tail - lo) and hi_tail > lo:
-        return hi_tail + 0.1 * (hi_tail - lo)
+    if hi_tail > lo and hi - lo > 2.5 * (hi_tail - lo):
+        return hi_tail + 0.15 * (hi_tail - lo)
     return None
 
 
@@ -76,7 +83,7 @@ def draw_loss_curves(
         lw = 1.8 if len(xs) <= 300 else 1.1  # long (per-step) curves: thinner, so several stay readable
         ax.plot(xs, ys, color=colour, lw=lw, marker=marker, ms=3.5, label=f"{label}  ({final:.3f})", alpha=0.9)
     if ylim == "auto":
-        top = _auto_top([ys for _, ys in data.values()])
+        top = _auto_top(data)
         if top is not None:
             bottom = min(y for _, ys in data.values() for y in ys if math.isfinite(y))
             ax.set_ylim(bottom - 0.05 * (top - bottom), top)
