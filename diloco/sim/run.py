@@ -15,14 +15,10 @@ from dataclasses import dataclass, field
 from diloco.sim.checker import TraceChecker, Violation
 from diloco.sim.config import SimConfig, config_from_dict, derive_config
 from diloco.sim.simulation import SimStats, Simulation
-from diloco.sim.trace import TRACE_FORMAT, TraceWriter
+from diloco.sim.trace import TRACE_FORMAT, ConsumerAbort, TraceWriter
 
 
-class SimAbort(Exception):
-    """Stops a simulation from inside a trace consumer (``--replay`` divergence)."""
-
-
-class Divergence(SimAbort):
+class Divergence(ConsumerAbort):
     def __init__(self, index: int, expected: str | None, got: str | None) -> None:
         super().__init__(f"record {index}")
         self.index = index

@@ -62,7 +62,7 @@ from diloco.transport.messages import (
     spec_of,
 )
 from diloco.sim.config import FAULT_KINDS, MAX_LINK_DELAY_S, SimConfig
-from diloco.sim.trace import TRACE_FORMAT, TRACE_VERSION, TraceWriter, hash_values
+from diloco.sim.trace import TRACE_FORMAT, TRACE_VERSION, ConsumerAbort, TraceWriter, hash_values
 from diloco.sim.worker import SimWorker
 
 COORDINATOR = "coordinator"
@@ -173,6 +173,8 @@ class Simulation:
                 fn(arg)
                 if stats.events >= self.max_events:
                     self._end("event cap")
+        except ConsumerAbort:
+            raise
         except Exception as exc:  # a crash of the coordinator, the core or the sim is a failure
             stats.error = "".join(traceback.format_exception(exc))
             self.emit({"k": "phase", "t": self.now, "what": "crash", "error": f"{type(exc).__name__}: {exc}"})

@@ -42,6 +42,10 @@ _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True, check_circul
                           allow_nan=False).encode
 
 
+class ConsumerAbort(Exception):
+    """Raised by a trace consumer to stop the run at once (``--replay``'s divergence)."""
+
+
 def hash_values(items: Iterable[tuple[str, list[float]]]) -> str:
     """The trace's tensor hash: sha256 over each name and its little-endian float32 bytes.
 
