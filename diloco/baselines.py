@@ -87,6 +87,7 @@ __all__ = [
     "train_sync_data_parallel",
     "simulate_diloco_reference",
     "comm_bytes_per_sync",
+    "run_comparison",
 ]
 
 #: ``progress(step, total, loss)``: called after every (inner) step with that step's mean train loss.

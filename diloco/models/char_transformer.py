@@ -143,7 +143,10 @@ def build_model(config: ModelConfig | None = None, seed: int = 0) -> CharTransfo
     config = config if config is not None else ModelConfig()
     if not isinstance(config, ModelConfig):
         raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
-    model = CharTransformer(config)
+    # nn.Linear/nn.Embedding constructors draw from the global RNG; fork it so
+    # building a model never perturbs the caller's random stream.
+    with torch.random.fork_rng(devices=[]):
+        model = CharTransformer(config)
     _init_weights(model, torch.Generator().manual_seed(int(seed)))
     return model
 
