@@ -26,7 +26,7 @@ def _age(seconds: float) -> str:
     return f"{seconds:.1f} s"
 
 
-def render_status(status: dict, address: str = "", *, width: int = 100) -> str:
+def render_status(status: dict, address: str = "", *, width: int = 120) -> str:
     """A readable page of ``status`` (the coordinator's status dict), as plain text via rich."""
     from rich.console import Console
     from rich.table import Table
@@ -40,7 +40,7 @@ def render_status(status: dict, address: str = "", *, width: int = 100) -> str:
                   f"mode {status.get('mode', '?')}  rounds applied {status.get('rounds_applied', 0)}")
     gate = "BELOW min_workers: nothing applies" if below else "quorum met"
     console.print(f"quorum: {live} live / min_workers {status.get('min_workers')}: {gate}")
-    console.print(f"  reason: {status.get('quorum_reason', '')}")
+    console.print(f"  reason: {status.get('quorum_reason', '')}", soft_wrap=True)
     paused = status.get("paused_s") or 0.0
     console.print(f"  paused {paused:.1f} s in total; {status.get('contributions_accepted', 0)} contributions "
                   f"accepted; {status.get('num_params', 0)} params; outer {status.get('outer_optimizer', '?')}")
@@ -74,9 +74,13 @@ def render_status(status: dict, address: str = "", *, width: int = 100) -> str:
                       + (f" (departed, contribution kept: {', '.join(gone_parked)})" if gone_parked else ""))
     t = status.get("transport")
     if t:
+        malformed = t.get("malformed_total", 0)
+        by_code = ", ".join(f"{k} {v}" for k, v in sorted((t.get("malformed") or {}).items()))
         console.print(f"transport: {t.get('messages_in', 0)} messages in, {t.get('messages_out', 0)} out; "
-                      f"malformed {t.get('malformed_total', 0)} {t.get('malformed') or ''}; "
-                      f"refused {status.get('messages_refused', 0)}; dropped {t.get('dropped_queue_full', 0)} "
-                      f"(queue full) + {t.get('dropped_unroutable', 0)} (peer gone); "
-                      f"handshake failures {t.get('handshake_failures', 0)}")
+                      f"malformed {malformed}{f' ({by_code})' if by_code else ''}; "
+                      f"refused {status.get('messages_refused', 0)}")
+        dropped = t.get("dropped_queue_full", 0) + t.get("dropped_unroutable", 0)
+        if dropped or t.get("handshake_failures", 0):
+            console.print(f"  dropped {t.get('dropped_queue_full', 0)} (queue full) + {t.get('dropped_unroutable', 0)} "
+                          f"(peer gone); handshake failures {t.get('handshake_failures', 0)}")
     return buf.getvalue().rstrip() + "\n"
