@@ -233,6 +233,15 @@ class Coordinator:
                 self._refuse(peer, out, ErrorCode.BAD_MESSAGE,
                              "the run has no params yet: the first worker must send its initial params", msg)
                 return
+            # The run keeps fp32 params and every later join is compared with their spec:
+            # a first join in another dtype would be welcomed and then lock out every
+            # later worker with the very same model (Join: "initial fp32 params").
+            not_fp32 = [s for s in msg.spec if s.dtype != "float32"]
+            if not_fp32:
+                self._refuse(peer, out, ErrorCode.BAD_MESSAGE,
+                             f"initial params must be float32: tensor {not_fp32[0].name!r} is "
+                             f"{not_fp32[0].dtype} (send fp32 copies; workers may train in any dtype)", msg)
+                return
         elif tuple(msg.spec) != self.store.spec:
             self._refuse(peer, out, ErrorCode.MODEL_MISMATCH, _describe_mismatch(msg.spec, self.store.spec), msg)
             return

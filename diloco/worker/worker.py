@@ -393,7 +393,7 @@ class DilocoWorker:
 
     def _join_payload(self) -> tuple[tuple[TensorSpec, ...], Tensors]:
         """The model's spec and params as the run sees them: fp32 (the coordinator keeps fp32)."""
-        params = {n: p.detach().to(torch.float32).clone() for n, p in self._params.items()}
+        params = {n: p.detach().to("cpu", torch.float32).clone() for n, p in self._params.items()}
         spec = tuple(TensorSpec(n, tuple(t.shape), "float32") for n, t in params.items())
         return spec, params
 
@@ -420,7 +420,7 @@ class DilocoWorker:
             with torch.no_grad():
                 for n in frag:
                     self._params[n].copy_(params[n])
-                    self._global[n] = params[n].detach().to(torch.float32).clone()
+                    self._global[n] = params[n].detach().to("cpu", torch.float32).clone()
         self._fragments = fragments
         self._round_ids = list(msg.round_ids)
         self.mode = msg.mode
@@ -512,14 +512,15 @@ class DilocoWorker:
                 self._lifecycle.go(S.TRAINING)
                 return
             self._set_paused(self.below_min_workers and self._quorum_fresh)
-            self._maybe_resync()
+            if self._maybe_resync():
+                continue
             self._wait_turn()
 
     def _submit(self, fid: int) -> None:
         assert self._global is not None
         tensors = {}
         for n in self._fragments[fid]:
-            tensors[n] = self._global[n] - self._params[n].detach().to(torch.float32)
+            tensors[n] = self._global[n] - self._params[n].detach().to("cpu", torch.float32)
         rid = self._round_ids[fid]
         self._retry_at.pop(fid, None)
         if self._lifecycle.state is S.TRAINING:
@@ -548,7 +549,7 @@ class DilocoWorker:
             msg = self._recv(0.0)
         self._check_silence(self._clock())
 
-    def _maybe_resync(self) -> None:
+    def _maybe_resync(self) -> bool:
         """Recover from a lost Result: after a long unpaused wait, leave and join again.
 
         A transport may drop a message (ZeroMQ drops what a ROUTER sends to a peer that
@@ -562,18 +563,19 @@ class DilocoWorker:
         now = self._clock()
         if self._lifecycle.state is not S.SYNCING or not self._waiting:
             self._syncing_since = None
-            return
+            return False
         if self._syncing_since is None:
             self._syncing_since = now
-            return
+            return False
         if now - self._syncing_since < self._resync_after_s:
-            return
+            return False
         log.warning("worker %s: no Result for %s after %.1f s at the sync point; leaving and joining again",
                     self.worker_id, dict(self._waiting), now - self._syncing_since)
         self._resync_after_s *= 2
         self._syncing_since = None
         self._send(Leave(self.worker_id))
         self._rejoin_needed = True
+        return True
 
     def _set_paused(self, paused: bool) -> None:
         state = self._lifecycle.state
@@ -636,7 +638,7 @@ class DilocoWorker:
                 for n in frag:
                     t = msg.params[n]
                     self._params[n].copy_(t)
-                    self._global[n] = t.detach().to(torch.float32).clone()
+                    self._global[n] = t.detach().to("cpu", torch.float32).clone()
             self.bytes_received += _nbytes(msg.params)
             self._round_ids[fid] = msg.next_round_id
             if self.mode == "sync":

@@ -192,3 +192,31 @@ def test_checkpoint_file_names_cannot_escape_the_directory(tmp_path):
 def _loss(model, batch):
     x, y = batch
     return torch.nn.functional.mse_loss(model(x), y)
+
+
+def test_first_join_with_non_fp32_params_is_refused_naming_the_tensor():
+    """Regression: a bf16 first join used to be welcomed (the store converts to fp32), after
+    which every later worker with the same bf16 spec was refused as model_mismatch."""
+    c = Coordinator(CoordinatorConfig())
+    bf16 = {"w": torch.zeros(3, 2, dtype=torch.bfloat16), "b": torch.zeros(3)}
+    (_, err), = c.handle("a", Join("a", PROTOCOL_VERSION, spec_of(bf16), bf16), 0.0)
+    assert isinstance(err, Error) and err.code is ErrorCode.BAD_MESSAGE
+    assert "'w'" in err.detail and "bfloat16" in err.detail and "float32" in err.detail
+    assert c.store is None and c.fsm.live_workers == 0
+
+
+def test_a_bf16_model_trains_with_fp32_global_params():
+    """The worker sends fp32 copies and spec, so bf16 models join, and several of them can."""
+    with Run(min_workers=2) as run:
+        ws = []
+        for i in range(2):
+            model = linear(0).to(torch.bfloat16)
+            ws.append(run.worker(f"w{i}", model, sync_every=2))
+        for i, w in enumerate(ws):
+            run.start(w, ((x.bfloat16(), y.bfloat16()) for x, y in batches(i, 0, 4)))
+        reports = run.join_workers()
+    assert all(r.rounds_synced == 2 for r in reports.values())
+    assert all(t.dtype == torch.float32 for t in run.coordinator.store.params.values())
+    final = run.coordinator.store.params
+    for w in ws:
+        assert all(torch.equal(p, final[n].to(torch.bfloat16)) for n, p in w.model.named_parameters())
