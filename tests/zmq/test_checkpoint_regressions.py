@@ -39,3 +39,22 @@ def test_async_coordinator_checkpoint_with_delayed_nesterov_state(tmp_path):
     back = load_coordinator(tmp_path, 10.0)
     assert torch.equal(back.store.params["w"], c.store.params["w"])
     assert back.fsm.rounds_applied == 1
+
+
+def test_submission_finiteness_check_is_exact():
+    """The fast finiteness check (a finite sum proves it) agrees with ``isfinite(t).all()``."""
+    import pytest
+
+    from diloco.coordinator.params import ParamMismatch, ParamStore, all_finite
+
+    big = torch.finfo(torch.float32).max
+    cases = [torch.zeros(5), torch.tensor([1.0, float("nan")]), torch.tensor([float("inf"), 1.0]),
+             torch.tensor([float("inf"), float("-inf")]), torch.tensor([-float("inf")]),
+             torch.tensor([big, big]),  # finite values whose sum overflows: still finite
+             torch.empty(0), torch.tensor(3.0), torch.tensor([1.0, float("nan")], dtype=torch.bfloat16)]
+    for t in cases:
+        assert all_finite(t) == bool(torch.isfinite(t).all()), t
+    store = ParamStore({"w": torch.zeros(2)}, 1)
+    store.check_submission(0, {"w": torch.tensor([big, big])})
+    with pytest.raises(ParamMismatch, match="non-finite"):
+        store.check_submission(0, {"w": torch.tensor([0.0, float("nan")])})
