@@ -97,7 +97,7 @@ class _Model:
         return values_hash((n, p[n]) for n in self.fragments[f])
 
 
-@dataclass
+@dataclass(slots=True)
 class _Step:
     header: dict
     msg: dict | None
@@ -143,6 +143,8 @@ class TraceChecker:
         self.shutdown_requested = False
         self.end: dict | None = None
         self.crash_error = ""
+        self._handlers = {k: getattr(self, "_on_" + k) for k in
+                          ("config", "send", "recv", "worker", "adopt", "fault", "phase")}
         self.counts = dict(accepted=0, applied_rounds=0, applied_contributions=0, discarded_at_stop=0,
                            lost_with_crash=0, rolled_back_rounds=0, joins=0, deaths=0, leaves=0,
                            coordinator_crashes=0, snapshots=0, outer_steps_checked=0, results=0,
@@ -152,28 +154,38 @@ class TraceChecker:
 
     def feed(self, rec: dict) -> None:
         self.n += 1
-        self.t = rec.get("t", self.t)
+        self.t = rec["t"]
         s = rec.get("s")
         k = rec["k"]
-        if self._step is not None and s != self._step_id and k != "drop":
+        if s is None:
+            if k == "drop":
+                self._on_drop(rec)
+                return
+            if self._step is not None:
+                self._finish_step()
+            handler = self._handlers.get(k)
+            if handler is None:
+                self._violate("trace", f"unknown record kind {k!r}")
+                return
+            handler(rec)
+            return
+        if self._step is not None and s != self._step_id:
             self._finish_step()
-        if s is not None:
-            if self._step is None:
-                self._step_id = s
-                msg = None
-                if k == "recv":
-                    msg = self.msgs.pop(rec["m"], None)
-                self._step = _Step(rec, msg)
-            self._step.recs.append(rec)
-            if k == "send":
-                self.counts["messages"] += 1
-                self.msgs[rec["m"]] = rec
-            return
-        handler = getattr(self, "_on_" + k, None)
-        if handler is None:
-            self._violate("trace", f"unknown record kind {k!r}")
-            return
-        handler(rec)
+        # A coordinator step: its header, then what the observer reported, then the sends.
+        if self._step is None:
+            self._step_id = s
+            msg = None
+            if k == "recv":
+                # A worker's message: the record carries its fields (and ts, when it was sent).
+                msg = rec
+                wid = rec.get("worker_id")
+                if wid is not None:
+                    self.peer_wid[rec["src"]] = wid
+            self._step = _Step(rec, msg)
+        self._step.recs.append(rec)
+        if k == "send":
+            self.counts["messages"] += 1
+            self.msgs[rec["m"]] = rec
 
     def feed_line(self, line: str) -> None:
         self.feed(json.loads(line))
@@ -308,6 +320,10 @@ class TraceChecker:
         step, self._step = self._step, None
         self._step_id = None
         header, msg = step.header, step.msg
+        recs = step.recs
+        if len(recs) == 2 and recs[1]["k"] == "send" and recs[1]["type"] == "HeartbeatReply":
+            self._send(recs[1], step)  # the commonest step: a heartbeat and its reply
+            return
         sends = [r for r in step.recs if r["k"] == "send"]
         accepted = [r for r in sends if r["type"] == "Accepted"]
         if accepted:
@@ -477,14 +493,15 @@ class TraceChecker:
             self._violate("I1", f"fragment {f} round {r} applied in phase {self.phase}")
         pend = self.pending[f]
         if sync:
-            missing = [w for w in live if w not in contributors]
+            cset = set(contributors)
+            missing = [w for w in live if w not in cset]
             if missing:
                 self._violate("I1", f"fragment {f} round {r} applied without live members {missing}")
             if len(contributors) < mw:
                 self._violate("I1", f"fragment {f} round {r} applied with {len(contributors)} contributors "
                                     f"< min_workers {mw}")
             unaccepted = [w for w in contributors if w not in pend]
-            dropped = [w for w in pend if w not in contributors]
+            dropped = [w for w in pend if w not in cset]
             if unaccepted:
                 self._violate("I4", f"fragment {f} round {r} lists {unaccepted}, whose contributions were never "
                                     f"accepted for it")

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import heapq
 import random
+from math import log as _log
 import traceback
 from dataclasses import dataclass, field
 
@@ -99,6 +100,8 @@ class Simulation:
         self.trace = trace
         self.emit = trace.emit
         self.rng = random.Random(f"{cfg.seed}/run")
+        self._random = self.rng.random
+        self._jitter = cfg.jitter
         self.sync = cfg.mode == "sync"
         self.max_events = max_events
         self.stats = SimStats()
@@ -243,48 +246,62 @@ class Simulation:
                 self.schedule(t, self._peer_lost, peer)
 
     def _delay(self, base: float) -> float:
-        jitter = self.rng.expovariate(1.0 / (self.cfg.jitter * base))
-        return min(base + jitter, MAX_LINK_DELAY_S)
+        # base + exponential jitter with mean cfg.jitter * base (random.expovariate, inlined), capped.
+        d = base - _log(1.0 - self._random()) * self._jitter * base
+        return d if d < MAX_LINK_DELAY_S else MAX_LINK_DELAY_S
 
     def send_from_worker(self, w: SimWorker, msg) -> None:
+        """Hand a worker's message to the network. It is traced when delivered (``recv``, with
+        its fields and ``ts``, the send time) or lost (``drop``, the same fields)."""
         self._mid += 1
         mid = self._mid
         peer = w.peer
-        now = self.now
-        if type(msg) is Heartbeat:
-            # The commonest record: formatted by hand (ids and peer names never need escaping).
-            rec = {"k": "send", "t": now, "m": mid, "src": peer, "dst": COORDINATOR, "type": "Heartbeat",
-                   "worker_id": msg.worker_id}
-            self.emit(rec, f'{{"k":"send","t":{now!r},"m":{mid},"src":"{peer}","dst":"coordinator",'
-                           f'"type":"Heartbeat","worker_id":"{msg.worker_id}"}}')
-        else:
-            rec = {"k": "send", "t": now, "m": mid, "src": peer, "dst": COORDINATOR}
-            rec.update(_encode(msg))
-            self.emit(rec)
         self.stats.messages_sent += 1
         if self._partitioned.get(w.wid):
-            self.record_drop(mid, peer, COORDINATOR, msg, "partition")
+            self._drop_from_worker(mid, peer, msg, self.now, "partition")
             return
         t = self.now + self._delay(w.link_delay_s)
         last = self._up_last.get(peer, 0.0)
         if t < last:
             t = last
         self._up_last[peer] = t
-        self.schedule(t, self._deliver_to_coord, (mid, peer, msg))
+        self.schedule(t, self._deliver_to_coord, (mid, peer, msg, self.now))
 
-    def _send_to_worker(self, peer: str, msg, fields: dict) -> None:
+    def _drop_from_worker(self, mid: int, peer: str, msg, sent_s: float, why: str) -> None:
+        self.stats.messages_dropped += 1
+        rec = {"k": "drop", "t": self.now, "m": mid, "src": peer, "dst": COORDINATOR, "ts": sent_s, "why": why}
+        rec.update(_encode(msg))
+        self.emit(rec)
+
+    def _send_to_worker(self, peer: str, msg, fields: dict | None) -> None:
         self._mid += 1
         mid = self._mid
         now = self.now
         step = self._step
+        typ = type(msg)
+        head = f'{{"k":"send","t":{now!r},"s":{step},"m":{mid},"src":"coordinator","dst":"{peer}",'
+        if typ is HeartbeatReply:
+            # The commonest coordinator message: record and line built directly.
+            below, command = msg.below_min_workers, msg.command.value
+            self.emit({"k": "send", "t": now, "s": step, "m": mid, "src": COORDINATOR, "dst": peer,
+                       "type": "HeartbeatReply", "below_min_workers": below, "min_workers": msg.min_workers,
+                       "phase": msg.phase, "command": command},
+                      f'{head}"type":"HeartbeatReply","below_min_workers":{_JSON_BOOL[below]},'
+                      f'"min_workers":{msg.min_workers},"phase":"{msg.phase}","command":"{command}"}}')
+            self._transmit(peer, mid, msg)
+            return
         rec = {"k": "send", "t": now, "s": step, "m": mid, "src": COORDINATOR, "dst": peer}
         rec.update(fields)
-        if type(msg) is HeartbeatReply:
-            self.emit(rec, f'{{"k":"send","t":{now!r},"s":{step},"m":{mid},"src":"coordinator","dst":"{peer}",'
-                           f'"type":"HeartbeatReply","below_min_workers":{_JSON_BOOL[msg.below_min_workers]},'
-                           f'"min_workers":{msg.min_workers},"phase":"{msg.phase}","command":"{msg.command.value}"}}')
+        if typ is Accepted:
+            self.emit(rec, f'{head}"type":"Accepted","fragment_id":{msg.fragment_id},"round_id":{msg.round_id}}}')
+        elif typ is Result:
+            self.emit(rec, f'{head}"type":"Result","fragment_id":{msg.fragment_id},"round_id":{msg.round_id},'
+                           f'"outcome":"{msg.outcome}","next_round_id":{msg.next_round_id},"h":"{fields["h"]}"}}')
         else:
             self.emit(rec)
+        self._transmit(peer, mid, msg)
+
+    def _transmit(self, peer: str, mid: int, msg) -> None:
         self.stats.messages_sent += 1
         wid = self._peer_wid.get(peer)
         if wid is None or self._partitioned.get(wid):
@@ -372,8 +389,11 @@ class Simulation:
                 rec.update(_encode(msg))
                 self.emit(rec)
                 continue
-            msg, rec = self._freeze(msg, cache)
-            self._send_to_worker(peer, msg, rec)
+            if type(msg) is HeartbeatReply:
+                self._send_to_worker(peer, msg, None)
+            else:
+                msg, rec = self._freeze(msg, cache)
+                self._send_to_worker(peer, msg, rec)
 
     def _freeze(self, msg, cache: dict):
         """Copy the tensors a message carries, as the wire would (the coordinator's are live)."""
@@ -404,19 +424,26 @@ class Simulation:
         return msg, _encode(msg)
 
     def _deliver_to_coord(self, arg) -> None:
-        mid, peer, msg = arg
+        mid, peer, msg, sent_s = arg
         wid = self._peer_wid[peer]
         if self._partitioned.get(wid):
-            self.record_drop(mid, peer, COORDINATOR, msg, "partition")
+            self._drop_from_worker(mid, peer, msg, sent_s, "partition")
             return
         if self.coord is None:
-            self.record_drop(mid, peer, COORDINATOR, msg, "coordinator down")
+            self._drop_from_worker(mid, peer, msg, sent_s, "coordinator down")
             return
         self.stats.messages_delivered += 1
         now = self.now
-        typ = type(msg).__name__
-        header = {"k": "recv", "t": now, "m": mid, "src": peer, "dst": COORDINATOR, "type": typ}
-        line = f'{{"k":"recv","t":{now!r},"m":{mid},"src":"{peer}","dst":"coordinator","type":"{typ}","s":'
+        header = {"k": "recv", "t": now, "m": mid, "src": peer, "dst": COORDINATOR, "ts": sent_s}
+        if type(msg) is Heartbeat:
+            # The commonest record: formatted by hand (ids and peer names never need escaping).
+            header["type"] = "Heartbeat"
+            header["worker_id"] = msg.worker_id
+            line = (f'{{"k":"recv","t":{now!r},"m":{mid},"src":"{peer}","dst":"coordinator","ts":{sent_s!r},'
+                    f'"type":"Heartbeat","worker_id":"{msg.worker_id}","s":')
+        else:
+            header.update(_encode(msg))
+            line = None
         self._coord_call(header, self.coord.handle, peer, msg, now, line=line)
 
     def _peer_lost(self, peer: str) -> None:

@@ -3,14 +3,16 @@
 Record kinds (every record has ``k``, the kind, and ``t``, simulated seconds):
 
 ``config``  first record: the format, the seed, the overrides and every derived knob.
-``send``    a message handed to the network: ``m`` (message id), ``src``, ``dst`` (peer
-            names), ``type`` and the message's non-tensor fields; tensor payloads appear as
-            ``h`` (a hash: sha256 over names and little-endian float32 bytes, 16 hex digits)
-            and, where a checker needs the numbers, ``v`` (name -> list of floats). A
-            coordinator's sends carry ``s``, the coordinator step that produced them.
-``recv``    message ``m`` was delivered (``src``, ``dst``, ``type``); on the coordinator
-            side it opens step ``s``.
-``drop``    message ``m`` was lost (``why``: partition, crashed, closed, coordinator down).
+``recv``    message ``m`` was delivered: ``src``, ``dst`` (peer names), ``type``. A
+            worker's message delivered to the coordinator opens coordinator step ``s`` and
+            carries the message's non-tensor fields and ``ts``, when it was sent; tensor
+            payloads appear as ``h`` (a hash: sha256 over names and little-endian float32
+            bytes, 16 hex digits) and, where a checker needs the numbers, ``v`` (name -> list
+            of floats). A coordinator's message delivered to a worker refers to its ``send``.
+``send``    a message the coordinator sent, in step ``s``: ``m`` (message id), ``src``,
+            ``dst``, ``type`` and its fields (tensors as ``h``, as above).
+``drop``    message ``m`` was lost (``why``: partition, closed, coordinator down); a
+            worker's message carries its fields here instead of in a ``recv``.
 ``tick`` ``lost`` ``admin``   other coordinator steps: a clock tick that changed something,
             the transport reporting a peer gone, an operator command.
 ``obs``     an event from the coordinator's observer (``what``: join, dead, left, quorum,
@@ -67,31 +69,35 @@ def tensors_to_lists(tensors: dict[str, torch.Tensor]) -> dict[str, list[float]]
 class TraceWriter:
     """Serialises records, hashes them, writes them to a file and feeds consumers.
 
-    A consumer is any callable taking the record (a dict of JSON types). Records are
-    never kept in memory here, so a long run costs O(1) memory for its trace.
+    A consumer is a callable taking ``(record, line)``: the record (a dict of JSON
+    types only) and its line. A record consumer takes the record alone (the checker,
+    the timeline). Records are never kept in memory here, so a long run costs O(1)
+    memory for its trace.
     """
 
-    def __init__(self, path: str | None = None, consumers: Iterable[Callable[[dict], None]] = ()) -> None:
+    def __init__(self, path: str | None = None, consumers: Iterable[Callable[[dict, str], None]] = (),
+                 record_consumers: Iterable[Callable[[dict], None]] = ()) -> None:
         self._sha = hashlib.sha256()
         self._file: IO[str] | None = open(path, "w", encoding="ascii") if path else None
         self._consumers = list(consumers)
+        self._record_consumers = list(record_consumers)
+        self._sha_update = self._sha.update
         self.count = 0
-
-    def add_consumer(self, consumer: Callable[[dict], None]) -> None:
-        self._consumers.append(consumer)
 
     def emit(self, record: dict, line: str | None = None) -> None:
         """Write ``record``. Hot paths pass ``line`` pre-formatted; it must equal ``json.dumps``'s."""
         if line is None:
             line = _dumps(record)
         self.count += 1
-        self._sha.update(line.encode("ascii"))
-        self._sha.update(b"\n")
+        data = line + "\n"
+        self._sha_update(data.encode("ascii"))
         if self._file is not None:
-            self._file.write(line)
-            self._file.write("\n")
-        for consumer in self._consumers:
-            consumer(record, line)
+            self._file.write(data)
+        if self._consumers:
+            for consumer in self._consumers:
+                consumer(record, line)
+        for consumer in self._record_consumers:
+            consumer(record)
 
     def sha256(self) -> str:
         return self._sha.hexdigest()

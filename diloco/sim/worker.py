@@ -257,7 +257,9 @@ class SimWorker:
         params = self.params
         names = self.fragments[fid]
         h = hash_values((n, params[n].tolist()) for n in names)
-        self.sim.emit({"k": "adopt", "t": self.sim.now, "w": self.wid, "m": mid, "f": fid, "h": h})
+        now = self.sim.now
+        self.sim.emit({"k": "adopt", "t": now, "w": self.wid, "m": mid, "f": fid, "h": h},
+                      f'{{"k":"adopt","t":{now!r},"w":"{self.wid}","m":{mid},"f":{fid},"h":"{h}"}}')
 
     def _begin_segment(self) -> None:
         nfrag = len(self.fragments)

@@ -102,7 +102,7 @@ def test_a_worker_left_running_after_the_stop_is_caught(clean):
 
 
 def test_an_accepted_contribution_for_the_wrong_round_is_caught(clean):
-    rules, _ = _tamper(clean, lambda r: r["k"] == "send" and r.get("type") == "Submit",
+    rules, _ = _tamper(clean, lambda r: r["k"] == "recv" and r.get("type") == "Submit" and "worker_id" in r,
                        lambda r: r.update(round_id=r["round_id"] + 5), nth=10)
     assert rules & {"I2", "R4"}
 
