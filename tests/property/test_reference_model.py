@@ -311,58 +311,57 @@ configs = st.builds(
     max_worker_id_len=st.just(4),
 )
 
-# Actions are resolved into events against the reference's state at the time,
-# so "submit for the open round" stays meaningful as rounds advance.
-actions = st.one_of(
-    st.tuples(st.just("join"), st.sampled_from(WORKERS + ("", "TOOLONG", 3, None))),
-    st.tuples(st.just("heartbeat"), st.sampled_from(WORKERS + (None, ("A",)))),
-    st.tuples(st.just("submit"), st.sampled_from(WORKERS), st.integers(-1, 3),
-              st.sampled_from((0, 0, 0, -1, 1, -2, -3))),
-    st.tuples(st.just("submit"), st.sampled_from(WORKERS), st.integers(-1, 3),
-              st.sampled_from((0, 0, 0, -1, 1, -2, -3))),
-    st.tuples(st.just("submit_raw"), st.sampled_from(WORKERS + (["A"],)),
-              st.sampled_from((0, 1, True, "0", None)), st.sampled_from((0, 1, -1, 2.0, "1", None))),
-    st.tuples(st.just("everyone"), st.integers(0, 2)),
-    st.tuples(st.just("leave"), st.sampled_from(WORKERS + (7,)), st.sampled_from(list(LeaveCause))),
-    st.tuples(st.just("tick"), st.sampled_from((0.0, 0.1, 0.2, 0.3, 0.7, 1.0, 2.5, 9.9, 10.0, 10.1, 25.0, -0.5))),
-    st.tuples(st.just("tick"), st.sampled_from((0.1, 0.2, 0.7, 1.1))),
-    st.tuples(st.just("deadline"), st.integers(0, 3), st.sampled_from((0.0, 5e-324, 1e-9))),
-    st.tuples(st.just("deadline"), st.integers(0, 3), st.just(0.0)),
-    st.tuples(st.just("min"), st.sampled_from((1, 2, 3, 4, 0, 6, True, "2"))),
-    st.tuples(st.just("shutdown"), st.sampled_from(list(ShutdownKind) + ["bogus"])),
-)
+# An action is (kind, a, b, c): a kind, weighted towards the events that make
+# progress, and three small integers that ``resolve`` turns into a concrete
+# event against the reference's state at the time, so "a member submits for
+# the open round" stays meaningful as rounds advance and members change.
+KINDS = (["join"] * 3 + ["submit"] * 6 + ["everyone"] * 2 + ["heartbeat"] * 2 + ["leave"] * 2
+         + ["tick"] * 2 + ["deadline"] + ["min"] + ["garbage"] * 2 + ["shutdown"])
+actions = st.tuples(st.sampled_from(KINDS), st.integers(0, 7), st.integers(0, 7), st.integers(0, 7))
+
+TICKS = (0.0, 0.1, 0.2, 0.3, 0.7, 1.1, 2.5, 9.9, 10.0, 10.1, 25.0)
+BAD_IDS = ("", "TOOLONG", 3, None, ("A",), ["A"])
 
 
 def resolve(action, ref: Reference) -> list:
     """Turn an action into the concrete event(s) it means right now."""
-    kind = action[0]
+    kind, a, b, c = action
+    members = sorted(ref.members)
+    # Mostly a live member; sometimes any id (maybe departed, maybe never joined).
+    wid = members[a % len(members)] if members and b < 6 else WORKERS[a % len(WORKERS)]
+    nfrag = len(ref.open)
+    fid = a % nfrag
     if kind == "join":
-        return [WorkerJoined(action[1])]
+        return [WorkerJoined(WORKERS[a % len(WORKERS)] if c else BAD_IDS[b % len(BAD_IDS)])]
     if kind == "heartbeat":
-        return [HeartbeatSeen(action[1])]
+        return [HeartbeatSeen(wid if c else BAD_IDS[b % len(BAD_IDS)])]
     if kind == "submit":
-        _, wid, fid, delta = action
-        open_id = ref.open[fid] if 0 <= fid < len(ref.open) else 0
-        return [ContributionSubmitted(wid, fid, open_id + delta)]
-    if kind == "submit_raw":
-        return [ContributionSubmitted(action[1], action[2], action[3])]
+        delta = (0, 0, 0, 0, -1, 1, -2, -3)[c]
+        return [ContributionSubmitted(wid, fid, ref.open[fid] + delta)]
     if kind == "everyone":
-        fid = action[1] % len(ref.open)
-        return [ContributionSubmitted(w, fid, ref.open[fid]) for w in sorted(ref.members)]
+        lag = 1 if (c == 0 and not ref.sync) else 0
+        return [ContributionSubmitted(w, fid, max(ref.open[fid] - lag, 0)) for w in members]
     if kind == "leave":
-        return [WorkerLeft(action[1], action[2])]
+        return [WorkerLeft(wid if c else BAD_IDS[b % len(BAD_IDS)], list(LeaveCause)[b % 3])]
     if kind == "tick":
-        return [Ticked(ref.now + action[1])]
+        return [Ticked(ref.now + TICKS[(a + b) % len(TICKS)] + (-0.5 if c == 7 else 0.0))]
     if kind == "deadline":
         # Exactly at (or just past) a member's heartbeat deadline: the R9 boundary.
-        _, k, eps = action
         if not ref.members:
             return [Ticked(ref.now)]
-        last = sorted(last for last, _ in ref.members.values())[k % len(ref.members)]
+        last = sorted(last for last, _ in ref.members.values())[a % len(ref.members)]
+        eps = (0.0, 0.0, 5e-324, 1e-9)[b % 4]
         return [Ticked(max(ref.now, last + ref.cfg.heartbeat_timeout_s + eps))]
     if kind == "min":
-        return [MinWorkersChanged(action[1])]
-    return [ShutdownRequested(action[1])]
+        return [MinWorkersChanged((1, 2, 3, 1, 2, 4, 0, "2")[b])]
+    if kind == "garbage":
+        bad_fid = (0, 1, -1, nfrag, True, "0", None, 0.0)[b]
+        bad_rid = (0, 1, -1, 2.0, "1", None, False, 10**9)[c]
+        return [ContributionSubmitted(wid if a < 6 else ["A"], bad_fid, bad_rid)]
+    # shutdown: only one draw in four, so scripts get deep before they end.
+    if c >= 2:
+        return []
+    return [ShutdownRequested((list(ShutdownKind) + ["bogus"])[b % 4])]
 
 
 def run_both(fsm: RoundFSM, ref: Reference, event):
@@ -389,7 +388,7 @@ def check_script(cfg: FSMConfig, script) -> None:
 
 
 @settings(max_examples=max(settings().max_examples * 5, 100))
-@given(cfg=configs, script=st.lists(actions, max_size=60))
+@given(cfg=configs, script=st.lists(actions, min_size=10, max_size=80))
 def test_roundfsm_matches_reference(cfg, script):
     """Same events -> the same effects, step by step (R1-R12, P1-P4)."""
     check_script(cfg, script)
