@@ -40,6 +40,9 @@ fragment's round and params, the outer optimizer's state -- and checks:
   contribution of that worker; every live contributor of an apply gets one.
 * **I12** phase moves follow SPEC.md section 6, and RUNNING/DRAINING imply
   quorum, FORMING/PAUSED its absence.
+* **net** the environment keeps its promise: on each connection, messages are
+  delivered in the order they were sent (ZeroMQ over TCP); message ids grow
+  in send order, so each link's delivered ids must grow.
 """
 
 from __future__ import annotations
@@ -133,6 +136,8 @@ class TraceChecker:
         self.stop_kind = ""
         self.msgs: dict[int, dict] = {}
         self.peer_wid: dict[str, str] = {}
+        #: (src, dst) -> the last message id delivered on that link (per-connection FIFO).
+        self.link_last: dict[tuple[str, str], int] = {}
         self.wstate: dict[str, str] = {}
         self._step: _Step | None = None
         self._step_id = None
@@ -178,6 +183,7 @@ class TraceChecker:
             if k == "recv":
                 # A worker's message: the record carries its fields (and ts, when it was sent).
                 msg = rec
+                self._fifo(rec)
                 wid = rec.get("worker_id")
                 if wid is not None:
                     self.peer_wid[rec["src"]] = wid
@@ -205,8 +211,10 @@ class TraceChecker:
         if self.shutdown_requested and not self.stopped:
             self._violate("I5", "a shutdown was requested but the run never stopped")
         if self.stopped:
+            # A worker still joining (say, retrying after too_many_workers) is not a member and
+            # holds nothing: not parked. One training, waiting or paused missed the stop.
             for wid, state in sorted(self.wstate.items()):
-                if state not in ("stopped", "dead"):
+                if state in ("training", "waiting", "paused", "frozen"):
                     self._violate("I5", f"{wid} is still {state} at the end of the run, after the stop")
         self.counts["pending_at_end"] = sum(len(p) for p in self.pending)
         return self.violations
@@ -235,7 +243,17 @@ class TraceChecker:
         if wid is not None:
             self.peer_wid[rec["src"]] = wid
 
+    def _fifo(self, rec: dict) -> None:
+        link = (rec["src"], rec["dst"])
+        m = rec["m"]
+        last = self.link_last.get(link, 0)
+        if m < last:
+            self._violate("net", f"message {m} on {link[0]} -> {link[1]} delivered after message {last}, "
+                                 f"which was sent later: per-connection FIFO broken")
+        self.link_last[link] = m
+
     def _on_recv(self, rec: dict) -> None:  # delivered to a worker
+        self._fifo(rec)
         self._last_recv = self.msgs.pop(rec["m"], None)
         if self._last_recv is None:
             self._violate("trace", f"message {rec['m']} delivered but never sent")

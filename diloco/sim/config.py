@@ -97,6 +97,10 @@ class SimConfig:
     #: Delayed Nesterov's delay (async); 0 = the coordinator's default (min_workers at install).
     outer_delay: int
     max_staleness: int
+    #: The core's limits (SPEC.md section 2); some seeds make them tight to exercise the
+    #: held_limit, stale_round and too_many_workers rejections.
+    max_held_per_fragment: int
+    max_workers: int
     #: Element count of each model tensor (the light worker's "model" is these float32 vectors).
     param_sizes: tuple[int, ...]
     #: Overrides given on the command line (for the record; the values above already include them).
@@ -236,6 +240,13 @@ def derive_config(seed: int, *, workers: int | None = None, rounds: int | None =
     delay_hi = delay_lo + (0.05 if u[13] < 0.8 else 0.15) * u[14]
     shutdown_kind = overrides.get("shutdown") or pick(u[15], [(0.25, "none"), (0.35, "drain"),
                                                               (0.2, "save_and_stop"), (0.2, "abort")])
+    # Limits come from their own stream, so adding them did not change any other knob of a seed.
+    lim = random.Random(f"{seed}/limits")
+    lu = [lim.random() for _ in range(8)]
+    max_held = 1024 if lu[0] < 0.7 else 1 + int(lu[1] * 3)
+    # Tight staleness: about what a worker's base ages in one pass over the fragments.
+    max_staleness = max(8, 4 * n_workers * n_frag) if lu[2] < 0.7 else max(1, n_workers)
+    max_workers = 10_000 if lu[3] < 0.75 else n_workers + 1 + int(lu[4] * 3)
     cfg = SimConfig(
         seed=seed,
         workers=n_workers,
@@ -272,7 +283,9 @@ def derive_config(seed: int, *, workers: int | None = None, rounds: int | None =
         outer_lr=round(0.3 + 0.7 * u[32], 6),
         outer_momentum=round(0.9 * u[33], 6) if u[34] < 0.85 else 0.0,
         outer_delay=0 if u[35] < 0.6 else 1 + int(u[36] * 4),
-        max_staleness=max(8, 4 * n_workers * n_frag),
+        max_staleness=max_staleness,
+        max_held_per_fragment=max_held,
+        max_workers=max_workers,
         param_sizes=sizes,
         overrides=overrides,
     )

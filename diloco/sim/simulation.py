@@ -132,7 +132,8 @@ class Simulation:
         # the coordinator
         self.coord_config = CoordinatorConfig(
             fsm=FSMConfig(min_workers=cfg.min_workers, mode=cfg.mode, num_fragments=cfg.num_fragments,
-                          heartbeat_timeout_s=cfg.heartbeat_timeout_s, max_staleness=cfg.max_staleness),
+                          heartbeat_timeout_s=cfg.heartbeat_timeout_s, max_staleness=cfg.max_staleness,
+                          max_held_per_fragment=cfg.max_held_per_fragment, max_workers=cfg.max_workers),
             outer=OuterConfig("nesterov" if self.sync else "delayed_nesterov", cfg.outer_lr,
                               cfg.outer_momentum, cfg.outer_delay),
             heartbeat_interval_s=cfg.heartbeat_interval_s,

@@ -118,3 +118,15 @@ def test_forgetting_that_a_crash_loses_pending_contributions_is_caught(faulty):
     recs = [r for r in faulty if not (r["k"] == "fault" and r["what"] == "coord_crash")]
     violations, _ = check_records(recs)
     assert violations
+
+
+def test_a_reordering_within_one_connection_is_caught(clean):
+    recs = copy.deepcopy(clean)
+    # Swap two consecutive deliveries on the same coordinator -> worker link.
+    first = next(i for i, r in enumerate(recs) if r["k"] == "recv" and "s" not in r and r["type"] == "HeartbeatReply")
+    link = (recs[first]["src"], recs[first]["dst"])
+    second = next(i for i in range(first + 1, len(recs))
+                  if recs[i]["k"] == "recv" and "s" not in recs[i] and (recs[i]["src"], recs[i]["dst"]) == link)
+    recs[first]["m"], recs[second]["m"] = recs[second]["m"], recs[first]["m"]
+    violations, _ = check_records(recs)
+    assert any(v.rule == "net" and "FIFO" in v.detail for v in violations)
