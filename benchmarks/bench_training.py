@@ -1,0 +1,563 @@
+"""bench_training: DiLoCo with the real system vs synchronous data parallel and a single worker.
+
+DiLoCo here is the real thing, wired as ``diloco demo`` wires it (without
+faults): k ``DilocoWorker`` threads, each training its own replica with
+AdamW on its own i.i.d. shard, talking to the real ``Coordinator`` (in a
+``CoordinatorThread``) over the in-process transport, ``min_workers = k``.
+It runs at H = 10 and at H = 50 and is compared with fully synchronous data
+parallel (``diloco.baselines.train_sync_data_parallel``, k workers) and a
+single worker (``train_single_worker``), all for the same number of inner
+steps per worker with the same settings (batch, inner lr schedule, model,
+seed, data shards and samplers). Each method's final model -- for DiLoCo the
+coordinator's final global params -- is scored with ``evaluate_loss`` on the
+corpus' held-out split, on the same fixed eval windows for all.
+
+It also measures the coordinator's own cost: ``Coordinator.handle`` and
+``Coordinator.tick`` (and ``_apply`` and the coordinator endpoint's ``send``)
+are wrapped -- on the instance, nothing is edited -- to accumulate the wall
+and thread-CPU time spent in the coordinator thread, by message kind and per
+round. ``overhead_share`` = time spent handling ``Submit`` messages (which
+includes accumulating the pseudo-gradients and applying the round: the outer
+step and the snapshot for the Results) / wall time of the run's rounds (first
+Welcome to last apply), the larger of the H = 10 and H = 50 runs.
+
+Threads: every DiLoCo thread (workers and coordinator) runs with one torch
+intra-op thread (k threads share the cores); the sequential baselines run
+with ``--baseline-threads`` (default 2). Losses do not depend on it; wall
+times do -- on a machine already loaded by other processes 2 intra-op threads
+can be several times *slower* than 1, so pass ``--baseline-threads 1`` there.
+
+Usage::
+
+    python benchmarks/bench_training.py            # 1000 inner steps (DESIGN.md s6), 30-60+ min
+    python benchmarks/bench_training.py --quick    # 200 steps, smoke run, a few minutes
+
+Progress goes to stderr; the report to stdout, whose last line is::
+
+    RESULT bench_training h10_vs_sync=R h50_vs_sync=R single_vs_sync=R overhead_share=R
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from diloco.baselines import (
+    BaselineResult,
+    TrainSettings,
+    _clip,
+    _inner_optimizer,
+    _samplers,
+    comm_bytes_per_sync,
+    default_corpus,
+    train_single_worker,
+    train_sync_data_parallel,
+)
+from diloco.coordinator import Coordinator, CoordinatorConfig, OuterConfig
+from diloco.coordinator.runner import CoordinatorThread
+from diloco.core import FSMConfig
+from diloco.data import Corpus, derive_seed
+from diloco.models import build_model, evaluate_loss, param_bytes
+from diloco.transport.inproc import InprocNetwork
+from diloco.transport.messages import AdminRequest
+from diloco.worker import DilocoWorker
+
+# Goals (see benchmarks/README.md).
+GOAL_H10_VS_SYNC = 1.02
+GOAL_H50_VS_SYNC = 1.08
+GOAL_OVERHEAD_SHARE = 0.05
+
+#: Default outer Nesterov lr per H. From a check with simulate_diloco_reference at
+#: 1000 steps (see README): 0.7, the paper's value, is stable at both H here.
+DEFAULT_OUTER_LR = {10: 0.7, 50: 0.7}
+OUTER_MOMENTUM = 0.9
+
+METHODS = ("sync", "h10", "h50", "single")
+
+
+def note(text: str) -> None:
+    print(f"[bench_training {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- coordinator instrumentation
+
+
+@dataclass
+class _Acc:
+    count: int = 0
+    wall: float = 0.0
+    cpu: float = 0.0
+
+    def add(self, wall: float, cpu: float) -> None:
+        self.count += 1
+        self.wall += wall
+        self.cpu += cpu
+
+
+@dataclass
+class CoordinatorProbe:
+    """Times what the coordinator thread does, by wrapping the instance's methods."""
+
+    #: handle() by message type name, plus "tick" and "send".
+    by_kind: dict[str, _Acc] = field(default_factory=lambda: defaultdict(_Acc))
+    #: Submit handling (incl. the apply it triggers) per round id.
+    submit_by_round: dict[int, _Acc] = field(default_factory=lambda: defaultdict(_Acc))
+    #: Coordinator._apply alone (outer step + snapshot): wall per round id.
+    apply_by_round: dict[int, float] = field(default_factory=dict)
+    #: perf_counter() at each apply, by round id, and at the first Welcome.
+    applied_at: dict[int, float] = field(default_factory=dict)
+    first_join_at: float | None = None
+    #: Wall time of ticks that applied a round (none expected in a sync run without faults).
+    tick_apply_wall: float = 0.0
+
+    def install(self, coordinator: Coordinator, endpoint) -> None:
+        handle, tick, apply, send = coordinator.handle, coordinator.tick, coordinator._apply, endpoint.send
+        pc, tt = time.perf_counter, time.thread_time
+        threads_set = []
+
+        def one_thread() -> None:
+            # The coordinator thread is not ours to start; give it one intra-op thread
+            # like every other DiLoCo thread, on its first call (not timed).
+            if not threads_set:
+                torch.set_num_threads(1)
+                threads_set.append(True)
+
+        def timed_handle(peer, message, now_s):
+            one_thread()
+            w0, c0 = pc(), tt()
+            out = handle(peer, message, now_s)
+            w, c = pc() - w0, tt() - c0
+            kind = type(message).__name__
+            self.by_kind[kind].add(w, c)
+            if kind == "Submit" and isinstance(message.round_id, int):
+                self.submit_by_round[message.round_id].add(w, c)
+            return out
+
+        def timed_tick(now_s):
+            one_thread()
+            before = coordinator.stats.rounds_applied
+            w0, c0 = pc(), tt()
+            out = tick(now_s)
+            w, c = pc() - w0, tt() - c0
+            self.by_kind["tick"].add(w, c)
+            if coordinator.stats.rounds_applied != before:
+                self.tick_apply_wall += w
+            return out
+
+        def timed_apply(effect, now):
+            w0 = pc()
+            apply(effect, now)
+            self.apply_by_round[effect.round_id] = pc() - w0
+
+        def timed_send(peer, message):
+            w0, c0 = pc(), tt()
+            send(peer, message)
+            self.by_kind["send " + type(message).__name__].add(pc() - w0, tt() - c0)
+
+        coordinator.handle = timed_handle
+        coordinator.tick = timed_tick
+        coordinator._apply = timed_apply
+        endpoint.send = timed_send
+
+    def observe(self, what: str, now_s: float, info: dict) -> None:
+        # Runs inside handle(): keep it to a timestamp.
+        if what == "apply":
+            self.applied_at[info["round_id"]] = time.perf_counter()
+        elif what == "join" and self.first_join_at is None:
+            self.first_join_at = time.perf_counter()
+
+
+# --------------------------------------------------------------------------- one real DiLoCo run
+
+
+@dataclass
+class DilocoRun:
+    result: BaselineResult
+    probe: CoordinatorProbe
+    rounds: int
+    outer_lr: float
+    status: dict
+    oddities: list[str]
+
+
+class _RealDiloco:
+    def __init__(self, k: int, H: int, steps: int, outer_lr: float, s: TrainSettings, corpus: Corpus,
+                 seed: int) -> None:
+        if steps % H:
+            raise SystemExit(f"--steps {steps} is not a multiple of H={H}")
+        self.k, self.H, self.steps, self.outer_lr, self.s, self.corpus, self.seed = k, H, steps, outer_lr, s, corpus, seed
+        self.rounds = steps // H
+        self.samplers = _samplers(corpus, k, s, seed)
+        self.probe = CoordinatorProbe()
+        self.net = InprocNetwork()
+        fsm = FSMConfig(min_workers=k)
+        self.coordinator = Coordinator(
+            CoordinatorConfig(fsm, OuterConfig("nesterov", outer_lr, OUTER_MOMENTUM)),
+            now_s=time.monotonic(), observer=self.probe.observe)
+        self.lock = threading.Lock()
+        self.losses: dict[int, list[float]] = defaultdict(list)
+        self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
+        self.errors: list[BaseException] = []
+        self.workers: dict[str, DilocoWorker] = {}
+        self.steps_done: dict[str, int] = {}
+
+    def _worker(self, index: int, worker_id: str) -> None:
+        try:
+            self._train(index, worker_id)
+        except BaseException as exc:  # reported by run()
+            self.errors.append(exc)
+
+    def _train(self, index: int, worker_id: str) -> None:
+        torch.set_num_threads(1)
+        s = self.s
+        model = build_model(s.model, derive_seed(self.seed, "model"))
+        opt, sched = _inner_optimizer(model, s, self.steps)
+        w = DilocoWorker(model, opt, self.net.connect(worker_id), worker_id=worker_id, sync_every=self.H,
+                         join_timeout_s=120.0)
+        self.workers[worker_id] = w
+        w.join()
+        sampler = self.samplers[index]
+        done = 0
+        for step in range(1, self.steps + 1):
+            x, y = sampler.next()
+            loss = model.loss(x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            _clip(model, s)
+            opt.step()
+            sched.step()
+            with self.lock:
+                self.losses[step].append(loss.item())
+            done = step
+            if not w.step_done():
+                break
+            # Worker 0 keeps the global model at eval points (its fp32 copy right after a
+            # sync), so the coordinator thread does no extra work for the eval curve.
+            if index == 0 and step % self.H == 0 and step % s.eval_every == 0:
+                self.snapshots[step] = {n: t.clone() for n, t in w.global_params.items()}
+        self.steps_done[worker_id] = done
+        w.leave()
+
+    def run(self) -> DilocoRun:
+        label = f"DiLoCo H={self.H}"
+        thread = CoordinatorThread(self.net.coordinator(), self.coordinator)
+        self.probe.install(self.coordinator, thread.endpoint)
+        threads_before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        t0 = time.perf_counter()
+        thread.start()
+        threads = [threading.Thread(target=self._worker, args=(i, f"worker-{i + 1}"), name=f"worker-{i + 1}",
+                                    daemon=True) for i in range(self.k)]
+        for t in threads:
+            t.start()
+        next_report = 1
+        try:
+            while any(t.is_alive() for t in threads) and not self.errors:
+                time.sleep(0.5)
+                applied = len(self.probe.applied_at)
+                if applied * 10 >= next_report * self.rounds:
+                    next_report = applied * 10 // self.rounds + 1
+                    with self.lock:
+                        recent = [v for st, vs in self.losses.items() if st > applied * self.H - self.H
+                                  and st <= applied * self.H for v in vs]
+                    loss = sum(recent) / len(recent) if recent else float("nan")
+                    note(f"{label}: round {applied}/{self.rounds} (step {applied * self.H}/{self.steps}), "
+                         f"train loss {loss:.3f}, {time.perf_counter() - t0:.0f} s")
+                if thread.error is not None:
+                    raise RuntimeError(f"{label}: the coordinator loop failed") from thread.error
+            for t in threads:
+                t.join(60)
+        finally:
+            self._shutdown(thread)
+            torch.set_num_threads(threads_before)
+        wall = time.perf_counter() - t0
+        if self.errors:
+            raise RuntimeError(f"{label}: a worker failed: {self.errors[0]!r}") from self.errors[0]
+        status = self.coordinator.status()
+        return self._result(status, wall)
+
+    def _shutdown(self, thread: CoordinatorThread) -> None:
+        admin = self.net.connect("bench-admin")
+        admin.send(AdminRequest("shutdown", {"kind": "drain"}))
+        admin.recv(5.0)
+        admin.close()
+        thread.stop(5.0)
+
+    def _result(self, status: dict, wall: float) -> DilocoRun:
+        s, H = self.s, self.H
+        store = self.coordinator.store
+        final = {n: t.detach().clone() for n, t in store.params.items()}
+        model = build_model(s.model, derive_seed(self.seed, "model"))
+
+        def score(params: dict[str, torch.Tensor]) -> float:
+            model.load_state_dict(params, strict=False)
+            return eval_loss(model, self.corpus, s)
+
+        eval_steps, eval_losses = [0], [eval_loss(model, self.corpus, s)]
+        for step in sorted(self.snapshots):
+            if step < self.steps:
+                eval_steps.append(step)
+                eval_losses.append(score(self.snapshots[step]))
+        eval_steps.append(self.steps)
+        eval_losses.append(score(final))
+        oddities = []
+        if status["rounds_applied"] != self.rounds:
+            oddities.append(f"H={H}: the coordinator applied {status['rounds_applied']} rounds, expected {self.rounds}")
+        for wid, w in self.workers.items():
+            if self.steps_done.get(wid) != self.steps or w.rounds_synced != self.rounds:
+                oddities.append(f"H={H}: {wid} did {self.steps_done.get(wid)} steps, synced {w.rounds_synced} "
+                                f"rounds (stop reason {w.stop_reason}); expected {self.steps} and {self.rounds}")
+            if w.seconds_paused > 0:
+                oddities.append(f"H={H}: {wid} spent {w.seconds_paused:.2f} s paused below quorum")
+        last = self.snapshots.get(self.steps)
+        if last is not None and any(not torch.equal(last[n], final[n]) for n in final):
+            oddities.append(f"H={H}: worker-1's final global copy differs from the coordinator's params")
+        if status["messages_refused"]:
+            oddities.append(f"H={H}: the coordinator refused {status['messages_refused']} messages")
+        result = BaselineResult(
+            name=f"diloco_h{H}", label=f"DiLoCo k={self.k} H={H} (real system)", steps=sorted(self.losses),
+            train_losses=[sum(v) / len(v) for _, v in sorted(self.losses.items())],
+            eval_steps=eval_steps, eval_losses=eval_losses, final_eval_loss=eval_losses[-1],
+            syncs=status["rounds_applied"], bytes_moved=status["bytes_received"] + status["bytes_sent"],
+            k=self.k, H=H, num_params=status["num_params"], wall_s=wall,
+            config=dict(k=self.k, H=H, steps=self.steps, outer_lr=self.outer_lr, outer_momentum=OUTER_MOMENTUM,
+                        seed=self.seed, settings=s.to_dict()),
+            final_state=final,
+        )
+        return DilocoRun(result, self.probe, self.rounds, self.outer_lr, status, oddities)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def eval_loss(model, corpus: Corpus, s: TrainSettings) -> float:
+    """The one held-out score used for every method (fixed windows, see evaluate_loss)."""
+    return evaluate_loss(model, corpus.eval, batch_size=s.eval_batch_size, num_batches=s.eval_batches)
+
+
+def final_eval(result: BaselineResult, corpus: Corpus, s: TrainSettings) -> float:
+    model = build_model(s.model, 0)
+    model.load_state_dict(result.final_state, strict=False)
+    return eval_loss(model, corpus, s)
+
+
+def progress_printer(label: str, total: int):
+    every = max(1, total // 10)
+    t0 = time.perf_counter()
+
+    def cb(step: int, tot: int, loss: float) -> None:
+        if step % every == 0 or step == tot:
+            note(f"{label}: step {step}/{tot}, train loss {loss:.3f}, {time.perf_counter() - t0:.0f} s")
+    return cb
+
+
+def overhead_figures(run: DilocoRun) -> dict:
+    p = run.probe
+    start = p.first_join_at
+    rounds = sorted(p.applied_at)
+    total_wall = p.applied_at[rounds[-1]] - start
+    submit = p.by_kind.get("Submit", _Acc())
+    per_round_share, per_round_ms, per_round_wall, per_apply_ms = [], [], [], []
+    prev = start
+    for r in rounds:
+        dur = p.applied_at[r] - prev
+        prev = p.applied_at[r]
+        acc = p.submit_by_round.get(r, _Acc())
+        per_round_wall.append(dur)
+        per_round_ms.append(acc.wall * 1e3)
+        per_round_share.append(acc.wall / dur if dur > 0 else float("nan"))
+        per_apply_ms.append(p.apply_by_round.get(r, 0.0) * 1e3)
+    all_wall = sum(a.wall for a in p.by_kind.values())
+    return dict(
+        rounds=len(rounds), rounds_wall_s=total_wall,
+        submit_wall_s=submit.wall, submit_cpu_s=submit.cpu, submits=submit.count,
+        apply_wall_s=sum(p.apply_by_round.values()), tick_apply_wall_s=p.tick_apply_wall,
+        share=(submit.wall + p.tick_apply_wall) / total_wall,
+        share_cpu=submit.cpu / total_wall,
+        all_wall_s=all_wall, share_all=all_wall / total_wall,
+        median_round_s=statistics.median(per_round_wall), median_round_coord_ms=statistics.median(per_round_ms),
+        median_round_apply_ms=statistics.median(per_apply_ms), max_round_coord_ms=max(per_round_ms),
+        median_round_share=statistics.median(per_round_share), max_round_share=max(per_round_share),
+        by_kind={k: dict(count=a.count, wall_s=a.wall, cpu_s=a.cpu) for k, a in sorted(p.by_kind.items())},
+    )
+
+
+def fmt_ratio(x: float | None) -> str:
+    return "nan" if x is None or not math.isfinite(x) else f"{x:.4f}"
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run: 200 inner steps")
+    parser.add_argument("--steps", type=int, default=None, help="inner steps per worker (default 1000; quick 200)")
+    parser.add_argument("--k", type=int, default=4, help="workers (default 4)")
+    parser.add_argument("--outer-lr-h10", type=float, default=DEFAULT_OUTER_LR[10])
+    parser.add_argument("--outer-lr-h50", type=float, default=DEFAULT_OUTER_LR[50])
+    parser.add_argument("--batch-size", type=int, default=TrainSettings.batch_size,
+                        help="sequences per worker per inner step (default %(default)s)")
+    parser.add_argument("--lr", type=float, default=TrainSettings.lr, help="peak inner AdamW lr (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--baseline-threads", type=int, default=2,
+                        help="torch intra-op threads for the sequential baselines (default 2)")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help=f"comma-separated subset of {','.join(METHODS)} (missing ratios print nan)")
+    parser.add_argument("--json", help="write all results here")
+    args = parser.parse_args(argv)
+    steps = args.steps or (200 if args.quick else 1000)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        parser.error(f"--methods: unknown {bad}; expected a subset of {METHODS}")
+    outer_lr = {10: args.outer_lr_h10, 50: args.outer_lr_h50}
+    s = TrainSettings(batch_size=args.batch_size, lr=args.lr, eval_every=max(1, steps // 10))
+    corpus = default_corpus()
+    k = args.k
+    probe_model = build_model(s.model, 0)
+    pbytes = param_bytes(probe_model)
+    tokens = s.batch_size * s.model.seq_len
+
+    print(f"bench_training: k={k} workers, {steps} inner steps per worker, seed {args.seed}, "
+          f"torch {torch.__version__}, Python {sys.version.split()[0]}")
+    print(f"model: {probe_model.config.to_dict() if hasattr(probe_model.config, 'to_dict') else probe_model.config}, "
+          f"{sum(p.numel() for p in probe_model.parameters()):,} params ({pbytes / 1e6:.2f} MB fp32)")
+    print(f"inner: AdamW lr {s.lr:g} (warmup {s.warmup_steps}, {s.schedule} to {s.min_lr_ratio:g}x), "
+          f"betas {s.betas}, wd {s.weight_decay:g}, clip {s.grad_clip}; batch {s.batch_size} x {s.model.seq_len} "
+          f"= {tokens:,} tokens per worker step")
+    print(f"outer (DiLoCo): Nesterov momentum {OUTER_MOMENTUM}, lr {outer_lr[10]:g} at H=10, {outer_lr[50]:g} at H=50; "
+          f"min_workers={k}, no faults, in-process transport")
+    print(f"data: {corpus.source if hasattr(corpus, 'source') else 'stdlib'}: {corpus.train.numel():,} train / "
+          f"{corpus.eval.numel():,} held-out tokens, {k} i.i.d. shards; eval {s.eval_batches} x {s.eval_batch_size} "
+          f"fixed windows")
+    print(f"threads: 1 intra-op thread per DiLoCo thread; {args.baseline_threads} for the sequential baselines")
+    print(flush=True)
+
+    results: dict[str, BaselineResult] = {}
+    runs: dict[str, DilocoRun] = {}
+    t_all = time.perf_counter()
+    for m in methods:
+        if m == "sync":
+            torch.set_num_threads(args.baseline_threads)
+            note(f"phase sync data parallel k={k}, {steps} steps")
+            results[m] = train_sync_data_parallel(k, steps, settings=s, corpus=corpus, seed=args.seed,
+                                                  progress=progress_printer("sync DP", steps))
+        elif m == "single":
+            torch.set_num_threads(args.baseline_threads)
+            note(f"phase single worker, {steps} steps")
+            results[m] = train_single_worker(steps, settings=s, corpus=corpus, seed=args.seed,
+                                             progress=progress_printer("single", steps))
+        else:
+            H = int(m[1:])
+            note(f"phase DiLoCo H={H} (real system), {steps // H} rounds, outer lr {outer_lr[H]:g}")
+            runs[m] = _RealDiloco(k, H, steps, outer_lr[H], s, corpus, args.seed).run()
+            results[m] = runs[m].result
+        note(f"phase {m} done: final eval loss {results[m].final_eval_loss:.4f}, {results[m].wall_s:.0f} s")
+    total_s = time.perf_counter() - t_all
+
+    finals = {m: final_eval(r, corpus, s) for m, r in results.items()}
+    for m, r in results.items():  # the trainers' own final evaluation must agree with ours
+        if abs(finals[m] - r.final_eval_loss) > 1e-6:
+            print(f"note: {m}: re-evaluated {finals[m]:.6f} != trainer's {r.final_eval_loss:.6f}")
+    sync = finals.get("sync")
+
+    def ratio(m: str) -> float | None:
+        return finals[m] / sync if m in finals and sync else None
+
+    names = {"sync": f"sync data parallel k={k}", "h10": f"DiLoCo k={k} H=10", "h50": f"DiLoCo k={k} H=50",
+             "single": "single worker"}
+    print()
+    header = f"{'method':24} {'eval loss':>9} {'vs sync':>8} {'syncs':>6} {'bytes moved':>13} {'wall s':>8}"
+    print(header)
+    print("-" * len(header))
+    for m in METHODS:
+        if m not in results:
+            continue
+        r = results[m]
+        moved = r.bytes_moved if m in runs else r.syncs * comm_bytes_per_sync(r.k, pbytes)
+        print(f"{names[m]:24} {finals[m]:>9.4f} {fmt_ratio(ratio(m)):>8} {r.syncs:>6} "
+              f"{moved / 1e6:>10.1f} MB {r.wall_s:>8.0f}")
+    print(f"bytes moved: baselines 2 * k * {pbytes:,} B per sync (up and down, fp32); DiLoCo: the coordinator's "
+          f"counted payload bytes (pseudo-gradients in, Results and Welcomes out). total wall {total_s:.0f} s")
+
+    # Eval curves (held-out loss at the same steps for every method).
+    print()
+    steps_axis = sorted({st for r in results.values() for st in r.eval_steps})
+    print("held-out loss by inner step: " + " ".join(f"{names[m]}" for m in METHODS if m in results))
+    print(f"{'step':>6} " + " ".join(f"{m:>8}" for m in METHODS if m in results))
+    for st in steps_axis:
+        cells = []
+        for m in METHODS:
+            if m not in results:
+                continue
+            r = results[m]
+            cells.append(f"{r.eval_losses[r.eval_steps.index(st)]:>8.4f}" if st in r.eval_steps else f"{'':>8}")
+        print(f"{st:>6} " + " ".join(cells))
+
+    # Coordinator overhead.
+    shares = {}
+    if runs:
+        print()
+        print("coordinator overhead (coordinator thread; Submit handling includes accumulate + apply):")
+        hdr = (f"{'run':8} {'rounds':>6} {'rounds wall s':>13} {'Submit s':>9} {'Submit cpu s':>12} {'apply s':>8} "
+               f"{'share':>8} {'share cpu':>9} {'all coord s':>11} {'share all':>9} {'med round s':>11} "
+               f"{'med coord ms':>12} {'med apply ms':>12} {'med share':>9} {'max share':>9}")
+        print(hdr)
+        print("-" * len(hdr))
+        figs = {}
+        for m, run in runs.items():
+            f = figs[m] = overhead_figures(run)
+            shares[m] = f["share"]
+            print(f"{m:8} {f['rounds']:>6} {f['rounds_wall_s']:>13.1f} {f['submit_wall_s']:>9.3f} "
+                  f"{f['submit_cpu_s']:>12.3f} {f['apply_wall_s']:>8.3f} {f['share']:>8.5f} {f['share_cpu']:>9.5f} "
+                  f"{f['all_wall_s']:>11.3f} {f['share_all']:>9.5f} {f['median_round_s']:>11.2f} "
+                  f"{f['median_round_coord_ms']:>12.2f} {f['median_round_apply_ms']:>12.2f} "
+                  f"{f['median_round_share']:>9.5f} {f['max_round_share']:>9.5f}")
+        for m, f in figs.items():
+            kinds = ", ".join(f"{kd} {v['count']}x {v['wall_s'] * 1e3:.0f} ms" for kd, v in f["by_kind"].items())
+            print(f"  {m} coordinator thread time by kind: {kinds}")
+        print("  share = (Submit handling + any tick that applied a round) / (first Welcome -> last apply); "
+              "'all' adds heartbeats, joins, ticks and sending (cloning) the Results")
+        for m, run in runs.items():
+            for o in run.oddities:
+                print(f"  odd: {o}")
+
+    r10, r50, rs = ratio("h10"), ratio("h50"), ratio("single")
+    overhead = max(shares.values()) if shares else None
+    print()
+    goals = [
+        (f"DiLoCo H=10 / sync <= {GOAL_H10_VS_SYNC}", r10, r10 is not None and r10 <= GOAL_H10_VS_SYNC),
+        (f"DiLoCo H=50 / sync <= {GOAL_H50_VS_SYNC}", r50, r50 is not None and r50 <= GOAL_H50_VS_SYNC),
+        ("DiLoCo H=10 and H=50 both below single worker", rs,
+         rs is not None and r10 is not None and r50 is not None and max(r10, r50) < rs),
+        (f"coordinator overhead share <= {GOAL_OVERHEAD_SHARE}", overhead,
+         overhead is not None and overhead <= GOAL_OVERHEAD_SHARE),
+    ]
+    for text, value, ok in goals:
+        print(f"goal {'met   ' if ok else 'MISSED'}  {text}: {fmt_ratio(value)}")
+
+    if args.json:
+        out = dict(steps=steps, k=k, outer_lr=outer_lr, settings=s.to_dict(), final_eval=finals,
+                   results={m: r.to_dict() for m, r in results.items()},
+                   overhead={m: overhead_figures(run) for m, run in runs.items()},
+                   oddities=[o for run in runs.values() for o in run.oddities])
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=1, default=str)
+
+    print(f"RESULT bench_training h10_vs_sync={fmt_ratio(r10)} h50_vs_sync={fmt_ratio(r50)} "
+          f"single_vs_sync={fmt_ratio(rs)} overhead_share={fmt_ratio(overhead) if overhead is None else f'{overhead:.4f}'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
