@@ -323,6 +323,10 @@ class RoundFSM:
                 if base is not None:
                     lane.last_base[wid] = base
                     parked.append((fid, base))
+                else:
+                    # P3/R4: the joiner was given version ``lane.version``; a base older
+                    # than that is work of a previous incarnation and may have applied.
+                    lane.last_base[wid] = lane.version - 1
         effects.append(AcceptJoin(wid, self.open_round_ids(), tuple(parked)))
         self._after_membership_change(effects)
 

@@ -127,7 +127,7 @@ def load(snap: object) -> Parsed:
                 wid, base = _pair(item, f"{path}.last_base[{j}]")
                 if wid not in members:
                     raise SnapshotError(f"{path}.last_base[{j}]={wid!r}: not a member")
-                last_base[wid] = _int(base, f"{path}.last_base[{j}][1]", 0, version)
+                last_base[wid] = _int(base, f"{path}.last_base[{j}][1]", -1, version)  # -1: joined at version 0
             for wid, base in held.items():
                 if wid in members and last_base.get(wid) != base:
                     raise SnapshotError(f"{path}: held contribution of {wid!r} disagrees with last_base")

@@ -7,6 +7,8 @@ import json
 import msgpack
 import pytest
 
+from diloco.core import RejectReason
+
 from diloco.core import (
     AcceptJoin,
     ContributionSubmitted,
@@ -195,7 +197,11 @@ def test_resume_after_a_coordinator_crash_forgets_members_and_pending():
     assert resumed.snapshot()["members"] == [] and resumed.now_s == 0.0
     resumed.step(J("A"))
     resumed.step(J("B"))
-    assert resumed.step(S("A", 0, 1))[1].round_id == 2  # A's old last base is forgotten
+    # P3: a joiner's work starts from the version it was given (2); base 1 would be a
+    # previous incarnation's, which may already have applied, so it cannot count again.
+    (reject,) = resumed.step(S("A", 0, 1))
+    assert reject.reason is RejectReason.DUPLICATE
+    assert resumed.step(S("A", 0, 2))[1].round_id == 2
 
 
 def test_resume_refuses_a_corrupt_snapshot():

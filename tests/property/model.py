@@ -269,6 +269,10 @@ class Tracker:
                 mine = tuple(sorted((k[1], k[2]) for k in self.pending_of(e.worker_id)))
                 assert e.parked == mine, f"P1: {e!r} but {e.worker_id} has {mine} pending"
                 if not self.sync:
+                    # P3: a joiner's work starts at the version it was given, so
+                    # anything older is a previous incarnation's and cannot count.
+                    for fid in range(len(self.next_round)):
+                        self.last_base[(e.worker_id, fid)] = self.next_round[fid] - 1
                     for fid, base in mine:
                         self.last_base[(e.worker_id, fid)] = base
                 self.live[e.worker_id] = self.now_s

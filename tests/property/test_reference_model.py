@@ -128,6 +128,9 @@ class Reference:
             # P1/P2: the id's still-pending contributions park the new member on them.
             parked = sorted((p[1], self.round_of(p)) for p in self.pending if p[0] == wid)
             if not self.sync:
+                # P3: work older than the version the joiner is given is a previous incarnation's.
+                for fid, version in enumerate(self.open):
+                    self.last_base[(wid, fid)] = version - 1
                 for fid, base in parked:
                     self.last_base[(wid, fid)] = base
             out.append(AcceptJoin(wid, tuple(self.open), tuple(parked)))
