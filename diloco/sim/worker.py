@@ -13,16 +13,21 @@ the seed alone. Everything else follows the worker's contract:
 * trains one fragment per segment (sync: always the fragment whose open round
   comes first in the streaming order ``(round, fragment)``, which is the order
   every member goes through, so no two members can wait on each other; async:
-  fragments in turn), then reaches its *sync point*: it submits, unless the
-  last word it heard is ``below_min_workers``, in which case it idles there
-  (paused) until a heartbeat reply says quorum is back, or a stop (SPEC.md R10);
-* waits for the ``Result`` of every contribution it has pending (including the
-  ones ``Welcome.parked`` names, SPEC.md P2) before training again; ``applied``
-  installs the fragment's new params, ``applied_final`` installs them and
-  stops, ``stop`` stops;
-* a refused submission (other than ``duplicate``, which means it is already
-  pending) or a wait longer than ``wait_timeout_s`` (its ``Result`` was lost to
-  a partition) makes it re-join on a new connection, which fetches fresh params.
+  fragments in turn), then reaches its *sync point* and submits, as
+  ``diloco.worker`` does;
+* waits there for the ``Result`` of every contribution it has pending
+  (including the ones ``Welcome.parked`` names, SPEC.md P2) before training
+  again, *paused* while heartbeat replies say ``below_min_workers`` (SPEC.md
+  R10); ``applied`` installs the fragment's new params, ``applied_final``
+  installs them and stops, ``stop`` stops;
+* ``duplicate`` means its contribution is already pending: it keeps waiting;
+  ``held_limit`` (async, below quorum): it submits again a heartbeat interval
+  later; ``stale_round``, ``future_round``, ``unknown_worker``: it re-joins on
+  a new connection, which fetches fresh params;
+* a wait longer than ``wait_timeout_s`` (its ``Result`` was lost to a
+  partition) makes it ``Leave`` and join again on the same connection, like
+  ``diloco.worker``'s resync: the Welcome parks it on a contribution still
+  pending (P1) or brings the new params.
 
 Frozen workers (a SIGSTOP'd process) neither send nor handle anything; what
 arrives meanwhile is handled, in order, when they thaw.
@@ -105,7 +110,6 @@ class SimWorker:
         self.waits: dict[tuple[int, int], bool] = {}
         #: The segment being trained or held at the sync point: (fragment_id, round_id).
         self.current: tuple[int, int] | None = None
-        self.at_sync_point = False
         self.next_fragment = 0
         self.segments = 0
 
@@ -151,7 +155,9 @@ class SimWorker:
                 self.rejoin(new_connection=True)
         elif kind == WAIT:
             if self.waits:
-                self.rejoin(new_connection=True)
+                # A lost Result: leave and join again (diloco.worker's resync).
+                self.sim.send_from_worker(self, Leave(self.wid))
+                self.rejoin(new_connection=False)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -163,7 +169,6 @@ class SimWorker:
         self._cancel_all()
         self.waits = {}
         self.current = None
-        self.at_sync_point = False
         self.set_state("joining")
         init = self.sim.initial_params
         self.sim.send_from_worker(self, Join(self.wid, PROTOCOL_VERSION, self.sim.param_spec, init))
@@ -273,23 +278,16 @@ class SimWorker:
             fid = self.next_fragment % nfrag
             self.next_fragment = fid + 1
         self.current = (fid, self.rounds[fid])
-        self.at_sync_point = False
         self.segments += 1
         self.set_state("training")
         self.arm(TRAIN, self.sim.segment_time(self))
 
     def _sync_point(self) -> None:
-        self.at_sync_point = True
-        if self.below:
-            # SPEC.md R10: idle at the sync point while below quorum, polling for a stop.
-            self.set_state("paused")
-        else:
-            self._submit()
+        self._submit()
 
     def _submit(self) -> None:
         assert self.current is not None
         fid, rid = self.current
-        self.at_sync_point = False
         names = self.fragments[fid]
         tensors = seeded_update(self.sim.cfg.seed, self.wid, fid, rid, names, self.sim.param_sizes)
         self.sim.send_from_worker(self, Submit(self.wid, fid, rid, tensors))
@@ -329,10 +327,8 @@ class SimWorker:
             self.rejoin(new_connection=False)
             return
         self.below = msg.below_min_workers
-        if self.at_sync_point:
-            if not self.below:
-                self._submit()
-        elif self.waits:
+        if self.waits:
+            # SPEC.md R10: idle at the sync point while below quorum, polling for a stop.
             self.set_state("paused" if self.below else "waiting")
 
     def _on_error(self, msg: Error) -> None:
@@ -354,4 +350,10 @@ class SimWorker:
                 return
             if code == "duplicate":
                 return  # it is already pending: keep waiting for its Result
+            if code == "held_limit" and self.current is not None:
+                # Async, below quorum, the fragment holds max_held_per_fragment: submit again later.
+                self.waits.pop(self.current, None)
+                self.cancel(WAIT)
+                self.arm(TRAIN, self.hb_interval_s)
+                return
             self.rejoin(new_connection=True)

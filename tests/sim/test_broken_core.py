@@ -9,8 +9,9 @@ from __future__ import annotations
 from diloco.cli import main
 from diloco.sim import run_seed
 
-#: The first seeds of the CI swarm; seed 4 (sync, 2 workers, min_workers 2, light
-#: faults) trips it at t=238 s, when a leave completes round 1 with no live member.
+#: The first seeds of the CI swarm: 8 of these 16 trip it (sync and async). Seed 4 (sync,
+#: 2 workers, min_workers 2, light faults) at t=238 s: a leave completes round 1 with no
+#: live member left.
 SEEDS = range(0, 16)
 
 
@@ -22,7 +23,7 @@ def test_swarm_reports_quorum_safety_violation_with_its_seed(broken_membership_g
         if i1:
             caught[seed] = i1[0]
     assert caught, "the simulator did not notice a core that applies rounds below quorum"
-    assert 4 in caught, caught
+    assert {1, 3, 4, 5, 8} <= set(caught), caught
     assert "min_workers" in caught[4].detail or "live members" in caught[4].detail
 
 
@@ -31,7 +32,9 @@ def test_cli_swarm_exits_1_and_prints_the_failing_seed(broken_membership_gate, c
     out = capsys.readouterr().out
     assert code == 1
     assert "[I1]" in out
-    assert out.splitlines()[-1] == "RESULT sim_swarm seeds=3 failed=2 failing_seeds=3,4"
+    # seed 3: sync, heavy faults; seed 4: sync, light faults; seed 5: async (a held contribution
+    # applied by a membership change below quorum).
+    assert out.splitlines()[-1] == "RESULT sim_swarm seeds=3 failed=3 failing_seeds=3,4,5"
     assert "seed=4" in out and "re-run: diloco sim --seed 4" in out
 
 
