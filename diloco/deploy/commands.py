@@ -184,7 +184,9 @@ def register(subparsers) -> None:
 
 def cmd_server(args) -> int:
     from diloco.deploy.server import ServerError, ServerSettings, run_server
+    from diloco.deploy.tuning import keep_freed_memory
 
+    keep_freed_memory()
     settings = ServerSettings(
         bind=args.bind, min_workers=args.min_workers, heartbeat_timeout_s=args.heartbeat_timeout,
         checkpoint_dir=args.checkpoint_dir, mode=args.mode, fragments=args.fragments,
@@ -200,8 +202,10 @@ def cmd_server(args) -> int:
 
 
 def cmd_worker(args) -> int:
+    from diloco.deploy.tuning import keep_freed_memory
     from diloco.deploy.worker_main import run_worker_command
 
+    keep_freed_memory()
     return run_worker_command(args)
 
 

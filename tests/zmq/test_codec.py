@@ -133,11 +133,13 @@ def test_every_message_round_trips(message, chunk_bytes):
 
 
 def test_large_tensor_is_chunked_and_reassembled():
-    t = torch.randn(3_000_000)  # 12 MB: three 4 MB frames
-    frames = encode(Submit("w", 0, 0, {"t": t, "s": torch.tensor(2.0)}))
+    t = torch.randn(3_000_000)  # 12 MB: three 4 MiB frames
+    frames = encode(Submit("w", 0, 0, {"t": t, "s": torch.tensor(2.0)}), chunk_bytes=4 << 20)
     assert [codec._nbytes(f) for f in frames[1:]] == [4 << 20, 4 << 20, 12_000_000 - (8 << 20), 4]
     back = decode(frames)
     assert torch.equal(back.tensors["t"], t) and back.tensors["s"].item() == 2.0
+    # The default frame size is 16 MiB: this tensor goes whole.
+    assert len(encode(Submit("w", 0, 0, {"t": t}))) == 2
 
 
 def test_encode_does_not_copy_tensor_bytes():
