@@ -459,6 +459,21 @@ def test_async_staleness_window():
     assert run.submit("B", 4)[0].reason is RejectReason.FUTURE_ROUND
 
 
+def test_async_rejoined_worker_cannot_count_a_previous_incarnations_work_twice():
+    """P3/R4: a joiner's work counts only from the version it joined at.
+
+    join A / A submits base 0 (applies, version 1) / A crashes / A re-joins at version 1
+      -> base 0 is DUPLICATE (the old incarnation's base-0 work already applied); base 1 is fine.
+    """
+    run = Run(min_workers=1, mode=Mode.ASYNC, max_staleness=4)
+    run.join("A")
+    assert run.submit("A", 0)[1] == ApplyRound(0, 0, ("A",))
+    run.crash("A")
+    assert run.join("A")[0] == AcceptJoin("A", (1,))
+    assert run.submit("A", 0)[0].reason is RejectReason.DUPLICATE
+    assert run.submit("A", 1)[1] == ApplyRound(0, 1, ("A",))
+
+
 # -------------------------------------------------------------- fragments
 
 
