@@ -117,6 +117,7 @@ class Simulation:
         self._partitioned: dict[str, int] = {}
         self.peers: dict[str, SimWorker] = {}
         self._peer_wid: dict[str, str] = {}
+        self._peer_delay: dict[str, float] = {}
         # workers
         self.workers: dict[str, SimWorker] = {}
         self._incarnations: dict[str, int] = {}
@@ -236,6 +237,7 @@ class Simulation:
         w.peer = f"{w.wid}/{w.inc}.{w.conn}"
         self.peers[w.peer] = w
         self._peer_wid[w.peer] = w.wid
+        self._peer_delay[w.peer] = w.link_delay_s
 
     def close_connection(self, w: SimWorker, *, notice: bool) -> None:
         peer = w.peer
@@ -258,7 +260,7 @@ class Simulation:
         mid = self._mid
         peer = w.peer
         self.stats.messages_sent += 1
-        if self._partitioned.get(w.wid):
+        if self._partitioned and self._partitioned.get(w.wid):
             self._drop_from_worker(mid, peer, msg, self.now, "partition")
             return
         t = self.now + self._delay(w.link_delay_s)
@@ -305,12 +307,10 @@ class Simulation:
     def _transmit(self, peer: str, mid: int, msg) -> None:
         self.stats.messages_sent += 1
         wid = self._peer_wid.get(peer)
-        if wid is None or self._partitioned.get(wid):
+        if wid is None or (self._partitioned and self._partitioned.get(wid)):
             self.record_drop(mid, COORDINATOR, peer, msg, "partition" if wid else "unknown peer")
             return
-        w = self.workers.get(wid)
-        base = w.link_delay_s if w is not None else self.cfg.link_delay_max_s
-        t = self.now + self._delay(base)
+        t = self.now + self._delay(self._peer_delay[peer])
         last = self._down_last.get(peer, 0.0)
         if t < last:
             t = last
@@ -331,7 +331,7 @@ class Simulation:
 
     def _deliver_to_worker(self, arg) -> None:
         mid, peer, wid, msg = arg
-        if self._partitioned.get(wid):
+        if self._partitioned and self._partitioned.get(wid):
             self.record_drop(mid, COORDINATOR, peer, msg, "partition")
             return
         w = self.peers.get(peer)
@@ -426,8 +426,7 @@ class Simulation:
 
     def _deliver_to_coord(self, arg) -> None:
         mid, peer, msg, sent_s = arg
-        wid = self._peer_wid[peer]
-        if self._partitioned.get(wid):
+        if self._partitioned and self._partitioned.get(self._peer_wid[peer]):
             self._drop_from_worker(mid, peer, msg, sent_s, "partition")
             return
         if self.coord is None:

@@ -38,3 +38,16 @@ def test_first_record_is_the_config():
     assert records[-1]["k"] == "phase" and records[-1]["what"] == "end"
     kinds = {r["k"] for r in records}
     assert {"send", "recv", "obs", "worker", "adopt"} <= kinds
+
+
+def test_the_checker_imports_nothing_from_diloco():
+    """It judges the trace alone: no core, no coordinator, no simulator objects."""
+    import ast
+    import pathlib
+
+    import diloco.sim.checker as checker
+
+    tree = ast.parse(pathlib.Path(checker.__file__).read_text())
+    modules = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    modules += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert [m for m in modules if m and m.split(".")[0] in ("diloco", "torch")] == []
