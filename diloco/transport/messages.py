@@ -13,43 +13,34 @@ from typing import Any
 
 import torch
 
+from diloco.core.reasons import RejectReason
+
 #: Bumped on any incompatible change to these messages or their encoding.
 PROTOCOL_VERSION = 1
 
 Tensors = dict[str, torch.Tensor]
 
 
-class ErrorCode(str, enum.Enum):
-    """Codes in ``Error`` replies: the core's reject reasons plus transport-level ones."""
+#: Codes only the coordinator and the transports use (the rest are the core's reject reasons).
+TRANSPORT_ERROR_CODES: dict[str, str] = {
+    "BAD_MESSAGE": "undecodable bytes, a missing or mistyped field, an unknown message type",
+    "PROTOCOL_VERSION": "the peer speaks another protocol version (the detail names both)",
+    "MODEL_MISMATCH": "the joiner's model (tensor names, shapes, dtypes) differs from the run's",
+    "TENSOR_MISMATCH": "a submission's tensors do not match the run's parameters of that fragment",
+    "TOO_LARGE": "a message larger than the transport's max_message_bytes",
+    "STOPPED": "the run has stopped; the coordinator accepts nothing more",
+    "BAD_COMMAND": "an admin command the coordinator does not know, or bad arguments to one",
+}
 
-    # -- from the round state machine (diloco.core.reasons.RejectReason, same values)
-    UNKNOWN_WORKER = "unknown_worker"
-    INVALID_WORKER_ID = "invalid_worker_id"
-    UNKNOWN_FRAGMENT = "unknown_fragment"
-    INVALID_ROUND = "invalid_round"
-    STALE_ROUND = "stale_round"
-    FUTURE_ROUND = "future_round"
-    DUPLICATE = "duplicate"
-    SHUTTING_DOWN = "shutting_down"
-    TOO_MANY_WORKERS = "too_many_workers"
-    HELD_LIMIT = "held_limit"
-    INVALID_MIN_WORKERS = "invalid_min_workers"
-    ALREADY_MEMBER = "already_member"
-    # -- from the coordinator and transports
-    #: Undecodable bytes, a missing or mistyped field, an unknown message type.
-    BAD_MESSAGE = "bad_message"
-    #: The peer speaks another protocol version (the detail names both).
-    PROTOCOL_VERSION = "protocol_version"
-    #: The joiner's model (tensor names, shapes, dtypes) differs from the run's.
-    MODEL_MISMATCH = "model_mismatch"
-    #: A submission's tensors do not match the run's parameters of that fragment.
-    TENSOR_MISMATCH = "tensor_mismatch"
-    #: A message larger than the transport's max_message_bytes.
-    TOO_LARGE = "too_large"
-    #: The run has stopped; the coordinator accepts nothing more.
-    STOPPED = "stopped"
-    #: An admin command the coordinator does not know, or bad arguments to one.
-    BAD_COMMAND = "bad_command"
+#: Codes in ``Error`` replies: every ``RejectReason`` of the core (same names and
+#: values, so a reject crosses the wire unchanged) plus ``TRANSPORT_ERROR_CODES``.
+#: Built from both so the two lists can never drift apart. SPEC.md section 11.
+ErrorCode = enum.Enum(
+    "ErrorCode",
+    [(r.name, r.value) for r in RejectReason] + [(name, name.lower()) for name in TRANSPORT_ERROR_CODES],
+    type=str,
+    module=__name__,
+)
 
 
 class Command(str, enum.Enum):
