@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
-from diloco.cli import EXIT_OK, EXIT_PROBLEM, EXIT_UNREACHABLE, EXIT_USAGE, UsageError
+from diloco.cli import EXIT_OK, EXIT_PROBLEM, EXIT_UNREACHABLE, UsageError
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 
@@ -233,10 +234,13 @@ def cmd_status(args) -> int:
         reply, err = _admin(args, "status")
         if err is not None:
             return _unreachable(args, err)
-        if args.json:
-            print(json.dumps(reply.data, indent=2, sort_keys=True))
-        else:
-            print(render_status(reply.data, args.connect), end="")
+        text = (json.dumps(reply.data, indent=2, sort_keys=True) + "\n" if args.json
+                else render_status(reply.data, args.connect))
+        try:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        except BrokenPipeError:  # `diloco status --json | head`: the reader left, which is fine
+            sys.stdout = open(os.devnull, "w")
         return EXIT_OK
     try:
         while True:
@@ -280,4 +284,4 @@ def cmd_kick(args) -> int:
     return _report(args, reply, err, f"kicked {args.worker_id}")
 
 
-__all__ = ["register", "EXIT_USAGE"]
+__all__ = ["register"]

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from diloco.coordinator import Coordinator, CoordinatorConfig, OuterConfig
+from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.coordinator.checkpoint import FILENAME, restore_coordinator
 from diloco.coordinator.runner import serve
 from diloco.core import ConfigError, Mode

@@ -168,9 +168,8 @@ def run_worker_command(args) -> int:
         except Exception:
             pass
     saved = ""
-    if worker.stop_reason == "save_and_stop" and worker.checkpoint_path is not None:
+    if report.stop_reason == "save_and_stop" and worker.checkpoint_path is not None:
         saved = f"; checkpoint {worker.checkpoint_path}"
-    printer.line(f"done ({worker.stop_reason}): {worker.inner_step} inner steps, {worker.rounds_synced} rounds synced, "
-                 f"{worker.seconds_paused:.1f} s paused{saved}")
-    del report
+    printer.line(f"done ({report.stop_reason}): {report.inner_steps} inner steps, {report.rounds_synced} rounds synced, "
+                 f"{report.seconds_paused:.1f} s paused{saved}")
     return EXIT_OK

@@ -310,16 +310,6 @@ def _short(v: Any, limit: int = 60) -> str:
     return r if len(r) <= limit else r[:limit] + "..."
 
 
-def peek_version(frames: Sequence[Any]) -> int | None:
-    """The header's ``"v"`` if frame 0 is a msgpack map that has an integer one, else None."""
-    try:
-        header = msgpack.unpackb(_buffer(frames[0]), raw=False, ext_hook=_reject_ext)
-        v = header.get("v") if isinstance(header, dict) else None
-        return v if _is_int(v) else None
-    except Exception:
-        return None
-
-
 def decode(frames: Sequence[Any], *, max_message_bytes: int = MAX_MESSAGE_BYTES) -> Message:
     """Frames (bytes, memoryviews or ``zmq.Frame``) -> a message. Raises ``CodecError``."""
     bad = ErrorCode.BAD_MESSAGE
@@ -459,5 +449,5 @@ def message_nbytes(frames: Iterable[Any]) -> int:
 
 __all__ = [
     "CHUNK_BYTES", "MAX_MESSAGE_BYTES", "MAX_HEADER_BYTES", "DTYPES", "SCHEMAS", "CodecError",
-    "encode", "decode", "error_for", "peek_version", "tensor_view", "message_nbytes",
+    "encode", "decode", "error_for", "tensor_view", "message_nbytes",
 ]

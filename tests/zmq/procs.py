@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import pytest
 
 from diloco.transport.messages import AdminRequest
 from diloco.transport.zmq import CoordinatorUnreachable, admin_request

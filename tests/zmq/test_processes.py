@@ -9,9 +9,7 @@ torch import per command); one test runs the real command for exit code 3.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -24,7 +22,6 @@ from diloco.tensorfile import load_tensorfile
 from diloco.transport.messages import PROTOCOL_VERSION, Join, Leave, Welcome, spec_of
 from diloco.transport.zmq import ZmqWorkerEndpoint
 
-from procs import ENTRY, wait_until  # noqa: E402  (tests/zmq/procs.py)
 
 pytestmark = pytest.mark.slow
 
