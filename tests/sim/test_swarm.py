@@ -1,6 +1,7 @@
 """The CI swarm: a fixed range of seeds, every invariant must hold in every one.
 
-Sized to take about 35 s on two idle cores (80 s measured with the machine loaded 4x):
+Sized for CI: 57 s measured with two processes while the machine was loaded (load average 8.5
+on 2 cores; about 25 s of CPU):
 ``SWARM_SEEDS`` seeds with two processes. Failing seeds are printed with the
 command that re-runs them. A deeper soak: ``diloco sim --swarm 2000 --jobs 2``.
 """
