@@ -51,7 +51,7 @@ class StatusView:
         return tuple(seen)
 
     def to_dict(self) -> dict:
-        """JSON-ready form; the keys are part of ``diloco status --json`` (SPEC.md section 9)."""
+        """JSON-ready form; the keys are part of ``diloco status --json`` (SPEC.md section 11)."""
         return {
             "phase": self.phase.value,
             "mode": self.mode.value,

@@ -2,7 +2,7 @@
 
 Tensors travel as ``dict[str, torch.Tensor]`` (ordered by the run's parameter
 order); the ZeroMQ codec sends them as raw frames after a msgpack header and
-never pickles anything. SPEC.md section 9 documents every type and field.
+never pickles anything. SPEC.md section 11 documents every type and field.
 """
 
 from __future__ import annotations
@@ -128,8 +128,8 @@ class Welcome:
     parked: tuple[tuple[int, int], ...]
     #: "sync" or "async".
     mode: str
-    #: Parameter names of each fragment, in order; fragment i syncs at inner steps
-    #: where (step // H) ... see SPEC.md section 9 for the streaming schedule.
+    #: Parameter names of each fragment, in order. Fragment f's round r closes at
+    #: inner step r*H + max(1, (f+1)*H//F) (Streaming DiLoCo staggering; diloco.worker).
     fragments: tuple[tuple[str, ...], ...]
     min_workers: int
     below_min_workers: bool
