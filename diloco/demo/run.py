@@ -329,23 +329,26 @@ class _Run:
 
 def run_demo(cfg: DemoConfig, ui: DemoUI) -> DemoResult:
     corpus = Corpus.from_file(cfg.data) if cfg.data is not None else Corpus.from_stdlib()
-    # k worker threads share 2 cores: one intra-op thread each avoids oversubscription.
+    # One intra-op thread: k worker threads already share the cores, and for these
+    # small matrices torch's thread pool costs far more than it gains (measured
+    # 5-10x slower per step with 2 threads on 2 cores).
     threads_before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         run = _Run(cfg, corpus, ui)
         diloco, paused_s, moved = run.run()
+        baseline = single = None
+        if cfg.baselines:
+            ui.phase("sync data parallel", cfg.steps)
+            baseline = train_sync_data_parallel(
+                cfg.workers, cfg.steps, settings=cfg.settings, corpus=corpus, seed=cfg.seed,
+                progress=lambda st, tot, loss: ui.advance("sync data parallel", st, loss))
+            ui.phase("single worker", cfg.steps)
+            single = train_single_worker(
+                cfg.steps, settings=cfg.settings, corpus=corpus, seed=cfg.seed,
+                progress=lambda st, tot, loss: ui.advance("single worker", st, loss))
     finally:
         torch.set_num_threads(threads_before)
-    baseline = single = None
-    if cfg.baselines:
-        ui.phase("sync data parallel", cfg.steps)
-        baseline = train_sync_data_parallel(cfg.workers, cfg.steps, settings=cfg.settings, corpus=corpus,
-                                            seed=cfg.seed,
-                                            progress=lambda st, tot, loss: ui.advance("sync data parallel", st, loss))
-        ui.phase("single worker", cfg.steps)
-        single = train_single_worker(cfg.steps, settings=cfg.settings, corpus=corpus, seed=cfg.seed,
-                                     progress=lambda st, tot, loss: ui.advance("single worker", st, loss))
     return DemoResult(cfg, diloco, baseline, single, paused_s, moved, run.timeline, run.events)
 
 
