@@ -25,7 +25,7 @@ if _PROPERTY_DIR not in sys.path:
 settings.register_profile(
     "ci",
     derandomize=True,
-    max_examples=120,
+    max_examples=250,
     stateful_step_count=50,
     deadline=None,
     print_blob=True,
