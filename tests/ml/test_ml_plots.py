@@ -119,7 +119,8 @@ def test_malformed_timelines_are_rejected_with_a_precise_error(kwargs, match):
 
 
 def test_touching_intervals_are_fine():
-    Timeline(intervals=[("w0", "training", 0.0, 2.0), ("w0", "waiting", 2.0, 3.0)])
+    timeline = Timeline(intervals=[("w0", "training", 0.0, 2.0), ("w0", "waiting", 2.0, 3.0)])
+    assert len(timeline.intervals) == 2 and timeline.end_s == 3.0
 
 
 def test_loss_curves_png(tmp_path):
