@@ -54,13 +54,13 @@ import torch
 from diloco.baselines import (
     BaselineResult,
     TrainSettings,
-    _clip,
-    _inner_optimizer,
-    _samplers,
     comm_bytes_per_sync,
     default_corpus,
+    inner_optimizer,
+    inner_step,
     train_single_worker,
     train_sync_data_parallel,
+    worker_samplers,
 )
 from diloco.coordinator import Coordinator, CoordinatorConfig, OuterConfig
 from diloco.coordinator.runner import CoordinatorThread
@@ -198,7 +198,7 @@ class _RealDiloco:
             raise SystemExit(f"--steps {steps} is not a multiple of H={H}")
         self.k, self.H, self.steps, self.outer_lr, self.s, self.corpus, self.seed = k, H, steps, outer_lr, s, corpus, seed
         self.rounds = steps // H
-        self.samplers = _samplers(corpus, k, s, seed)
+        self.samplers = worker_samplers(corpus, k, s, seed)
         self.probe = CoordinatorProbe()
         self.net = InprocNetwork()
         fsm = FSMConfig(min_workers=k)
@@ -222,7 +222,7 @@ class _RealDiloco:
         torch.set_num_threads(1)
         s = self.s
         model = build_model(s.model, derive_seed(self.seed, "model"))
-        opt, sched = _inner_optimizer(model, s, self.steps)
+        opt, sched = inner_optimizer(model, s, self.steps)
         w = DilocoWorker(model, opt, self.net.connect(worker_id), worker_id=worker_id, sync_every=self.H,
                          join_timeout_s=120.0)
         self.workers[worker_id] = w
@@ -230,15 +230,9 @@ class _RealDiloco:
         sampler = self.samplers[index]
         done = 0
         for step in range(1, self.steps + 1):
-            x, y = sampler.next()
-            loss = model.loss(x, y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            _clip(model, s)
-            opt.step()
-            sched.step()
+            loss = inner_step(model, opt, sched, sampler, s)
             with self.lock:
-                self.losses[step].append(loss.item())
+                self.losses[step].append(loss)
             done = step
             if not w.step_done():
                 break

@@ -87,6 +87,9 @@ __all__ = [
     "train_sync_data_parallel",
     "simulate_diloco_reference",
     "comm_bytes_per_sync",
+    "inner_optimizer",
+    "inner_step",
+    "worker_samplers",
     "run_comparison",
 ]
 
@@ -235,19 +238,13 @@ def train_single_worker(
     _check_int("steps", steps, 1)
     s, corpus = _prepare(settings, corpus)
     model = build_model(s.model, derive_seed(seed, "model"))
-    opt, sched = _inner_optimizer(model, s, steps)
-    sampler = _samplers(corpus, 1, s, seed)[0]
+    opt, sched = inner_optimizer(model, s, steps)
+    sampler = worker_samplers(corpus, 1, s, seed)[0]
     tracker = _Tracker(model, corpus, s, steps)
     t0 = time.perf_counter()
     for step in range(1, steps + 1):
-        x, y = sampler.next()
-        loss = model.loss(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        _clip(model, s)
-        opt.step()
-        sched.step()
-        tracker.record(step, loss.item(), progress)
+        loss = inner_step(model, opt, sched, sampler, s)
+        tracker.record(step, loss, progress)
         if step % s.eval_every == 0 or step == steps:
             tracker.evaluate(step)
     return tracker.result(
@@ -274,8 +271,8 @@ def train_sync_data_parallel(
     _check_int("steps", steps, 1)
     s, corpus = _prepare(settings, corpus)
     model = build_model(s.model, derive_seed(seed, "model"))
-    opt, sched = _inner_optimizer(model, s, steps)
-    samplers = _samplers(corpus, k, s, seed)
+    opt, sched = inner_optimizer(model, s, steps)
+    samplers = worker_samplers(corpus, k, s, seed)
     tracker = _Tracker(model, corpus, s, steps)
     t0 = time.perf_counter()
     for step in range(1, steps + 1):
@@ -337,9 +334,9 @@ def simulate_diloco_reference(
         global_params, lr=outer_lr, momentum=outer_momentum, nesterov=bool(nesterov and outer_momentum > 0)
     )
     replicas = [copy.deepcopy(global_model) for _ in range(k)]
-    inner = [_inner_optimizer(r, s, steps) for r in replicas]
+    inner = [inner_optimizer(r, s, steps) for r in replicas]
     replica_params = [list(r.parameters()) for r in replicas]
-    samplers = _samplers(corpus, k, s, seed)
+    samplers = worker_samplers(corpus, k, s, seed)
     tracker = _Tracker(global_model, corpus, s, steps)
     syncs = 0
     next_eval = s.eval_every
@@ -347,14 +344,7 @@ def simulate_diloco_reference(
     for step in range(1, steps + 1):
         total = 0.0
         for replica, (opt, sched), sampler in zip(replicas, inner, samplers):
-            x, y = sampler.next()
-            loss = replica.loss(x, y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            _clip(replica, s)
-            opt.step()
-            sched.step()
-            total += loss.item()
+            total += inner_step(replica, opt, sched, sampler, s)
         tracker.record(step, total / k, progress)
         if step % H == 0 or step == steps:
             _outer_step(global_params, replica_params, outer_opt)
@@ -404,7 +394,7 @@ def _prepare(settings: TrainSettings | None, corpus: Corpus | None) -> tuple[Tra
     return s, c
 
 
-def _samplers(corpus: Corpus, k: int, s: TrainSettings, seed: int) -> list[BatchSampler]:
+def worker_samplers(corpus: Corpus, k: int, s: TrainSettings, seed: int) -> list[BatchSampler]:
     block_len = min(1024, max(2, corpus.train.numel() // (4 * k)))
     shards = make_shards(corpus.train, k, seed=seed, block_len=block_len, iid=s.iid_shards)
     return [
@@ -413,7 +403,7 @@ def _samplers(corpus: Corpus, k: int, s: TrainSettings, seed: int) -> list[Batch
     ]
 
 
-def _inner_optimizer(
+def inner_optimizer(
     model: CharTransformer, s: TrainSettings, steps: int
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     # No weight decay on biases, LayerNorm gains and position embeddings (1-D params);
@@ -436,6 +426,23 @@ def _inner_optimizer(
         return s.min_lr_ratio + (1.0 - s.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * frac))
 
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def inner_step(model: CharTransformer, opt: torch.optim.Optimizer,
+               sched: torch.optim.lr_scheduler.LRScheduler, sampler: BatchSampler, s: TrainSettings) -> float:
+    """One inner AdamW step on the sampler's next batch (clip, step, schedule); the batch's loss.
+
+    Every trainer here, ``diloco demo`` and ``benchmarks/bench_training.py`` take
+    exactly this step, so their losses are comparable.
+    """
+    x, y = sampler.next()
+    loss = model.loss(x, y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    _clip(model, s)
+    opt.step()
+    sched.step()
+    return loss.item()
 
 
 def _clip(model: CharTransformer, s: TrainSettings) -> None:

@@ -29,10 +29,10 @@ import torch
 from diloco.baselines import (
     BaselineResult,
     TrainSettings,
-    _clip,
-    _inner_optimizer,
-    _samplers,
     comm_bytes_per_sync,
+    inner_optimizer,
+    inner_step,
+    worker_samplers,
     train_single_worker,
     train_sync_data_parallel,
 )
@@ -139,7 +139,7 @@ class _Run:
         self.below_event = threading.Event()
         self.errors: list[BaseException] = []
         self.losses: dict[int, list[float]] = {}
-        self.samplers = _samplers(corpus, cfg.workers, self.s, cfg.seed)
+        self.samplers = worker_samplers(corpus, cfg.workers, self.s, cfg.seed)
         self.net = InprocNetwork()
         fsm = FSMConfig(min_workers=cfg.workers if cfg.faults else 1,
                         heartbeat_timeout_s=cfg.heartbeat_timeout_s)
@@ -198,7 +198,7 @@ class _Run:
     def _train(self, index: int, worker_id: str, kill: threading.Event | None) -> None:
         s = self.s
         model = build_model(s.model, derive_seed(self.cfg.seed, "model"))
-        opt, sched = _inner_optimizer(model, s, self.cfg.steps)
+        opt, sched = inner_optimizer(model, s, self.cfg.steps)
         endpoint = self.net.connect(worker_id)
         w = DilocoWorker(model, opt, endpoint, worker_id=worker_id, sync_every=self.cfg.sync_every,
                          on_state=self._on_state, join_timeout_s=30.0)
@@ -222,15 +222,9 @@ class _Run:
                 self.log(f"{worker_id} killed (crash: no Leave, its heartbeats stop)")
                 self.ui.finish(name, "killed")
                 return
-            x, y = sampler.next()
-            loss = model.loss(x, y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            _clip(model, s)
-            opt.step()
-            sched.step()
-            self.losses.setdefault(step + start_round * self.cfg.sync_every, []).append(loss.item())
-            self.ui.advance(name, step, loss.item())
+            loss = inner_step(model, opt, sched, sampler, s)
+            self.losses.setdefault(step + start_round * self.cfg.sync_every, []).append(loss)
+            self.ui.advance(name, step, loss)
             if not w.step_done():
                 break
         w.leave()
