@@ -277,20 +277,20 @@ def test_errors_name_the_message_type_for_the_reply():
 # ------------------------------------------------------------------ fuzzing: only CodecError, ever
 
 
-def _only_codec_errors(frames) -> None:
-    """Decoding hostile frames either yields a well-typed message or a precise CodecError."""
+def _decode_outcome(frames) -> str:
+    """Decode hostile frames: "message" (a well-typed message) or "refused" (a CodecError that
+    explains itself). Any other exception propagates and fails the test."""
     try:
         message = decode(frames, max_message_bytes=1 << 16)
     except CodecError as exc:
-        assert str(exc), "a refusal must say what was wrong"
-    else:
-        assert isinstance(message, MESSAGE_TYPES), f"decode returned {type(message).__name__}"
+        return "refused" if str(exc) else "refused silently"
+    return "message" if isinstance(message, MESSAGE_TYPES) else f"decoded a {type(message).__name__}"
 
 
 @settings(max_examples=500)
 @given(st.lists(st.binary(max_size=64), min_size=1, max_size=4))
 def test_random_bytes_raise_only_codec_errors(frames):
-    _only_codec_errors(frames)
+    assert _decode_outcome(frames) in ("message", "refused")
 
 
 @settings(max_examples=400)
@@ -313,7 +313,7 @@ def test_mutated_valid_messages_raise_only_codec_errors(message, data):
         frames[i] = frames[i] + b"\x00" if data.draw(st.booleans()) else frames[i][:-1]
     elif how == "swap_frames" and len(frames) > 2:
         frames[1], frames[-1] = frames[-1], frames[1]
-    _only_codec_errors(frames)
+    assert _decode_outcome(frames) in ("message", "refused")
 
 
 @settings(max_examples=150)
@@ -326,7 +326,7 @@ def test_headers_with_wrong_field_types_raise_only_codec_errors(fields, mtype, s
     fields["type"] = mtype
     if set_version:
         fields["v"] = PROTOCOL_VERSION
-    _only_codec_errors([msgpack.packb(fields), bytes(8)])
+    assert _decode_outcome([msgpack.packb(fields), bytes(8)]) in ("message", "refused")
 
 
 def test_nan_free_floats_only_where_expected():
