@@ -30,6 +30,13 @@ TRANSPORT_ERROR_CODES: dict[str, str] = {
     "TOO_LARGE": "a message larger than the transport's max_message_bytes",
     "STOPPED": "the run has stopped; the coordinator accepts nothing more",
     "BAD_COMMAND": "an admin command the coordinator does not know, or bad arguments to one",
+    "PARAMS_REQUIRED": "the run has no params yet: the first worker must join again with its initial params",
+    "NON_FINITE": "tensors holding NaN or infinite values (a first join's params, a submission)",
+    "UPDATE_TOO_LARGE": "a contribution whose L2 norm exceeds the coordinator's --max-update-norm",
+    "FORBIDDEN": "the sender's key has no right to this message (an admin command from a worker key, "
+                 "or a worker message from an admin key)",
+    "WRONG_KEY": "the worker id is bound to another key: the key that first joined it",
+    "BANNED": "the worker id (or, with authentication, its key) was banned with `kick --ban`",
 }
 
 #: Codes in ``Error`` replies: every ``RejectReason`` of the core (same names and
