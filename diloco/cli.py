@@ -8,6 +8,7 @@ code). This file only wires them together and owns the exit-code contract:
     1  the command ran and found a problem (failed check, invariant violated)
     2  bad usage (argparse) or bad input (unreadable file, invalid value)
     3  could not reach the coordinator within the timeout
+    4  the coordinator refused this client's key (authentication)
     130 interrupted (Ctrl-C)
 """
 
@@ -27,7 +28,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "diloco.sim.command",
 )
 
-EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_AUTH_REFUSED, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
 
 
 class UsageError(Exception):
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "applied with fewer than min_workers contributors. See README.md and SPEC.md.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="exit codes: 0 ok, 1 problem found, 2 bad usage or input, 3 coordinator unreachable, "
-               "130 interrupted",
+               "4 the coordinator refused this client's key, 130 interrupted",
     )
     parser.add_argument("--version", action="version", version=f"diloco {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages to stderr")

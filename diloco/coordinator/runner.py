@@ -40,8 +40,9 @@ def serve(endpoint: CoordinatorEndpoint, coordinator: Coordinator, *,
         if item is None:
             out = coordinator.tick(now)
         else:
-            peer, message = item
-            out = coordinator.handle(peer, message, now)
+            # (peer, message), or (peer, message, identity) from an authenticating transport.
+            peer, message = item[0], item[1]
+            out = coordinator.handle(peer, message, now, identity=item[2] if len(item) > 2 else None)
         if coordinator.stopped and stopped_at is None:
             stopped_at = now
             log.info("run stopped (%s)", coordinator.stop_kind.value)

@@ -70,6 +70,9 @@ from diloco.transport.messages import (
 
 Outgoing = list[tuple[str, Message]]
 
+#: Most worker-id-to-key bindings kept for ids that are no longer members (oldest forgotten first).
+MAX_BOUND_IDS = 100_000
+
 #: Observer hook: called as ``on_event(kind, now_s, info_dict)`` for applied rounds,
 #: quorum and phase changes, joins, deaths and the stop. The demo's timeline and
 #: the simulator's trace listen here; it must not raise.
@@ -114,6 +117,13 @@ class Coordinator:
         #: fragment -> (next round id / version, params right after its last ApplyRound in
         #: this step). Results carry these copies, never the live tensors (see ``_release``).
         self._released: dict[int, tuple[int, Tensors]] = {}
+        #: worker id -> public key of the authenticated key that first joined it (SPEC.md section 11, "Auth").
+        self._keys: dict[str, str] = {}
+        #: public key -> its key file's name, for refusals and ``status``.
+        self._key_names: dict[str, str] = {}
+        #: ``kick --ban``: ids, and (with authentication) keys, refused at join until ``unban``.
+        self._banned_ids: set[str] = set()
+        self._banned_keys: set[str] = set()
 
     # ------------------------------------------------------------------ state
 
@@ -156,6 +166,8 @@ class Coordinator:
             stop_kind=self._stop_kind.value if self._stop_kind else None,
             num_params=sum(t.numel() for t in self.store.params.values()) if self.store else 0,
             outer_optimizer=self.config.outer.name,
+            banned_workers=sorted(self._banned_ids),
+            banned_keys=sorted(self._key_names.get(k, k) for k in self._banned_keys),
         )
         return view
 
@@ -166,8 +178,14 @@ class Coordinator:
         self._tick(now_s, out)
         return out
 
-    def handle(self, peer: str, message: Message, now_s: float) -> Outgoing:
-        """Handle one decoded message from ``peer``; return what to send, in order."""
+    def handle(self, peer: str, message: Message, now_s: float, identity=None) -> Outgoing:
+        """Handle one decoded message from ``peer``; return what to send, in order.
+
+        ``identity`` is the sender's authenticated key (``diloco.transport.zmq.auth.KeyIdentity``:
+        ``public_key``, ``name``) when the transport authenticates, else None. The
+        transport has already checked the key's role; here each worker id is bound to
+        the key that first joined it.
+        """
         out: Outgoing = []
         self._tick(now_s, out)
         if isinstance(message, AdminRequest):
@@ -177,12 +195,19 @@ class Coordinator:
         if self.stopped:
             self._answer_after_stop(peer, message, out)
             return out
+        if isinstance(message, (Heartbeat, Submit, Join, Leave)):
+            refusal = self._key_refusal(message, identity)
+            if refusal is not None:
+                self._refuse(peer, out, *refusal, message)
+                return out
         if isinstance(message, Heartbeat):
             self._on_heartbeat(peer, message, out)
         elif isinstance(message, Submit):
             self._on_submit(peer, message, out)
         elif isinstance(message, Join):
             self._on_join(peer, message, out)
+            if identity is not None and self._peers.get(message.worker_id) == peer:
+                self._bind_key(message.worker_id, identity)
         elif isinstance(message, Leave):
             if self._peers.get(message.worker_id) == peer:
                 self._step(WorkerLeft(message.worker_id, LeaveCause.LEFT), out)
@@ -199,6 +224,50 @@ class Coordinator:
             if p == peer and not self.stopped and self.fsm.is_member(wid):
                 self._step(WorkerLeft(wid, LeaveCause.CRASHED), out)
         return out
+
+    # ------------------------------------------------------------- keys, bans
+
+    def _key_refusal(self, msg, identity) -> tuple[ErrorCode, str] | None:
+        """Why a worker message is refused before anything else: a banned id or key, or another key's id."""
+        wid = msg.worker_id
+        if not isinstance(wid, str):
+            return None  # the core rejects it with invalid_worker_id
+        if isinstance(msg, Join):
+            if wid in self._banned_ids:
+                return ErrorCode.BANNED, f"worker {wid!r} is banned (kick --ban); `diloco unban {wid}` lets it back"
+            if identity is not None and identity.public_key in self._banned_keys:
+                return ErrorCode.BANNED, (f"key {identity.name!r} is banned (kick --ban); `diloco unban` with a "
+                                          f"worker id it joined as lets it back")
+        bound = self._keys.get(wid)
+        if identity is not None and bound is not None and bound != identity.public_key:
+            return ErrorCode.WRONG_KEY, (f"worker id {wid!r} is bound to key {self._key_names.get(bound, '?')!r}, "
+                                         f"the key that first joined it; this message came with key "
+                                         f"{identity.name!r}")
+        return None
+
+    def _bind_key(self, worker_id: str, identity) -> None:
+        if worker_id in self._keys:
+            return
+        self._keys[worker_id] = identity.public_key
+        self._key_names[identity.public_key] = identity.name
+        if len(self._keys) > MAX_BOUND_IDS:
+            # Forget the oldest bindings of ids that are no longer members (a limit on what grows).
+            for wid in [w for w in self._keys if not self.fsm.is_member(w)][: len(self._keys) - MAX_BOUND_IDS]:
+                del self._keys[wid]
+
+    def _ban(self, worker_id: str) -> None:
+        self._banned_ids.add(worker_id)
+        key = self._keys.get(worker_id)
+        if key is not None:
+            self._banned_keys.add(key)
+
+    def _unban(self, worker_id: str) -> bool:
+        key = self._keys.get(worker_id)
+        found = worker_id in self._banned_ids or (key is not None and key in self._banned_keys)
+        self._banned_ids.discard(worker_id)
+        if key is not None:
+            self._banned_keys.discard(key)
+        return found
 
     # --------------------------------------------------------------- handlers
 
@@ -287,12 +356,26 @@ class Coordinator:
             effects = self._step(MinWorkersChanged(args.get("min_workers")), sink)
         elif cmd == "kick":
             wid = args.get("worker_id")
-            if not isinstance(wid, str) or not self.fsm.is_member(wid):
+            ban = args.get("ban", False)
+            if not isinstance(ban, bool):
+                return AdminReply(False, {}, f"kick: 'ban' is {ban!r}, expected true or false")
+            if not isinstance(wid, str) or not wid:
+                return AdminReply(False, {}, f"kick: worker {wid!r} is not a worker id")
+            if ban:
+                self._ban(wid)  # also an id that is not a member now: it is kept out from now on
+            if not self.fsm.is_member(wid):
+                if ban:
+                    return AdminReply(True, self.status())
                 return AdminReply(False, {}, f"worker {wid!r} is not a live member")
             effects = self._step(WorkerLeft(wid, LeaveCause.KICKED), sink)
+        elif cmd == "unban":
+            wid = args.get("worker_id")
+            if not isinstance(wid, str) or not self._unban(wid):
+                return AdminReply(False, self.status(), f"worker {wid!r} is not banned")
+            return AdminReply(True, self.status())
         else:
             return AdminReply(False, {}, f"unknown admin command {cmd!r}: expected status, shutdown, "
-                                         f"set_min_workers or kick")
+                                         f"set_min_workers, kick or unban")
         rejects = [e for e in effects if isinstance(e, Reject)]
         if rejects:
             return AdminReply(False, self.status(), rejects[0].detail)

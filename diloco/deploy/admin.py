@@ -17,9 +17,13 @@ from diloco.transport.zmq import CoordinatorUnreachable, admin_request
 __all__ = ["request", "render_status", "CoordinatorUnreachable"]
 
 
-def request(address: str, command: str, args: dict[str, Any] | None = None, *, timeout_s: float = 5.0) -> AdminReply:
-    """One admin round trip. Raises ``CoordinatorUnreachable`` after ``timeout_s``."""
-    return admin_request(address, AdminRequest(command, dict(args or {})), timeout_s=timeout_s)
+def request(address: str, command: str, args: dict[str, Any] | None = None, *, timeout_s: float = 5.0,
+            auth=None) -> AdminReply:
+    """One admin round trip (``auth``: a ``ClientAuth`` for a coordinator run with ``--auth``).
+
+    Raises ``CoordinatorUnreachable`` after ``timeout_s`` and ``AuthRefused`` when the key is refused.
+    """
+    return admin_request(address, AdminRequest(command, dict(args or {})), timeout_s=timeout_s, auth=auth)
 
 
 def _age(seconds: float) -> str:

@@ -16,7 +16,7 @@ import torch
 from diloco.core.reasons import RejectReason
 
 #: Bumped on any incompatible change to these messages or their encoding.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 Tensors = dict[str, torch.Tensor]
 

@@ -5,6 +5,7 @@ frames, never pickle (SPEC.md section 11).
 """
 
 from diloco.transport.zmq.endpoints import (
+    AuthRefused,
     CoordinatorUnreachable,
     ZmqCoordinatorEndpoint,
     ZmqOptions,
@@ -15,6 +16,7 @@ from diloco.transport.zmq.endpoints import (
 )
 
 __all__ = [
+    "AuthRefused",
     "CoordinatorUnreachable",
     "ZmqCoordinatorEndpoint",
     "ZmqOptions",

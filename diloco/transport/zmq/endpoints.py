@@ -39,12 +39,23 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import zmq
 
 from diloco.transport import codec
 from diloco.transport.base import TransportClosed, TransportError
-from diloco.transport.messages import AdminReply, AdminRequest, Message
+from diloco.transport.messages import (
+    AdminReply,
+    AdminRequest,
+    Error,
+    ErrorCode,
+    Heartbeat,
+    Join,
+    Leave,
+    Message,
+    Submit,
+)
+from diloco.transport.zmq import framing
+from diloco.transport.zmq.auth import ClientAuth, KeyIdentity, Role, ServerAuth
 
 log = logging.getLogger("diloco.transport.zmq")
 
@@ -59,8 +70,9 @@ class ZmqOptions:
     chunk_bytes: int = codec.CHUNK_BYTES
     #: Coordinator: messages queued per peer before further ones are dropped.
     router_sndhwm: int = 256
-    #: Coordinator: messages queued from all peers before libzmq stops reading sockets.
-    router_rcvhwm: int = 4096
+    #: Coordinator: parts queued per peer before libzmq stops reading that peer's connection.
+    #: With parts of at most ``max_frame_bytes``, this bounds what libzmq holds for one peer.
+    router_rcvhwm: int = 16
     #: Worker: messages queued towards the coordinator (while it is away, they wait here).
     dealer_sndhwm: int = 1000
     dealer_rcvhwm: int = 1024
@@ -78,11 +90,18 @@ class ZmqOptions:
     #: ``DilocoWorker`` always send tensors nobody modifies afterwards (fresh
     #: pseudo-gradients, copies of the params), so they pay no copy.
     copy_on_send: bool = False
+    #: libzmq's I/O threads (``zmq.Context(io_threads=...)``); CURVE encrypts and decrypts on them.
+    io_threads: int = 1
+
+    @property
+    def max_frame_bytes(self) -> int:
+        """The largest single frame (``ZMQ_MAXMSGSIZE``): a tensor chunk or a header, and never above the message limit."""
+        return min(self.max_message_bytes, max(self.chunk_bytes, codec.MAX_HEADER_BYTES) + 64)
 
     def __post_init__(self) -> None:
         for name in ("max_message_bytes", "chunk_bytes", "router_sndhwm", "router_rcvhwm", "dealer_sndhwm",
                      "dealer_rcvhwm", "reconnect_ivl_ms", "reconnect_ivl_max_ms", "zmtp_heartbeat_ivl_ms",
-                     "zmtp_heartbeat_timeout_ms"):
+                     "zmtp_heartbeat_timeout_ms", "io_threads"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"ZmqOptions.{name}={v!r} is invalid: expected an integer >= 1")
@@ -125,7 +144,7 @@ class _SendSnapshots:
     def __init__(self) -> None:
         self._entries: dict[int, tuple[Any, int, memoryview]] = {}
 
-    def __call__(self, t: torch.Tensor) -> memoryview:
+    def __call__(self, t) -> memoryview:
         key = id(t)
         entry = self._entries.get(key)
         version = t._version
@@ -147,27 +166,65 @@ def _set(sock: zmq.Socket, option: int, value: int) -> None:
         log.debug("socket option %r not supported", option)
 
 
+# ------------------------------------------------------------------ who may send what
+
+#: Message types a worker key may send. Admin keys send ``AdminRequest`` only.
+_WORKER_MESSAGES = (Join, Heartbeat, Submit, Leave)
+#: Admin commands a worker key may run (read-only).
+_WORKER_ADMIN_COMMANDS = frozenset({"status"})
+
+
+def forbidden_reason(identity: KeyIdentity, message: Message) -> str | None:
+    """Why ``identity``'s role may not send ``message`` (SPEC.md section 11, "Auth"), or None if it may."""
+    if isinstance(message, AdminRequest):
+        if identity.role is Role.ADMIN or message.command in _WORKER_ADMIN_COMMANDS:
+            return None
+        return (f"admin command {message.command!r} needs an admin key; {identity.describe()} may run only "
+                f"{sorted(_WORKER_ADMIN_COMMANDS)}")
+    if isinstance(message, _WORKER_MESSAGES) and identity.role is not Role.WORKER:
+        return f"{type(message).__name__} needs a worker key; {identity.describe()} may send admin commands only"
+    return None
+
+
 # ------------------------------------------------------------------ coordinator side
 
 class ZmqCoordinatorEndpoint:
-    """The coordinator's ROUTER. ``recv`` answers undecodable frames itself (``Error``) and counts them."""
+    """The coordinator's ROUTER. ``recv`` answers undecodable or forbidden input itself (``Error``) and counts it.
 
-    def __init__(self, bind: str, *, options: ZmqOptions | None = None, monitor: bool = True) -> None:
+    With ``auth`` the socket is a CURVE server: only the auth directory's keys
+    connect (a ZAP authenticator on this endpoint's own context), every
+    message arrives with its sender's ``KeyIdentity`` (the third element of
+    ``recv``'s result), each role may send only its own messages, and routing
+    ids cannot be taken over (no ``ROUTER_HANDOVER``: a second connection
+    claiming a live peer's routing id is refused by libzmq).
+    """
+
+    def __init__(self, bind: str, *, options: ZmqOptions | None = None, monitor: bool = True,
+                 auth: ServerAuth | None = None) -> None:
         self.options = options or ZmqOptions()
-        self._ctx = zmq.Context(io_threads=1)
+        self.auth = auth
+        self._ctx = zmq.Context(io_threads=self.options.io_threads)
+        self._authenticator = None
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._snap = _SendSnapshots() if self.options.copy_on_send else codec.tensor_view
         o = self.options
         _set(self._sock, zmq.LINGER, 0)
         _set(self._sock, zmq.ROUTER_MANDATORY, 1)  # an unknown peer raises instead of vanishing silently
-        _set(self._sock, zmq.ROUTER_HANDOVER, 1)   # a reconnecting worker takes its routing id back
+        # Without auth a reconnecting worker takes its routing id back at once. With auth a
+        # routing id must never move to another key's connection: the old connection has to
+        # close first (libzmq notices within zmtp_heartbeat_timeout_ms) and the worker
+        # reconnects on its own.
+        _set(self._sock, zmq.ROUTER_HANDOVER, 0 if auth is not None else 1)
         _set(self._sock, zmq.SNDHWM, o.router_sndhwm)
         _set(self._sock, zmq.RCVHWM, o.router_rcvhwm)
-        _set(self._sock, zmq.MAXMSGSIZE, o.max_message_bytes)
+        _set(self._sock, zmq.MAXMSGSIZE, o.max_frame_bytes)
         _set(self._sock, zmq.HEARTBEAT_IVL, o.zmtp_heartbeat_ivl_ms)
         _set(self._sock, zmq.HEARTBEAT_TIMEOUT, o.zmtp_heartbeat_timeout_ms)
         self._monitor = None
         try:
+            if auth is not None:
+                self._authenticator = auth.start_authenticator(self._ctx)
+                auth.apply(self._sock)
             if monitor:
                 self._monitor = self._sock.get_monitor_socket(
                     zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -183,22 +240,28 @@ class ZmqCoordinatorEndpoint:
         if self._monitor is not None:
             self._poller.register(self._monitor, zmq.POLLIN)
         self._closed = False
+        self._seq = 0
+        self._assembler = framing.Assembler(self.options.max_message_bytes)
         self.counters: Counter[str] = Counter()
         #: Undecodable messages by error code (answered with ``Error``, never seen by the coordinator).
         self.malformed: Counter[str] = Counter()
 
     def stats(self) -> dict:
-        """Counters for ``diloco status``: traffic, malformed input, drops, connections."""
+        """Counters for ``diloco status``: traffic, malformed input, drops, connections, refusals."""
         return {
             "address": self.address,
+            "auth": self.auth is not None,
             **{k: self.counters[k] for k in (
                 "messages_in", "messages_out", "bytes_in", "bytes_out", "dropped_unroutable", "dropped_queue_full",
-                "connections_accepted", "disconnects", "handshake_failures")},
+                "connections_accepted", "disconnects", "handshake_failures", "auth_failures", "forbidden")},
+            "incomplete_dropped": self._assembler.incomplete_dropped,
+            "partial_messages": self._assembler.partial_count,
             "malformed_total": sum(self.malformed.values()),
             "malformed": dict(self.malformed),
         }
 
-    def recv(self, timeout_s: float) -> tuple[str, Message] | None:
+    def recv(self, timeout_s: float) -> tuple[str, Message] | tuple[str, Message, KeyIdentity] | None:
+        """The next (peer, message), or (peer, message, identity) with auth; None after ``timeout_s``."""
         if self._closed:
             raise TransportClosed("coordinator endpoint is closed")
         deadline = time.monotonic() + max(0.0, timeout_s)
@@ -215,24 +278,49 @@ class ZmqCoordinatorEndpoint:
             if self._sock not in events and time.monotonic() >= deadline:
                 return None
 
-    def _recv_ready(self) -> tuple[str, Message] | None:
-        """Decode queued messages until one is valid; answer and count the invalid ones."""
+    def _recv_ready(self):
+        """Assemble and decode queued parts until a message is whole and valid; answer the invalid ones."""
         while True:
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return None
             rid = frames[0].bytes
-            body = frames[1:]
-            self.counters["messages_in"] += 1
-            self.counters["bytes_in"] += codec.message_nbytes(body)
             peer = peer_name(rid)
+            self.counters["bytes_in"] += codec.message_nbytes(frames[1:])
+            identity = None
+            if self.auth is not None:
+                user_id = frames[-1].get("User-Id") if len(frames) > 1 else None
+                identity = self.auth.identity(user_id)
+                if identity is None:  # the authenticator let it in, so this cannot happen; never trust it
+                    self.counters["auth_failures"] += 1
+                    continue
+            got = self._assembler.add(peer, frames[1:], time.monotonic())
+            if got is None:
+                continue
+            if isinstance(got, framing.Refused):
+                self.malformed[got.code] += 1
+                log.warning("refused a message from %s as it arrived: %s", peer, got.detail)
+                self._send_frames(rid, codec.encode(Error(ErrorCode(got.code), got.detail)))
+                continue
+            self.counters["messages_in"] += 1
+            legacy = not (len(frames) == 3 and framing.read_tag(frames[1]) is not None)
             try:
-                return peer, codec.decode(body, max_message_bytes=self.options.max_message_bytes)
+                message = codec.decode(got.frames, max_message_bytes=self.options.max_message_bytes)
             except codec.CodecError as exc:
                 self.malformed[exc.code.value] += 1
                 log.warning("malformed message from %s: %s", peer, exc.detail)
-                self._send_frames(rid, codec.encode(codec.error_for(exc)))
+                self._send_frames(rid, codec.encode(codec.error_for(exc)), legacy=legacy)
+                continue
+            if identity is None:
+                return peer, message
+            why = forbidden_reason(identity, message)
+            if why is not None:
+                self.counters["forbidden"] += 1
+                log.warning("refused %s from %s (%s): %s", type(message).__name__, peer, identity.name, why)
+                self._send_frames(rid, codec.encode(Error(ErrorCode.FORBIDDEN, why, type(message).__name__)))
+                continue
+            return peer, message, identity
 
     def _drain_monitor(self) -> None:
         from zmq.utils.monitor import recv_monitor_message
@@ -248,6 +336,8 @@ class ZmqCoordinatorEndpoint:
                 self.counters["connections_accepted"] += 1
             elif kind == zmq.EVENT_DISCONNECTED:
                 self.counters["disconnects"] += 1
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self.counters["auth_failures"] += 1
             else:
                 self.counters["handshake_failures"] += 1
 
@@ -261,19 +351,24 @@ class ZmqCoordinatorEndpoint:
             return
         self._send_frames(rid, codec.encode(message, chunk_bytes=self.options.chunk_bytes, tensor_bytes=self._snap))
 
-    def _send_frames(self, rid: bytes, frames: list) -> None:
-        try:
-            self._sock.send_multipart([rid, *frames], zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            # The peer stopped reading and its queue is full: drop rather than stall every other peer.
-            self.counters["dropped_queue_full"] += 1
-            log.warning("dropped a message to %s: its send queue is full", peer_name(rid))
-            return
-        except zmq.ZMQError as exc:
-            if exc.errno == zmq.EHOSTUNREACH:  # gone (a datagram to a dead host)
-                self.counters["dropped_unroutable"] += 1
+    def _send_frames(self, rid: bytes, frames: list, *, legacy: bool = False) -> None:
+        """Send one message as parts (``framing``); ``legacy``: as one multipart message (an old peer's reply)."""
+        self._seq += 1
+        messages = [frames] if legacy else framing.parts(self._seq, frames)
+        for part in messages:
+            try:
+                self._sock.send_multipart([rid, *part], zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                # The peer stopped reading and its queue is full: drop rather than stall every other
+                # peer (the rest of a message cut here is dropped by the receiver as incomplete).
+                self.counters["dropped_queue_full"] += 1
+                log.warning("dropped a message to %s: its send queue is full", peer_name(rid))
                 return
-            raise TransportError(f"send to {peer_name(rid)} failed: {exc}") from None
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EHOSTUNREACH:  # gone (a datagram to a dead host)
+                    self.counters["dropped_unroutable"] += 1
+                    return
+                raise TransportError(f"send to {peer_name(rid)} failed: {exc}") from None
         self.counters["messages_out"] += 1
         self.counters["bytes_out"] += codec.message_nbytes(frames)
 
@@ -290,6 +385,8 @@ class ZmqCoordinatorEndpoint:
                 pass
             self._monitor.close(0)
         self._sock.close(0)
+        if self._authenticator is not None:
+            self._authenticator.stop()
         self._ctx.term()
 
     def __enter__(self) -> "ZmqCoordinatorEndpoint":
@@ -301,6 +398,10 @@ class ZmqCoordinatorEndpoint:
 
 # ------------------------------------------------------------------ worker side
 
+class AuthRefused(TransportError):
+    """The coordinator refused this client's key (or the handshake failed): retrying will not help."""
+
+
 class ZmqWorkerEndpoint:
     """A DEALER connected to the coordinator. Thread-safe (one lock around the socket).
 
@@ -311,18 +412,24 @@ class ZmqWorkerEndpoint:
     ``Command.REJOIN`` (or a submission with ``unknown_worker``), which is how
     the worker re-joins. ``silence_s()`` reports how long the coordinator has
     said nothing, for a worker that wants to act on silence itself.
+
+    With ``auth`` the socket is a CURVE client. A coordinator that refuses
+    the key sends nothing back through ZeroMQ itself: the socket's monitor
+    sees the failed handshake, and ``send``/``recv`` raise ``AuthRefused``
+    with a line saying so instead of timing out.
     """
 
     #: recv polls in slices this long so that a concurrent ``send`` waits at most this much for the lock.
     _SLICE_S = 0.01
 
     def __init__(self, connect: str, *, routing_id: bytes | None = None, label: str = "worker",
-                 options: ZmqOptions | None = None, clock=time.monotonic) -> None:
+                 options: ZmqOptions | None = None, clock=time.monotonic, auth: ClientAuth | None = None) -> None:
         self.options = o = options or ZmqOptions()
         self.address = connect
+        self.auth = auth
         self.routing_id = routing_id or make_routing_id(label)
         self._clock = clock
-        self._ctx = zmq.Context(io_threads=1)
+        self._ctx = zmq.Context(io_threads=o.io_threads)
         self._sock = self._ctx.socket(zmq.DEALER)
         self._snap = _SendSnapshots() if o.copy_on_send else codec.tensor_view
         self._lock = threading.Lock()
@@ -330,18 +437,26 @@ class ZmqWorkerEndpoint:
         self._sock.setsockopt(zmq.ROUTING_ID, self.routing_id)
         _set(self._sock, zmq.SNDHWM, o.dealer_sndhwm)
         _set(self._sock, zmq.RCVHWM, o.dealer_rcvhwm)
-        _set(self._sock, zmq.MAXMSGSIZE, o.max_message_bytes)
+        _set(self._sock, zmq.MAXMSGSIZE, o.max_frame_bytes)
         _set(self._sock, zmq.RECONNECT_IVL, o.reconnect_ivl_ms)
         _set(self._sock, zmq.RECONNECT_IVL_MAX, o.reconnect_ivl_max_ms)
         _set(self._sock, zmq.HEARTBEAT_IVL, o.zmtp_heartbeat_ivl_ms)
         _set(self._sock, zmq.HEARTBEAT_TIMEOUT, o.zmtp_heartbeat_timeout_ms)
+        self._monitor = None
+        self._refused: str | None = None
         try:
+            if auth is not None:
+                auth.apply(self._sock)
+                self._monitor = self._sock.get_monitor_socket(
+                    zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_SUCCEEDED)
             self._sock.connect(connect)
         except zmq.ZMQError as exc:
-            self._sock.close(0)
-            self._ctx.term()
+            self._close_sockets()
             raise TransportError(f"cannot connect to {connect}: {exc}") from None
         self._closed = False
+        self._seq = 0
+        self._assembler = framing.Assembler(o.max_message_bytes, max_partials=1)
         self._last_heard = clock()
         self.counters: Counter[str] = Counter()
 
@@ -353,35 +468,63 @@ class ZmqWorkerEndpoint:
         """Seconds since the last message from the coordinator (or since connecting)."""
         return self._clock() - self._last_heard
 
+    def _check_handshake(self) -> None:
+        """Raise ``AuthRefused`` once the monitor has seen the coordinator refuse our key. Call with the lock."""
+        if self._monitor is None:
+            return
+        from zmq.utils.monitor import recv_monitor_message
+        while self._refused is None:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except (zmq.Again, zmq.ZMQError):
+                break
+            kind = event.get("event")
+            if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self._refused = (f"the coordinator at {self.address} refused this key ({self.auth.key_file}): "
+                                 f"its public key is not in the server's auth directory")
+            elif kind in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+                self._refused = (f"the CURVE handshake with {self.address} failed: is --server-key the "
+                                 f"coordinator's public key, and does the coordinator run with --auth?")
+            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.counters["handshakes"] += 1
+        if self._refused is not None:
+            raise AuthRefused(self._refused)
+
     def send(self, message: Message) -> None:
         """Queue ``message`` for the coordinator; never raises because the coordinator is away.
 
         While the coordinator is down the message waits in the queue and goes
-        out on reconnect. When the queue is full (``dealer_sndhwm`` messages:
+        out on reconnect. When the queue is full (``dealer_sndhwm`` parts:
         the coordinator has been gone a long while, or stopped reading) it
         waits up to ``send_timeout_s`` for room, then drops the message and
         counts it (``counters["dropped_queue_full"]``), like a datagram to a
         dead host: the worker notices the silence (no replies) and acts on it.
+        Raises ``AuthRefused`` if the coordinator refused this endpoint's key.
         """
         if self._closed:
             raise TransportClosed(f"endpoint to {self.address} is closed")
         frames = codec.encode(message, chunk_bytes=self.options.chunk_bytes, tensor_bytes=self._snap)
         deadline = time.monotonic() + self.options.send_timeout_s
-        while True:
-            with self._lock:
-                try:
-                    self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
-                    self.counters["messages_out"] += 1
-                    return
-                except zmq.Again:
-                    pass
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    self.counters["dropped_queue_full"] += 1
-                    log.warning("dropped %s to %s: the send queue stayed full for %g s", type(message).__name__,
-                                self.address, self.options.send_timeout_s)
-                    return
-                self._sock.poll(int(min(remaining, self._SLICE_S) * 1000) + 1, zmq.POLLOUT)
+        with self._lock:
+            self._check_handshake()
+            self._seq += 1
+            for part in framing.parts(self._seq, frames):
+                while True:
+                    try:
+                        self._sock.send_multipart(part, zmq.NOBLOCK, copy=False)
+                        break
+                    except zmq.Again:
+                        pass
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        # The rest of the message is dropped; the coordinator drops the part
+                        # already sent as incomplete when our next message starts.
+                        self.counters["dropped_queue_full"] += 1
+                        log.warning("dropped %s to %s: the send queue stayed full for %g s", type(message).__name__,
+                                    self.address, self.options.send_timeout_s)
+                        return
+                    self._sock.poll(int(min(remaining, self._SLICE_S) * 1000) + 1, zmq.POLLOUT)
+            self.counters["messages_out"] += 1
 
     def recv(self, timeout_s: float) -> Message | None:
         if self._closed:
@@ -389,18 +532,24 @@ class ZmqWorkerEndpoint:
         deadline = time.monotonic() + max(0.0, timeout_s)
         while True:
             with self._lock:
+                self._check_handshake()
                 remaining = deadline - time.monotonic()
                 wait_ms = max(0, int(min(remaining, self._SLICE_S) * 1000 + 0.999)) if remaining > 0 else 0
                 if self._sock.poll(wait_ms, zmq.POLLIN):
                     frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     self._last_heard = self._clock()
-                    self.counters["messages_in"] += 1
-                    try:
-                        return codec.decode(frames, max_message_bytes=self.options.max_message_bytes)
-                    except codec.CodecError as exc:
+                    got = self._assembler.add("coordinator", frames, time.monotonic())
+                    if isinstance(got, framing.Complete):
+                        self.counters["messages_in"] += 1
+                        try:
+                            return codec.decode(got.frames, max_message_bytes=self.options.max_message_bytes)
+                        except codec.CodecError as exc:
+                            self.counters["malformed"] += 1
+                            log.warning("undecodable message from the coordinator at %s: %s", self.address, exc)
+                    elif isinstance(got, framing.Refused):
                         self.counters["malformed"] += 1
-                        log.warning("undecodable message from the coordinator at %s: %s", self.address, exc)
-                        continue
+                        log.warning("refused a message from the coordinator at %s: %s", self.address, got.detail)
+                    continue
             if time.monotonic() >= deadline:
                 return None
 
@@ -408,8 +557,17 @@ class ZmqWorkerEndpoint:
         with self._lock:
             if not self._closed:
                 self._closed = True
-                self._sock.close(0)
-                self._ctx.term()
+                self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        if self._monitor is not None:
+            try:
+                self._sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._monitor.close(0)
+        self._sock.close(0)
+        self._ctx.term()
 
     def __enter__(self) -> "ZmqWorkerEndpoint":
         return self
@@ -425,27 +583,33 @@ class CoordinatorUnreachable(TransportError):
 
 
 def admin_request(address: str, request: AdminRequest, *, timeout_s: float = 5.0,
-                  options: ZmqOptions | None = None) -> AdminReply:
+                  options: ZmqOptions | None = None, auth: ClientAuth | None = None) -> AdminReply:
     """Send one admin command from a short-lived DEALER and wait for its reply.
 
     Raises ``CoordinatorUnreachable`` when nothing answers within
     ``timeout_s`` (libzmq connects lazily, so a dead address looks exactly like
-    a silent one), and ``TransportError`` for a reply that is not an ``AdminReply``.
+    a silent one), ``AuthRefused`` when the coordinator refuses the key, and
+    ``TransportError`` for a reply that is neither an ``AdminReply`` nor an
+    ``Error``. An ``Error`` reply (a forbidden command, a malformed request)
+    comes back as ``AdminReply(ok=False, error="<code>: <detail>")``.
     """
     deadline = time.monotonic() + timeout_s
     opts = options or ZmqOptions()
-    ep = ZmqWorkerEndpoint(address, label="admin", options=opts)
+    ep = ZmqWorkerEndpoint(address, label="admin", options=opts, auth=auth)
     try:
         ep.send(request)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise CoordinatorUnreachable(f"no reply from the coordinator at {address} within {timeout_s:g} s")
-            reply = ep.recv(remaining)
+            reply = ep.recv(min(remaining, 0.1))
             if reply is None:
                 continue
             if isinstance(reply, AdminReply):
                 return reply
+            if isinstance(reply, Error):
+                code = reply.code.value if isinstance(reply.code, ErrorCode) else str(reply.code)
+                return AdminReply(False, {}, f"{code}: {reply.detail}")
             raise TransportError(f"the coordinator at {address} answered {type(reply).__name__}: {reply}")
     finally:
         ep.close()
