@@ -76,6 +76,10 @@ def render_status(status: dict, address: str = "", *, width: int = 120) -> str:
     if parked:
         console.print(f"parked workers: {', '.join(status.get('parked_workers', []))}"
                       + (f" (departed, contribution kept: {', '.join(gone_parked)})" if gone_parked else ""))
+    if status.get("banned_workers") or status.get("banned_keys"):
+        console.print(f"banned (kick --ban; `diloco unban WORKER` lifts it): workers "
+                      f"{', '.join(status.get('banned_workers', [])) or '-'}; keys "
+                      f"{', '.join(status.get('banned_keys', [])) or '-'}")
     t = status.get("transport")
     if t:
         malformed = t.get("malformed_total", 0)
@@ -83,6 +87,10 @@ def render_status(status: dict, address: str = "", *, width: int = 120) -> str:
         console.print(f"transport: {t.get('messages_in', 0)} messages in, {t.get('messages_out', 0)} out; "
                       f"malformed {malformed}{f' ({by_code})' if by_code else ''}; "
                       f"refused {status.get('messages_refused', 0)}")
+        if "auth" in t:
+            console.print(f"  auth: {'CURVE' if t.get('auth') else 'none'}; keys refused {t.get('auth_failures', 0)}; "
+                          f"forbidden messages {t.get('forbidden', 0)}; incomplete messages dropped "
+                          f"{t.get('incomplete_dropped', 0)}")
         dropped = t.get("dropped_queue_full", 0) + t.get("dropped_unroutable", 0)
         if dropped or t.get("handshake_failures", 0):
             console.print(f"  dropped {t.get('dropped_queue_full', 0)} (queue full) + {t.get('dropped_unroutable', 0)} "

@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from diloco.cli import EXIT_OK, EXIT_PROBLEM, EXIT_UNREACHABLE, UsageError
+from diloco.cli import EXIT_AUTH_REFUSED, EXIT_OK, EXIT_PROBLEM, EXIT_UNREACHABLE, UsageError
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 
@@ -38,11 +38,38 @@ def _positive_float(text: str) -> float:
     return v
 
 
-def _add_connect(p: argparse.ArgumentParser) -> None:
+def _add_client_keys(p: argparse.ArgumentParser, role: str) -> None:
+    p.add_argument("--key", default=None, metavar="FILE.key_secret",
+                   help=f"this client's secret key, for a coordinator run with --auth (its public key must be in "
+                        f"the server's {role}s/ folder); default: $DILOCO_KEY")
+    p.add_argument("--server-key", default=None, metavar="FILE.key",
+                   help="the coordinator's public key (server.key); default: $DILOCO_SERVER_KEY")
+
+
+def _add_connect(p: argparse.ArgumentParser, role: str = "admin") -> None:
     p.add_argument("--connect", default=DEFAULT_ADDRESS, metavar="ADDR",
                    help=f"the coordinator's address, as given to `diloco server --bind` (default {DEFAULT_ADDRESS})")
     p.add_argument("--timeout", type=_positive_float, default=5.0, metavar="S",
                    help="give up after S seconds without an answer: exit code 3 (default 5)")
+    _add_client_keys(p, role)
+
+
+def client_auth(args):
+    """``--key``/``--server-key`` (or their environment variables) -> ``ClientAuth``, or None; ``UsageError`` if bad."""
+    from diloco.transport.zmq.auth import AuthError, ClientAuth
+
+    try:
+        return ClientAuth.from_options(args.key, args.server_key)
+    except AuthError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _is_loopback_bind(address: str) -> bool:
+    """True for ipc:// and for tcp:// on a loopback address (127.0.0.0/8, ::1, localhost)."""
+    if address.startswith("ipc://"):
+        return True
+    host = address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
 def register(subparsers) -> None:
@@ -84,7 +111,16 @@ def register(subparsers) -> None:
                    help="continue the run saved in DIR/coordinator.ckpt (same params, optimizer state and round "
                         "counters); options given here override the saved ones (not --mode or --fragments)")
     p.add_argument("--max-message-mb", type=_positive_float, default=None, metavar="MB",
-                   help="largest message accepted, in MiB (default 1024)")
+                   help="largest message accepted, in MiB (default 1024); checked as its parts arrive")
+    p.add_argument("--auth", default=None, metavar="DIR",
+                   help="authenticate and encrypt every connection (ZeroMQ CURVE): DIR/server.key_secret is the "
+                        "server's key, DIR/workers/*.key the public keys allowed to train, DIR/admins/*.key those "
+                        "allowed to run admin commands (see `diloco keygen --help`)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow binding a non-loopback address without --auth: anyone who reaches the port can "
+                        "join, poison or stop the run")
+    p.add_argument("--io-threads", type=_positive_int, default=None, metavar="N",
+                   help="ZeroMQ I/O threads (CURVE encryption runs on them; default 1, or 2 with --auth)")
     p.set_defaults(handler=cmd_server)
 
     # ------------------------------------------------------------- worker
@@ -119,6 +155,7 @@ def register(subparsers) -> None:
                    help="give up when the coordinator has not answered the join after S seconds: exit 3 (default 30)")
     p.add_argument("--threads", type=_positive_int, default=1, metavar="N",
                    help="torch CPU threads for this worker (default 1)")
+    _add_client_keys(p, "worker")
     p.set_defaults(handler=cmd_worker)
 
     # ------------------------------------------------------------- status
@@ -172,13 +209,51 @@ def register(subparsers) -> None:
     # ------------------------------------------------------------- kick
     p = subparsers.add_parser(
         "kick", formatter_class=fmt,
-        help="remove a worker from the run",
+        help="remove a worker from the run (--ban: and keep it out)",
         description="Remove a member now (as if it had died). Its contribution to the open round, if any,\n"
                     "still counts (SPEC.md P1); the quorum is re-checked. The worker is answered `rejoin` on\n"
-                    "its next heartbeat and joins again unless you stop it.")
+                    "its next heartbeat and joins again unless you stop it, or unless --ban: then its id\n"
+                    "(and, on a server run with --auth, its key) is refused at join (`banned`) until\n"
+                    "`diloco unban WORKER`. --ban also works for an id that is not a member now.")
     p.add_argument("worker_id", metavar="WORKER")
+    p.add_argument("--ban", action="store_true", help="keep the worker (and its key) out until `diloco unban`")
     _add_connect(p)
     p.set_defaults(handler=cmd_kick)
+
+    # ------------------------------------------------------------- unban
+    p = subparsers.add_parser(
+        "unban", formatter_class=fmt,
+        help="let a worker banned with `kick --ban` join again",
+        description="Lift a ban made with `diloco kick WORKER --ban`: the worker id, and the key it joined\n"
+                    "with (on a server run with --auth), may join again. `diloco status` lists the bans.")
+    p.add_argument("worker_id", metavar="WORKER")
+    _add_connect(p)
+    p.set_defaults(handler=cmd_unban)
+
+    # ------------------------------------------------------------- keygen
+    p = subparsers.add_parser(
+        "keygen", formatter_class=fmt,
+        help="make a CURVE key pair for `diloco server --auth` and its clients",
+        description="Write DIR/NAME.key (the public key: hand it out) and DIR/NAME.key_secret (the secret\n"
+                    "key, mode 0600: keep it; diloco refuses a secret key file readable by group or others).\n"
+                    "Existing files are never overwritten.\n\n"
+                    "A server's auth directory (`diloco server --auth DIR`) holds:\n"
+                    "  DIR/server.key_secret   the server's key pair (its server.key goes to every client)\n"
+                    "  DIR/workers/*.key       public keys allowed to train\n"
+                    "  DIR/admins/*.key        public keys allowed to run admin commands\n"
+                    "Clients pass --key NAME.key_secret --server-key server.key (or set DILOCO_KEY and\n"
+                    "DILOCO_SERVER_KEY).",
+        epilog="example (three commands):\n"
+               "  diloco keygen server --out auth\n"
+               "  diloco keygen w1 --out keys && mkdir -p auth/workers && cp keys/w1.key auth/workers/\n"
+               "  diloco keygen ops --out keys && mkdir -p auth/admins && cp keys/ops.key auth/admins/\n"
+               "then:\n"
+               "  diloco server --bind tcp://0.0.0.0:5555 --auth auth\n"
+               "  diloco worker --connect tcp://HOST:5555 --key keys/w1.key_secret --server-key auth/server.key\n"
+               "  diloco status --connect tcp://HOST:5555 --key keys/ops.key_secret --server-key auth/server.key")
+    p.add_argument("name", metavar="NAME", help="the key's name: the files are NAME.key and NAME.key_secret")
+    p.add_argument("--out", default=".", metavar="DIR", help="where to write them (created if missing; default .)")
+    p.set_defaults(handler=cmd_keygen)
 
 
 # ------------------------------------------------------------------ handlers
@@ -194,7 +269,14 @@ def cmd_server(args) -> int:
         outer_optimizer=args.outer_optimizer, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
         resume=args.resume,
         max_message_bytes=None if args.max_message_mb is None else int(args.max_message_mb * (1 << 20)),
+        auth_dir=args.auth, io_threads=args.io_threads,
     )
+    if args.auth is None and not _is_loopback_bind(args.bind):
+        if not args.insecure:
+            raise UsageError(f"--bind {args.bind}: listening beyond loopback needs --auth DIR (see `diloco keygen "
+                             f"--help`), or --insecure to accept that anyone who reaches the port owns the run")
+        print(f"WARNING: {args.bind} is reachable from the network with no authentication (--insecure): anyone "
+              f"who reaches it can join, submit, or stop the run", file=sys.stderr, flush=True)
     try:
         run_server(settings)
     except ServerError as exc:
@@ -211,6 +293,11 @@ def cmd_worker(args) -> int:
 
 
 def _unreachable(args, exc: Exception) -> int:
+    from diloco.transport.zmq.endpoints import AuthRefused
+
+    if isinstance(exc, AuthRefused):
+        print(f"diloco {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_AUTH_REFUSED
     print(f"diloco {args.command}: error: coordinator unreachable: {exc}", file=sys.stderr)
     return EXIT_UNREACHABLE
 
@@ -221,8 +308,9 @@ def _admin(args, command: str, payload: dict | None = None):
 
     if not args.connect.startswith(("tcp://", "ipc://")):
         raise UsageError(f"--connect {args.connect!r}: expected tcp://HOST:PORT (or ipc://PATH)")
+    auth = client_auth(args)
     try:
-        return request(args.connect, command, payload, timeout_s=args.timeout), None
+        return request(args.connect, command, payload, timeout_s=args.timeout, auth=auth), None
     except TransportError as exc:
         return None, exc
 
@@ -280,8 +368,24 @@ def cmd_set_min_workers(args) -> int:
 
 
 def cmd_kick(args) -> int:
-    reply, err = _admin(args, "kick", {"worker_id": args.worker_id})
-    return _report(args, reply, err, f"kicked {args.worker_id}")
+    reply, err = _admin(args, "kick", {"worker_id": args.worker_id, "ban": args.ban})
+    return _report(args, reply, err, f"{'kicked and banned' if args.ban else 'kicked'} {args.worker_id}")
+
+
+def cmd_unban(args) -> int:
+    reply, err = _admin(args, "unban", {"worker_id": args.worker_id})
+    return _report(args, reply, err, f"unbanned {args.worker_id}")
+
+
+def cmd_keygen(args) -> int:
+    from diloco.transport.zmq.auth import AuthError, generate_keypair
+
+    try:
+        public, secret = generate_keypair(args.name, args.out)
+    except (AuthError, OSError) as exc:
+        raise UsageError(str(exc)) from None
+    print(f"wrote {public} (public key: copy it where it is needed) and {secret} (secret key, mode 0600: keep it)")
+    return EXIT_OK
 
 
 __all__ = ["register"]

@@ -48,6 +48,10 @@ class ServerSettings:
     max_message_bytes: int | None = None
     #: Seconds to keep answering after the run stops, so every worker hears it (default: 3 heartbeats).
     linger_s: float | None = None
+    #: ``--auth DIR``: CURVE keys and roles (``diloco.transport.zmq.auth.ServerAuth``); None: no authentication.
+    auth_dir: str | None = None
+    #: ZeroMQ I/O threads (default 1, or 2 with authentication: CURVE runs on them).
+    io_threads: int | None = None
 
 
 class EventPrinter:
@@ -181,12 +185,23 @@ def run_server(s: ServerSettings, out: TextIO = sys.stdout, stop_event: threadin
     """Serve one run until it stops (or ``stop_event``/SIGTERM). Raises ``ServerError`` on bad settings."""
     if not s.bind.startswith(("tcp://", "ipc://")):
         raise ServerError(f"--bind {s.bind!r}: expected tcp://HOST:PORT (or ipc://PATH)")
+    auth = None
+    if s.auth_dir is not None:
+        from diloco.transport.zmq.auth import AuthError, ServerAuth
+        try:
+            auth = ServerAuth.load(s.auth_dir)
+        except AuthError as exc:
+            raise ServerError(str(exc)) from None
     printer = EventPrinter(out)
     coordinator = make_coordinator(s, printer, time.monotonic())
     warm_up(coordinator.config)
-    options = ZmqOptions() if s.max_message_bytes is None else ZmqOptions(max_message_bytes=s.max_message_bytes)
+    overrides = {}
+    if s.max_message_bytes is not None:
+        overrides["max_message_bytes"] = s.max_message_bytes
+    io_threads = s.io_threads or (2 if auth is not None else 1)
     try:
-        endpoint = ZmqCoordinatorEndpoint(s.bind, options=options)
+        options = ZmqOptions(io_threads=io_threads, **overrides)
+        endpoint = ZmqCoordinatorEndpoint(s.bind, options=options, auth=auth)
     except Exception as exc:
         raise ServerError(str(exc)) from None
     cfg = coordinator.config
@@ -194,6 +209,12 @@ def run_server(s: ServerSettings, out: TextIO = sys.stdout, stop_event: threadin
     print(f"  mode {cfg.fsm.mode.value}, {cfg.fsm.num_fragments} fragment(s), min_workers {coordinator.fsm.min_workers}, "
           f"heartbeat timeout {cfg.fsm.heartbeat_timeout_s:g} s (workers beat every {cfg.heartbeat_interval_s:g} s), "
           f"outer {cfg.outer.name} lr {cfg.outer.lr:g} momentum {cfg.outer.momentum:g}", file=out, flush=True)
+    if auth is not None:
+        roles = [c.role.value for c in auth.clients.values()]
+        print(f"  auth: CURVE, {roles.count('worker')} worker key(s) and {roles.count('admin')} admin key(s) "
+              f"from {auth.directory}", file=out, flush=True)
+    else:
+        print("  auth: none (anyone who reaches the address can join or run admin commands)", file=out, flush=True)
     if s.resume is not None:
         print(f"  resumed from {s.resume}: open rounds {list(coordinator.fsm.open_round_ids())}, "
               f"rounds applied {coordinator.fsm.rounds_applied}, "

@@ -7,7 +7,7 @@ run (or ``--max-steps``). Prints a line per round synced and per state worth
 knowing (joining, paused, stopped). Exit codes: 0 stopped cleanly (told to
 stop, drained, saved, or reached ``--max-steps``); 1 the run refused this
 worker or training failed; 2 bad ``--entry``; 3 the coordinator did not
-answer the join; 130 Ctrl-C. SIGTERM asks the worker to stop (saving its
+answer the join; 4 the coordinator refused this worker's key; 130 Ctrl-C. SIGTERM asks the worker to stop (saving its
 checkpoint if it has a ``--checkpoint-dir``) and exits 0.
 """
 
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from diloco.cli import EXIT_OK, EXIT_PROBLEM, EXIT_UNREACHABLE, UsageError
+from diloco.cli import EXIT_AUTH_REFUSED, EXIT_OK, EXIT_PROBLEM, EXIT_UNREACHABLE, UsageError
 
 DEFAULT_ENTRY = "diloco.deploy.default_entry:make_setup"
 
@@ -140,7 +140,10 @@ def run_worker_command(args) -> int:
         else:
             sync_every = 100
     printer = _Printer(worker_id)
-    endpoint = ZmqWorkerEndpoint(args.connect, label=worker_id)
+    from diloco.deploy.commands import client_auth
+
+    auth = client_auth(args)
+    endpoint = ZmqWorkerEndpoint(args.connect, label=worker_id, auth=auth)
     try:
         worker = DilocoWorker(setup.model, setup.optimizer, endpoint, worker_id=worker_id, sync_every=sync_every,
                               checkpoint_dir=args.checkpoint_dir, on_state=printer.on_state,
@@ -160,6 +163,8 @@ def run_worker_command(args) -> int:
     except DilocoWorkerError as exc:
         code = getattr(exc, "code", None)
         print(f"diloco worker {worker_id}: {exc}", file=sys.stderr, flush=True)
+        if code == "auth_refused":
+            return EXIT_AUTH_REFUSED
         return EXIT_UNREACHABLE if code == "join_timeout" else EXIT_PROBLEM
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -21,6 +21,10 @@ class TransportClosed(TransportError):
     """The endpoint was closed."""
 
 
+class AuthRefused(TransportError):
+    """The coordinator refused this client's key (or the handshake failed): retrying will not help."""
+
+
 class CoordinatorEndpoint(Protocol):
     """What the coordinator's driver holds: receive from any peer, reply to one."""
 

@@ -100,7 +100,7 @@ from typing import Callable
 import torch
 
 from diloco.tensorfile import CheckpointError
-from diloco.transport.base import TransportError, WorkerEndpoint
+from diloco.transport.base import AuthRefused, TransportError, WorkerEndpoint
 from diloco.transport.messages import (
     PROTOCOL_VERSION,
     Accepted,
@@ -758,6 +758,8 @@ class DilocoWorker:
     def _send(self, msg: Message) -> None:
         try:
             self.endpoint.send(msg)
+        except AuthRefused as exc:
+            raise DilocoWorkerError(f"worker {self.worker_id!r}: {exc}", "auth_refused") from exc
         except TransportError as exc:
             raise DilocoWorkerError(f"worker {self.worker_id!r}: cannot send {type(msg).__name__}: {exc}",
                                     "transport") from exc
@@ -765,6 +767,8 @@ class DilocoWorker:
     def _recv(self, timeout_s: float) -> Message | None:
         try:
             msg = self.endpoint.recv(timeout_s)
+        except AuthRefused as exc:
+            raise DilocoWorkerError(f"worker {self.worker_id!r}: {exc}", "auth_refused") from exc
         except TransportError as exc:
             raise DilocoWorkerError(f"worker {self.worker_id!r}: cannot receive: {exc}", "transport") from exc
         if msg is not None:

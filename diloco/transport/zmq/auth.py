@@ -37,6 +37,8 @@ ENV_KEY = "DILOCO_KEY"
 ENV_SERVER_KEY = "DILOCO_SERVER_KEY"
 
 SERVER_KEY_NAME = "server"
+#: The ZAP domain of a coordinator's socket; the authenticator answers for this domain only.
+ZAP_DOMAIN = "diloco"
 WORKERS_DIR = "workers"
 ADMINS_DIR = "admins"
 
@@ -169,7 +171,7 @@ class ServerAuth:
         sock.curve_secretkey = self.secret_key
         sock.curve_publickey = self.public_key
         sock.curve_server = True
-        sock.zap_domain = b"diloco"
+        sock.zap_domain = ZAP_DOMAIN.encode("ascii")
 
     def start_authenticator(self, ctx: zmq.Context):
         """A ZAP authenticator on ``ctx`` that lets in exactly this directory's client keys.
@@ -187,15 +189,14 @@ class ServerAuth:
 
         auth = ThreadAuthenticator(ctx, log=_quiet_logger())
         auth.start()
-        auth.configure_curve_callback(domain="*", credentials_provider=_Keys())
+        auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=_Keys())
         return auth
 
 
 def _quiet_logger():
     import logging
 
-    log = logging.getLogger("diloco.transport.zmq.auth")
-    return log
+    return logging.getLogger("diloco.transport.zmq.auth")
 
 
 # ------------------------------------------------------------------ client side

@@ -42,7 +42,7 @@ from typing import Any
 import zmq
 
 from diloco.transport import codec
-from diloco.transport.base import TransportClosed, TransportError
+from diloco.transport.base import AuthRefused, TransportClosed, TransportError
 from diloco.transport.messages import (
     AdminReply,
     AdminRequest,
@@ -398,10 +398,6 @@ class ZmqCoordinatorEndpoint:
 
 # ------------------------------------------------------------------ worker side
 
-class AuthRefused(TransportError):
-    """The coordinator refused this client's key (or the handshake failed): retrying will not help."""
-
-
 class ZmqWorkerEndpoint:
     """A DEALER connected to the coordinator. Thread-safe (one lock around the socket).
 
@@ -447,9 +443,10 @@ class ZmqWorkerEndpoint:
         try:
             if auth is not None:
                 auth.apply(self._sock)
-                self._monitor = self._sock.get_monitor_socket(
-                    zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            # Handshake failures are the only sign of a refused key or a security mismatch.
+            self._monitor = self._sock.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_SUCCEEDED)
             self._sock.connect(connect)
         except zmq.ZMQError as exc:
             self._close_sockets()
@@ -470,8 +467,6 @@ class ZmqWorkerEndpoint:
 
     def _check_handshake(self) -> None:
         """Raise ``AuthRefused`` once the monitor has seen the coordinator refuse our key. Call with the lock."""
-        if self._monitor is None:
-            return
         from zmq.utils.monitor import recv_monitor_message
         while self._refused is None:
             try:
@@ -479,12 +474,16 @@ class ZmqWorkerEndpoint:
             except (zmq.Again, zmq.ZMQError):
                 break
             kind = event.get("event")
-            if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH and self.auth is not None:
                 self._refused = (f"the coordinator at {self.address} refused this key ({self.auth.key_file}): "
                                  f"its public key is not in the server's auth directory")
-            elif kind in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
-                self._refused = (f"the CURVE handshake with {self.address} failed: is --server-key the "
-                                 f"coordinator's public key, and does the coordinator run with --auth?")
+            elif kind in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+                          zmq.EVENT_HANDSHAKE_FAILED_AUTH):
+                self._refused = (
+                    f"the CURVE handshake with {self.address} failed: is --server-key the coordinator's public "
+                    f"key, and does the coordinator run with --auth?" if self.auth is not None else
+                    f"the handshake with {self.address} failed: the coordinator requires authentication "
+                    f"(pass --key and --server-key, or set DILOCO_KEY and DILOCO_SERVER_KEY)")
             elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.counters["handshakes"] += 1
         if self._refused is not None:
