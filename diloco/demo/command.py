@@ -6,15 +6,12 @@ import argparse
 import pathlib
 import sys
 import threading
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+if TYPE_CHECKING:  # torch, matplotlib and rich load when the demo runs, not to build `diloco --help`
+    from rich.console import Console
 
-from diloco.baselines import TrainSettings
-from diloco.data import CorpusError
-from diloco.demo.run import DemoConfig, DemoError, DemoResult, baseline_bytes, run_demo
-from diloco.plots.demo import plot_demo_figure
+    from diloco.demo.run import DemoResult
 
 DESCRIPTION = """\
 Train a small character-level transformer with DiLoCo on text found on this
@@ -58,6 +55,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 class _RichUI:
     def __init__(self, console: Console) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
         self.console = console
         self.progress = Progress(
             TextColumn("{task.description:<22}"), BarColumn(bar_width=30), MofNCompleteColumn(),
@@ -87,7 +86,12 @@ class _RichUI:
 
 
 def main(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from diloco.baselines import TrainSettings
     from diloco.cli import UsageError
+    from diloco.data import CorpusError
+    from diloco.demo.run import DemoConfig, DemoError, run_demo
 
     console = Console(stderr=False, highlight=False)
     try:
@@ -122,6 +126,11 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _report(console: Console, r: DemoResult, out: pathlib.Path) -> None:
+    from rich.table import Table
+
+    from diloco.demo.run import baseline_bytes
+    from diloco.plots.demo import plot_demo_figure
+
     table = Table(title="DiLoCo demo: held-out loss (nats/char, lower is better)")
     for col in ("method", "eval loss", "syncs", "bytes moved", "wall s"):
         table.add_column(col, justify="left" if col == "method" else "right")

@@ -11,9 +11,38 @@ replays from its seed, and ``--replay`` proves a trace reproduces byte for byte.
     diloco sim --swarm 200
 """
 
-from diloco.sim.checker import TraceChecker, Violation, check_records
-from diloco.sim.config import SimConfig, SimConfigError, derive_config
-from diloco.sim.run import RunResult, replay_trace, run_config, run_seed
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from diloco.sim.checker import TraceChecker, Violation, check_records
+    from diloco.sim.config import SimConfig, SimConfigError, derive_config
+    from diloco.sim.run import RunResult, replay_trace, run_config, run_seed
+
+#: Where each name of ``__all__`` lives. Loaded on first use (PEP 562), so that
+#: ``diloco.sim.command`` (imported to build ``diloco --help``) does not load the
+#: simulation and torch with it.
+_LAZY = {
+    "TraceChecker": "checker", "Violation": "checker", "check_records": "checker",
+    "SimConfig": "config", "SimConfigError": "config", "derive_config": "config",
+    "RunResult": "run", "replay_trace": "run", "run_config": "run", "run_seed": "run",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "RunResult",

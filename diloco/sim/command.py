@@ -7,9 +7,12 @@ import os
 import random
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from diloco.sim.config import FAULT_LEVELS, MAX_FRAGMENTS, MAX_ROUNDS, MAX_WORKERS, SHUTDOWN_KINDS, derive_config
-from diloco.sim.run import RunResult, replay_trace, run_config
+
+if TYPE_CHECKING:  # diloco.sim.run loads the coordinator and torch: only when a run starts
+    from diloco.sim.run import RunResult
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 
@@ -136,6 +139,8 @@ def handle(args) -> int:
     print(f"seed={seed}", flush=True)
     cfg = derive_config(seed, **overrides)
     print(f"config: {cfg.describe()}", flush=True)
+    from diloco.sim.run import run_config
+
     result = run_config(cfg, trace_path=args.trace, plot_path=args.plot)
     for line in format_summary(result):
         print(line)
@@ -201,6 +206,8 @@ def format_summary(r: RunResult) -> list[str]:
 
 
 def _replay(args) -> int:
+    from diloco.sim.run import replay_trace
+
     try:
         result = replay_trace(args.replay)
     except (ValueError, KeyError, TypeError) as exc:
@@ -222,6 +229,8 @@ def _replay(args) -> int:
 
 def _swarm_one(item):
     seed, overrides = item
+    from diloco.sim.run import run_config
+
     try:
         r = run_config(derive_config(seed, **overrides))
     except Exception as exc:  # noqa: BLE001 - a crash of one seed is a failure of that seed

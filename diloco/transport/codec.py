@@ -21,6 +21,10 @@ still queued). Decoding is zero-copy for a tensor that arrives in one frame
 (``torch.frombuffer`` on the received buffer, which the tensor keeps alive);
 a chunked tensor is assembled with one copy.
 
+torch is imported on the first tensor encoded or decoded, not with this
+module: the dtype table below is plain data, so a message without tensors
+(an admin command and its reply) never loads torch.
+
 Decoding trusts nothing: the header must be a msgpack map with a known
 ``type``; every field must be present with the right type, and no other; the
 tensor table must name a tensor field of that type, an allowed dtype and a
@@ -36,10 +40,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import msgpack
-import torch
 
 from diloco.transport.messages import (
     MESSAGE_TYPES,
@@ -50,6 +53,9 @@ from diloco.transport.messages import (
     Message,
     TensorSpec,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 #: Tensors larger than this travel as several frames of this size (DESIGN.md section 6).
 #: 16 MiB, not 4: on loopback 4-16 MiB frames move at about the same rate (1.3-1.6 GB/s
@@ -68,13 +74,36 @@ MAX_TENSORS = 1 << 20
 #: Longest string field (worker ids, names, details) the decoder accepts.
 MAX_STR_LEN = 1 << 16
 
-#: dtypes allowed on the wire (name on the wire -> torch dtype).
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-    "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
-    "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+#: dtypes allowed on the wire: name on the wire (the torch dtype's name without
+#: "torch.") -> bytes per element. Plain data: the torch dtypes are looked up on the
+#: first tensor encoded or decoded (``_torch_dtypes``), so importing the codec does
+#: not import torch.
+WIRE_DTYPES: dict[str, int] = {
+    "float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
+    "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
 }
-_ITEMSIZE = {name: torch.empty((), dtype=dt).element_size() for name, dt in DTYPES.items()}
+_ITEMSIZE = WIRE_DTYPES
+_TORCH_DTYPES: dict[str, torch.dtype] | None = None
+
+
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    """Wire name -> torch dtype; imports torch on the first call."""
+    global _TORCH_DTYPES
+    table = _TORCH_DTYPES
+    if table is None:
+        import torch
+
+        table = {name: getattr(torch, name) for name in WIRE_DTYPES}
+        for name, dt in table.items():
+            assert dt.itemsize == WIRE_DTYPES[name], f"{name}: torch says {dt.itemsize} bytes per element"
+        _TORCH_DTYPES = table  # one assignment: another thread sees no table or the whole one
+    return table
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DTYPES":  # wire name -> torch dtype, as before; imports torch
+        return dict(_torch_dtypes())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 _RESERVED = ("v", "type", "tensors")
 
@@ -235,6 +264,8 @@ def _wire_value(v: Any) -> Any:
 
 def tensor_view(t: torch.Tensor) -> memoryview:
     """The bytes of ``t`` as a flat memoryview, without a copy when ``t`` is a contiguous CPU tensor."""
+    import torch
+
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -267,9 +298,9 @@ def encode(message: Message, *, chunk_bytes: int = CHUNK_BYTES,
             continue
         for tname, t in value.items():
             dtype = str(t.dtype).removeprefix("torch.")
-            if dtype not in DTYPES:
+            if dtype not in WIRE_DTYPES:
                 raise TypeError(f"{name}.{fname}[{tname!r}]: dtype {dtype} cannot be sent; "
-                                f"allowed: {sorted(DTYPES)}")
+                                f"allowed: {sorted(WIRE_DTYPES)}")
             view = tensor_view(t) if tensor_bytes is tensor_view else tensor_bytes(t)
             n = len(view)
             parts = [view[i:i + chunk_bytes] for i in range(0, n, chunk_bytes)]
@@ -386,8 +417,8 @@ def decode(frames: Sequence[Any], *, max_message_bytes: int = MAX_MESSAGE_BYTES)
             raise fail(f"{where} name is {_short(tname)}, expected a string")
         if tname in values[fname]:
             raise fail(f"{where} repeats tensor {tname!r} of field {fname!r}")
-        if not isinstance(dtype, str) or dtype not in DTYPES:
-            raise fail(f"{where} ({tname!r}) dtype is {_short(dtype)}, expected one of {sorted(DTYPES)}")
+        if not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
+            raise fail(f"{where} ({tname!r}) dtype is {_short(dtype)}, expected one of {sorted(WIRE_DTYPES)}")
         if not (isinstance(shape, list) and len(shape) <= MAX_NDIM
                 and all(_is_int(d) and 0 <= d <= MAX_DIM for d in shape)):
             raise fail(f"{where} ({tname!r}) shape is {_short(shape)}, expected a list of at most {MAX_NDIM} "
@@ -408,7 +439,7 @@ def decode(frames: Sequence[Any], *, max_message_bytes: int = MAX_MESSAGE_BYTES)
         if got != nbytes:
             raise fail(f"{where} ({tname!r}, {dtype}{shape}) needs {nbytes} bytes; frames "
                        f"{frame_i}..{frame_i + nframes - 1} hold {got}")
-        values[fname][tname] = _tensor(frames[frame_i:frame_i + nframes], DTYPES[dtype], shape, nbytes)
+        values[fname][tname] = _tensor(frames[frame_i:frame_i + nframes], _torch_dtypes()[dtype], shape, nbytes)
         frame_i += nframes
     if frame_i != len(frames):
         raise fail(f"the tensor table accounts for {frame_i - 1} tensor frames but {len(frames) - 1} followed the "
@@ -417,6 +448,8 @@ def decode(frames: Sequence[Any], *, max_message_bytes: int = MAX_MESSAGE_BYTES)
 
 
 def _tensor(parts: Sequence[Any], dtype: torch.dtype, shape: list[int], nbytes: int) -> torch.Tensor:
+    import torch
+
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     if len(parts) == 1:
@@ -448,6 +481,6 @@ def message_nbytes(frames: Iterable[Any]) -> int:
 
 
 __all__ = [
-    "CHUNK_BYTES", "MAX_MESSAGE_BYTES", "MAX_HEADER_BYTES", "DTYPES", "SCHEMAS", "CodecError",
+    "CHUNK_BYTES", "MAX_MESSAGE_BYTES", "MAX_HEADER_BYTES", "WIRE_DTYPES", "SCHEMAS", "CodecError",
     "encode", "decode", "error_for", "tensor_view", "message_nbytes",
 ]

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from diloco.core.reasons import RejectReason
+
+if TYPE_CHECKING:  # torch only for tensors: an admin command must not pay for importing it
+    import torch
 
 #: Bumped on any incompatible change to these messages or their encoding.
 PROTOCOL_VERSION = 2
 
-Tensors = dict[str, torch.Tensor]
+Tensors = dict[str, "torch.Tensor"]
 
 
 #: Codes only the coordinator and the transports use (the rest are the core's reject reasons).
@@ -72,7 +73,7 @@ class TensorSpec:
     dtype: str
 
     @classmethod
-    def of(cls, name: str, tensor: torch.Tensor) -> "TensorSpec":
+    def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
         return cls(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
 
 
