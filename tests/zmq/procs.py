@@ -100,6 +100,37 @@ class Cluster:
                     "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         self.address: str | None = None
         self._n = 0
+        #: With ``make_keys``: the admin key ``status`` uses, and the key files by name.
+        self.admin_auth = None
+        self.keys: dict[str, tuple[Path, Path]] = {}
+        self.auth_dir: Path | None = None
+
+    def make_keys(self, workers: tuple[str, ...] = (), admins: tuple[str, ...] = ("ops",),
+                  others: tuple[str, ...] = ()) -> Path:
+        """An auth directory (server key, ``workers/``, ``admins/``) and client keys; ``others`` are known to nobody."""
+        from diloco.transport.zmq.auth import ClientAuth, generate_keypair
+
+        self.auth_dir = self.tmp / "auth"
+        generate_keypair("server", self.auth_dir)
+        for names, sub in ((workers, "workers"), (admins, "admins"), (others, None)):
+            for name in names:
+                public, secret = generate_keypair(name, self.tmp / "keys")
+                self.keys[name] = (public, secret)
+                if sub is not None:
+                    (self.auth_dir / sub).mkdir(exist_ok=True)
+                    (self.auth_dir / sub / public.name).write_bytes(public.read_bytes())
+        if admins:
+            self.admin_auth = ClientAuth.load(self.keys[admins[0]][1], self.server_key)
+        return self.auth_dir
+
+    @property
+    def server_key(self) -> Path:
+        assert self.auth_dir is not None, "make_keys first"
+        return self.auth_dir / "server.key"
+
+    def key_args(self, name: str) -> list[str]:
+        """``--key NAME.key_secret --server-key server.key`` for a client using key ``name``."""
+        return ["--key", str(self.keys[name][1]), "--server-key", str(self.server_key)]
 
     def start(self, name: str, args: list[str]) -> Proc:
         self._n += 1
@@ -118,7 +149,7 @@ class Cluster:
                                       "--sync-every", str(sync_every), "--join-timeout", "120", *args])
 
     def status(self, timeout_s: float = 10.0) -> dict:
-        reply = admin_request(self.address, AdminRequest("status"), timeout_s=timeout_s)
+        reply = admin_request(self.address, AdminRequest("status"), timeout_s=timeout_s, auth=self.admin_auth)
         assert reply.ok, reply
         return reply.data
 
