@@ -265,15 +265,24 @@ def _hostile_frames():
     )
 
 
-def test_the_coordinator_survives_hostile_input_and_the_run_goes_on(cluster):
+@pytest.mark.parametrize("auth", [False, True], ids=["plain", "auth"])
+def test_the_coordinator_survives_hostile_input_and_the_run_goes_on(cluster, auth):
+    """With --auth the attacker holds a valid worker key: its frames get the same precise refusals."""
     import zmq
     from hypothesis import HealthCheck, given, settings
 
     from diloco.transport import codec
     from diloco.transport.messages import Error
+    from diloco.transport.zmq.auth import ClientAuth
 
-    server = cluster.server("--min-workers", "2", "--max-message-mb", "1", heartbeat_timeout_s=5.0)
-    cluster.worker("w1"), cluster.worker("w2")
+    auth_args, attacker_auth = [], None
+    if auth:
+        cluster.make_keys(workers=("k1", "k2", "attacker"))
+        auth_args = ["--auth", str(cluster.auth_dir)]
+        attacker_auth = ClientAuth.load(cluster.keys["attacker"][1], cluster.server_key)
+    server = cluster.server("--min-workers", "2", "--max-message-mb", "1", *auth_args, heartbeat_timeout_s=5.0)
+    cluster.worker("w1", *(cluster.key_args("k1") if auth else []))
+    cluster.worker("w2", *(cluster.key_args("k2") if auth else []))
     start = cluster.wait_status(lambda s: s["rounds_applied"] >= 2, 120, "rounds applied")
     ctx = zmq.Context()
     outcomes = {"error_reply": 0, "dropped": 0}
@@ -284,6 +293,8 @@ def test_the_coordinator_survives_hostile_input_and_the_run_goes_on(cluster):
     def attack(frames):
         sock = ctx.socket(zmq.DEALER)
         sock.linger = 0
+        if attacker_auth is not None:
+            attacker_auth.apply(sock)
         sock.connect(cluster.address)
         try:
             sock.send_multipart(frames)

@@ -312,6 +312,15 @@ class ZmqCoordinatorEndpoint:
                 log.warning("malformed message from %s: %s", peer, exc.detail)
                 self._send_frames(rid, codec.encode(codec.error_for(exc)), legacy=legacy)
                 continue
+            if legacy:
+                # A message of this protocol version that did not come as parts: refused, so that
+                # every message the coordinator accepts went through the size check as it arrived.
+                detail = (f"{type(message).__name__} came as one multipart message; protocol version "
+                          f"{codec.PROTOCOL_VERSION} sends each frame as a part [tag, frame] (SPEC.md section 11)")
+                self.malformed[ErrorCode.BAD_MESSAGE.value] += 1
+                self._send_frames(rid, codec.encode(Error(ErrorCode.BAD_MESSAGE, detail, type(message).__name__)),
+                                  legacy=True)
+                continue
             if identity is None:
                 return peer, message
             why = forbidden_reason(identity, message)
