@@ -14,6 +14,9 @@ first submit to the moment the last worker holds the new params (the
   and sends the sum back to each worker. No codec, no checks, no optimizer.
 * **gloo**: ``torch.distributed`` gloo ``all_reduce`` of the same tensors among
   4 processes (``init_method tcp://127.0.0.1:PORT``), for reference.
+* **diloco_auth**: the real path again with CURVE authentication and
+  encryption on every connection (``diloco server --auth``; keys made as
+  ``diloco keygen`` makes them); ``auth_ratio`` = diloco_auth / diloco.
 
 Heartbeats: 100 connected DEALER sockets (spread over 4 client processes) each
 heartbeat every ``--hb-interval`` seconds (random phase) against the real
@@ -22,9 +25,9 @@ server loop; round trip p50 and p99 from send to decoded ``HeartbeatReply``.
 Repetitions are interleaved (diloco, raw, gloo in each repetition) and the
 median is reported. Last line::
 
-    RESULT bench_transport outer_step_s=X raw_zmq_s=X gloo_s=X ratio_vs_raw=R ratio_vs_gloo=R heartbeat_p99_ms=X
+    RESULT bench_transport outer_step_s=X raw_zmq_s=X gloo_s=X ratio_vs_raw=R ratio_vs_gloo=R heartbeat_p99_ms=X auth_s=X auth_ratio=R
 
-Goals: ratio_vs_raw <= 1.3; heartbeat p99 < 10 ms.
+Goals: ratio_vs_raw <= 1.3; heartbeat p99 < 10 ms; auth_ratio <= 2.
 """
 
 from __future__ import annotations
@@ -71,7 +74,8 @@ def free_port() -> int:
 # ------------------------------------------------------------------ diloco path
 
 
-def diloco_coordinator(addr_q, stop_ev, n_workers: int, chunk_bytes: int) -> None:
+def diloco_coordinator(addr_q, stop_ev, n_workers: int, chunk_bytes: int, auth_dir: str | None = None,
+                       io_threads: int = 1) -> None:
     _tune()
     import torch
     torch.set_num_threads(1)
@@ -84,7 +88,12 @@ def diloco_coordinator(addr_q, stop_ev, n_workers: int, chunk_bytes: int) -> Non
     config = CoordinatorConfig(fsm=FSMConfig(min_workers=n_workers, heartbeat_timeout_s=3600.0))
     warm_up(config)
     coordinator = Coordinator(config, time.monotonic())
-    endpoint = ZmqCoordinatorEndpoint("tcp://127.0.0.1:0", options=ZmqOptions(chunk_bytes=chunk_bytes))
+    auth = None
+    if auth_dir is not None:
+        from diloco.transport.zmq.auth import ServerAuth
+        auth = ServerAuth.load(auth_dir)
+    endpoint = ZmqCoordinatorEndpoint("tcp://127.0.0.1:0", auth=auth,
+                                      options=ZmqOptions(chunk_bytes=chunk_bytes, io_threads=io_threads))
     addr_q.put(endpoint.address)
     try:
         serve(endpoint, coordinator, stop_event=stop_ev, tick_interval_s=0.05)
@@ -92,7 +101,8 @@ def diloco_coordinator(addr_q, stop_ev, n_workers: int, chunk_bytes: int) -> Non
         endpoint.close()
 
 
-def diloco_worker(i: int, addr: str, shapes, rounds: int, barrier, out_q, chunk_bytes: int) -> None:
+def diloco_worker(i: int, addr: str, shapes, rounds: int, barrier, out_q, chunk_bytes: int,
+                  auth_dir: str | None = None) -> None:
     _tune()
     import torch
     torch.set_num_threads(1)
@@ -101,7 +111,12 @@ def diloco_worker(i: int, addr: str, shapes, rounds: int, barrier, out_q, chunk_
 
     wid = f"bench{i}"
     params = make_params(shapes, 0.0)
-    ep = ZmqWorkerEndpoint(addr, label=wid, options=ZmqOptions(chunk_bytes=chunk_bytes))
+    auth = None
+    if auth_dir is not None:
+        from diloco.transport.zmq.auth import ClientAuth
+        auth = ClientAuth.load(os.path.join(auth_dir, "keys", f"{wid}.key_secret"),
+                               os.path.join(auth_dir, "server.key"))
+    ep = ZmqWorkerEndpoint(addr, label=wid, options=ZmqOptions(chunk_bytes=chunk_bytes), auth=auth)
     ep.send(Join(wid, PROTOCOL_VERSION, spec_of(params), params))
     while not isinstance(ep.recv(60.0), Welcome):
         pass
@@ -282,15 +297,30 @@ def _join_all(procs, timeout_s: float = 120.0) -> None:
             raise RuntimeError(f"{p.name} exited with {p.exitcode}")
 
 
-def run_diloco(ctx, shapes, rounds: int, warmup: int, chunk_bytes: int) -> list[float]:
+def make_auth_dir(path: str) -> str:
+    """A server key, and one worker key per benchmark worker (``keys/benchN``), as `diloco keygen` makes them."""
+    from diloco.transport.zmq.auth import generate_keypair
+
+    generate_keypair("server", path)
+    os.makedirs(os.path.join(path, "workers"), exist_ok=True)
+    for i in range(N_WORKERS):
+        public, _ = generate_keypair(f"bench{i}", os.path.join(path, "keys"))
+        with open(os.path.join(path, "workers", public.name), "wb") as f:
+            f.write(public.read_bytes())
+    return path
+
+
+def run_diloco(ctx, shapes, rounds: int, warmup: int, chunk_bytes: int, auth_dir: str | None = None,
+               io_threads: int = 1) -> list[float]:
     addr_q, out_q, stop_ev = ctx.Queue(), ctx.Queue(), ctx.Event()
-    coord = ctx.Process(target=diloco_coordinator, args=(addr_q, stop_ev, N_WORKERS, chunk_bytes), name="coordinator")
+    coord = ctx.Process(target=diloco_coordinator, args=(addr_q, stop_ev, N_WORKERS, chunk_bytes, auth_dir, io_threads),
+                        name="coordinator")
     coord.start()
     try:
         addr = addr_q.get(timeout=300)
         barrier = ctx.Barrier(N_WORKERS)
-        workers = [ctx.Process(target=diloco_worker, args=(i, addr, shapes, rounds, barrier, out_q, chunk_bytes),
-                               name=f"diloco-worker{i}") for i in range(N_WORKERS)]
+        workers = [ctx.Process(target=diloco_worker, args=(i, addr, shapes, rounds, barrier, out_q, chunk_bytes,
+                                                           auth_dir), name=f"diloco-worker{i}") for i in range(N_WORKERS)]
         for w in workers:
             w.start()
         times = _collect(out_q, N_WORKERS, rounds, warmup)
@@ -374,7 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hb-interval", type=float, default=0.1, help="seconds between one socket's heartbeats")
     ap.add_argument("--hb-seconds", type=float, default=10.0)
     ap.add_argument("--quick", action="store_true", help="1 repetition, 2 rounds, 5 s of heartbeats")
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: diloco,raw,gloo,heartbeat")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: diloco,auth,raw,gloo,heartbeat")
+    ap.add_argument("--auth-io-threads", type=int, default=2,
+                    help="ZeroMQ I/O threads of the coordinator with CURVE (default 2, as `diloco server --auth`)")
     args = ap.parse_args(argv)
     if args.quick:
         args.reps, args.rounds, args.hb_seconds = 1, 2, 5.0
@@ -389,12 +421,16 @@ def main(argv: list[str] | None = None) -> int:
           f"{N_WORKERS} workers, frames of {chunk / (1 << 20):g} MiB (floor {args.raw_chunk_mb:g} MiB), "
           f"{args.reps} reps x {args.rounds} rounds "
           f"(+{args.warmup} warm-up), {os.cpu_count()} CPUs", flush=True)
-    results: dict[str, list[float]] = {"diloco": [], "raw_zmq": [], "gloo": []}
+    import tempfile
+    auth_dir = make_auth_dir(os.path.join(tempfile.mkdtemp(prefix="bench-auth-"), "auth"))
+    results: dict[str, list[float]] = {"diloco": [], "diloco_auth": [], "raw_zmq": [], "gloo": []}
     for rep in range(args.reps):
         for name, fn in (("diloco", lambda: run_diloco(ctx, shapes, rounds, args.warmup, chunk)),
+                         ("diloco_auth", lambda: run_diloco(ctx, shapes, rounds, args.warmup, chunk, auth_dir,
+                                                            args.auth_io_threads)),
                          ("raw_zmq", lambda: run_raw(ctx, shapes, rounds, args.warmup, raw_chunk)),
                          ("gloo", lambda: run_gloo(ctx, shapes, rounds, args.warmup))):
-            if name.split("_")[0] in skip:
+            if name.split("_")[0] in skip or (name == "diloco_auth" and "auth" in skip):
                 continue
             times = fn()
             results[name].extend(times)
@@ -416,9 +452,10 @@ def main(argv: list[str] | None = None) -> int:
               f"max {max(rtts) * 1000:.2f} ms")
     ratio_raw = med["diloco"] / med["raw_zmq"]
     ratio_gloo = med["diloco"] / med["gloo"]
+    auth_ratio = med["diloco_auth"] / med["diloco"]
     print(f"RESULT bench_transport outer_step_s={med['diloco']:.3f} raw_zmq_s={med['raw_zmq']:.3f} "
           f"gloo_s={med['gloo']:.3f} ratio_vs_raw={ratio_raw:.2f} ratio_vs_gloo={ratio_gloo:.2f} "
-          f"heartbeat_p99_ms={hb_p99:.2f}")
+          f"heartbeat_p99_ms={hb_p99:.2f} auth_s={med['diloco_auth']:.3f} auth_ratio={auth_ratio:.2f}")
     return 0
 
 
