@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from diloco.core import ConfigError, FSMConfig, Mode
@@ -15,6 +16,9 @@ class CoordinatorConfig:
     outer: OuterConfig = field(default_factory=OuterConfig)
     #: Workers heartbeat this often; a quarter of the timeout leaves room for three misses.
     heartbeat_interval_s: float = 0.0
+    #: Refuse a contribution whose L2 norm (over all its tensors) exceeds this with
+    #: ``update_too_large``; None: no limit (SPEC.md section 12, ``--max-update-norm``).
+    max_update_norm: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.fsm, FSMConfig):
@@ -26,15 +30,22 @@ class CoordinatorConfig:
         if not 0 < self.heartbeat_interval_s < self.fsm.heartbeat_timeout_s:
             raise ConfigError("heartbeat_interval_s", self.heartbeat_interval_s,
                               f"a number of seconds in (0, heartbeat_timeout_s={self.fsm.heartbeat_timeout_s})")
+        m = self.max_update_norm
+        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m)
+                              or m <= 0):
+            raise ConfigError("max_update_norm", m, "a finite number > 0, or None for no limit")
+        if m is not None:
+            object.__setattr__(self, "max_update_norm", float(m))
         if self.fsm.mode is Mode.ASYNC and self.outer.name == "nesterov":
             object.__setattr__(self, "outer", OuterConfig("delayed_nesterov", self.outer.lr,
                                                           self.outer.momentum, self.outer.delay))
 
     def to_dict(self) -> dict:
         return {"fsm": self.fsm.to_dict(), "outer": self.outer.to_dict(),
-                "heartbeat_interval_s": self.heartbeat_interval_s}
+                "heartbeat_interval_s": self.heartbeat_interval_s, "max_update_norm": self.max_update_norm}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CoordinatorConfig":
+        # ``max_update_norm`` is newer than some checkpoints: absent means no limit.
         return cls(fsm=FSMConfig.from_dict(d["fsm"]), outer=OuterConfig(**d["outer"]),
-                   heartbeat_interval_s=d["heartbeat_interval_s"])
+                   heartbeat_interval_s=d["heartbeat_interval_s"], max_update_norm=d.get("max_update_norm"))

@@ -16,6 +16,8 @@ map from worker ids to transport peers.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -48,7 +50,15 @@ from diloco.core import (
 )
 from diloco.coordinator.config import CoordinatorConfig
 from diloco.coordinator.outer import build_outer_optimizer
-from diloco.coordinator.params import ParamMismatch, ParamStore, check_tensors
+from diloco.coordinator.params import (
+    NonFinite,
+    ParamMismatch,
+    ParamStore,
+    all_finite,
+    check_tensors,
+    first_non_finite,
+    l2_norm,
+)
 from diloco.transport.messages import (
     PROTOCOL_VERSION,
     Accepted,
@@ -89,6 +99,8 @@ class CoordinatorStats:
     paused_s: float = 0.0
     paused_since_s: float | None = None
     messages_refused: int = 0
+    #: Outer steps undone because they made a parameter non-finite (SPEC.md section 12).
+    steps_refused: int = 0
 
 
 @dataclass
@@ -162,6 +174,7 @@ class Coordinator:
             bytes_sent=self.stats.bytes_sent,
             paused_s=self._paused_total(self.fsm.now_s),
             messages_refused=self.stats.messages_refused,
+            steps_refused=self.stats.steps_refused,
             stopped=self.stopped,
             stop_kind=self._stop_kind.value if self._stop_kind else None,
             num_params=sum(t.numel() for t in self.store.params.values()) if self.store else 0,
@@ -293,14 +306,9 @@ class Coordinator:
                          f"version {PROTOCOL_VERSION}", msg)
             return
         if self.store is None:
-            try:
-                check_tensors(msg.params, msg.spec, "initial params of the first worker")
-            except ParamMismatch as exc:
-                self._refuse(peer, out, ErrorCode.BAD_MESSAGE, str(exc), msg)
-                return
-            if not msg.params:
-                self._refuse(peer, out, ErrorCode.BAD_MESSAGE,
-                             "the run has no params yet: the first worker must send its initial params", msg)
+            if not msg.spec:
+                self._refuse(peer, out, ErrorCode.BAD_MESSAGE, "the join's spec lists no tensors: a model "
+                             "needs at least one parameter", msg)
                 return
             # The run keeps fp32 params and every later join is compared with their spec:
             # a first join in another dtype would be welcomed and then lock out every
@@ -311,9 +319,30 @@ class Coordinator:
                              f"initial params must be float32: tensor {not_fp32[0].name!r} is "
                              f"{not_fp32[0].dtype} (send fp32 copies; workers may train in any dtype)", msg)
                 return
-        elif tuple(msg.spec) != self.store.spec:
-            self._refuse(peer, out, ErrorCode.MODEL_MISMATCH, _describe_mismatch(msg.spec, self.store.spec), msg)
-            return
+            if not msg.params:
+                # Joins carry only the spec; the first one is asked for the params (SPEC.md section 11).
+                self._refuse(peer, out, ErrorCode.PARAMS_REQUIRED,
+                             "the run has no params yet: join again with your initial fp32 params", msg)
+                return
+            try:
+                check_tensors(msg.params, msg.spec, "initial params of the first worker")
+            except ParamMismatch as exc:
+                self._refuse(peer, out, ErrorCode.BAD_MESSAGE, str(exc), msg)
+                return
+            bad = first_non_finite(msg.params)
+            if bad is not None:
+                self._refuse(peer, out, ErrorCode.NON_FINITE,
+                             f"initial params of the first worker: tensor {bad!r} has non-finite values "
+                             f"(NaN or infinity); the run cannot start from them", msg)
+                return
+        else:
+            if msg.params:
+                # Only the first join's params are used: drop these at once, keep no reference.
+                msg = dataclasses.replace(msg, params={})
+            if tuple(msg.spec) != self.store.spec:
+                self._refuse(peer, out, ErrorCode.MODEL_MISMATCH, _describe_mismatch(msg.spec, self.store.spec),
+                             msg)
+                return
         wid = msg.worker_id
         if isinstance(wid, str) and self.fsm.is_member(wid) and self._peers.get(wid) != peer:
             # R6: a join for a live id from a new connection is that worker restarted.
@@ -333,9 +362,20 @@ class Coordinator:
         if self.store is not None and type(fid) is int and 0 <= fid < self.config.fsm.num_fragments:
             try:
                 self.store.check_submission(fid, msg.tensors)
+            except NonFinite as exc:
+                self._refuse(peer, out, ErrorCode.NON_FINITE, str(exc), msg)
+                return
             except ParamMismatch as exc:
                 self._refuse(peer, out, ErrorCode.TENSOR_MISMATCH, str(exc), msg)
                 return
+            limit = self.config.max_update_norm
+            if limit is not None:
+                norm = l2_norm(msg.tensors)
+                if norm > limit:
+                    self._refuse(peer, out, ErrorCode.UPDATE_TOO_LARGE,
+                                 f"fragment {fid} submission: L2 norm {norm:.6g} exceeds the coordinator's "
+                                 f"--max-update-norm {limit:g}", msg)
+                    return
         self._step(ContributionSubmitted(wid, fid, msg.round_id), out, peer=peer, submit=msg)
 
     def _admin(self, msg: AdminRequest, sink: Outgoing) -> AdminReply:
@@ -481,15 +521,32 @@ class Coordinator:
             grad = self._held.pop((fid, wid)).tensors
         params = store.fragment_params(fid)
         opt = self._optimizers[fid]
+        # Finite contributions can still step to an infinity (a huge mean times lr and
+        # momentum): keep what to restore, step, and check before anything is released.
+        before = {n: p.detach().clone() for n, p in params.items()}
+        opt_before = copy.deepcopy(opt.state_dict())
         for name, p in params.items():
             p.grad = grad[name]
         opt.step()
         for p in params.values():
             p.grad = None
+        bad = next((n for n, p in params.items() if not all_finite(p)), None)
+        if bad is not None:
+            # SPEC.md section 12, "Non-finite steps": undo the step exactly; the round still
+            # counts as applied (the core emitted ApplyRound) and its contributions are
+            # discarded; the Results carry the unchanged params.
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(before[n])
+            opt.load_state_dict(opt_before)
+            self.stats.steps_refused += 1
+            self._notify("step_refused", now, fragment_id=fid, round_id=effect.round_id,
+                         contributors=list(effect.contributors), tensor=bad)
         # Snapshot for the Results of this apply (SPEC.md section 5, rule 1: they follow
         # it). One copy shared by all its contributors; a later apply of the same fragment
         # in the same step (async, held contributions) takes a new one.
-        self._released[fid] = (effect.round_id + 1, {n: p.detach().clone() for n, p in params.items()})
+        after = before if bad is not None else {n: p.detach().clone() for n, p in params.items()}
+        self._released[fid] = (effect.round_id + 1, after)
         self.stats.rounds_applied += 1
         self._notify("apply", now, fragment_id=fid, round_id=effect.round_id,
                      contributors=list(effect.contributors))

@@ -63,7 +63,7 @@ def test_submission_with_wrong_names_lists_missing_and_unexpected():
 
 def test_submission_with_non_finite_values_is_refused():
     err = refusal(coordinator(), {"w": torch.full((3, 2), float("nan")), "b": torch.zeros(3)})
-    assert err.code is ErrorCode.TENSOR_MISMATCH and "'w'" in err.detail and "non-finite" in err.detail
+    assert err.code is ErrorCode.NON_FINITE and "'w'" in err.detail and "non-finite" in err.detail
 
 
 def test_a_good_submission_after_bad_ones_is_accepted():
