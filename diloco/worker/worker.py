@@ -72,8 +72,11 @@ params and round ids per fragment -- unless the Welcome's params of a fragment
 are bit-identical to its own global copy, in which case its local progress is
 still valid and kept. It honours ``Welcome.parked`` (SPEC.md P1/P2): a
 contribution of its id still pending is waited for before training.
-``protocol_version``, ``model_mismatch``, ``tensor_mismatch`` and the other
-"your input is wrong" codes raise ``DilocoWorkerError`` naming the problem.
+``params_required`` (the run has no params yet; a Join carries only the
+spec): the worker sends its Join again with its params, which become the
+run's. ``protocol_version``, ``model_mismatch``, ``tensor_mismatch``,
+``non_finite``, ``update_too_large`` and the other "your input is wrong"
+codes raise ``DilocoWorkerError`` naming the problem.
 
 Save-and-stop and resume
 ------------------------
@@ -194,6 +197,9 @@ class DilocoWorker:
         #: Tensor payload bytes sent (Join params, pseudo-gradients) and received (Welcome, Results).
         self.bytes_sent = 0
         self.bytes_received = 0
+        #: L2 norm of the last pseudo-gradient submitted (one fragment's): what a coordinator's
+        #: ``--max-update-norm`` is compared with (NaN before the first submission).
+        self.last_update_norm = math.nan
         #: What the last Welcome / heartbeat reply said.
         self.mode: str | None = None
         self.min_workers: int | None = None
@@ -270,7 +276,7 @@ class DilocoWorker:
         self._stop_requested.set()
 
     def join(self) -> None:
-        """Join the run: send Join (spec + initial params), take the Welcome's global params.
+        """Join the run: send Join (the spec; the params too if the run has none yet), take the Welcome's params.
 
         Raises ``DilocoWorkerError`` if the run refuses this worker (protocol version,
         model mismatch, ...) or no Welcome arrives within ``join_timeout_s``. If the
@@ -355,9 +361,8 @@ class DilocoWorker:
     def _do_join(self) -> bool:
         """Join and wait for the Welcome. True when welcomed, False when the run is over."""
         self._lifecycle.go(S.JOINING)
-        spec, params = self._join_payload()
-        self._send(Join(self.worker_id, PROTOCOL_VERSION, spec, params))
-        self.bytes_sent += _nbytes(params)
+        spec = self._join_spec()
+        self._send(Join(self.worker_id, PROTOCOL_VERSION, spec))
         deadline = self._clock() + self.join_timeout_s
         retries = 0
         while True:
@@ -379,23 +384,33 @@ class DilocoWorker:
                     self._stop_cmd = (code.value, False)
                     self._finish_stop(f"run {code.value} before join: {msg.detail}", save=False)
                     return False
+                if code is ErrorCode.PARAMS_REQUIRED:
+                    # The run has no params yet: the first joiner's become the run's
+                    # (SPEC.md section 11). One Join with params per such reply.
+                    params = self._join_params()
+                    self._send(Join(self.worker_id, PROTOCOL_VERSION, spec, params))
+                    self.bytes_sent += _nbytes(params)
+                    del params
+                    continue
                 if code is ErrorCode.ALREADY_MEMBER and retries < _ALREADY_MEMBER_RETRIES:
                     # The coordinator still counts us on this connection (a duplicate join):
                     # leave (our pending contributions stay, P1) and join again.
                     retries += 1
                     self._send(Leave(self.worker_id))
-                    self._send(Join(self.worker_id, PROTOCOL_VERSION, spec, params))
+                    self._send(Join(self.worker_id, PROTOCOL_VERSION, spec))
                     continue
                 raise DilocoWorkerError(
                     f"worker {self.worker_id!r}: the coordinator refused the join ({_value(msg.code)}): "
                     f"{msg.detail}", _value(msg.code))
             # Anything else is an answer to something sent before this join: superseded by the Welcome.
 
-    def _join_payload(self) -> tuple[tuple[TensorSpec, ...], Tensors]:
-        """The model's spec and params as the run sees them: fp32 (the coordinator keeps fp32)."""
-        params = {n: p.detach().to("cpu", torch.float32).clone() for n, p in self._params.items()}
-        spec = tuple(TensorSpec(n, tuple(t.shape), "float32") for n, t in params.items())
-        return spec, params
+    def _join_spec(self) -> tuple[TensorSpec, ...]:
+        """The model's spec as the run sees it: fp32 (the coordinator keeps fp32 params)."""
+        return tuple(TensorSpec(n, tuple(p.shape), "float32") for n, p in self._params.items())
+
+    def _join_params(self) -> Tensors:
+        """fp32 copies of the params, for a run that has none yet (answered ``params_required``)."""
+        return {n: p.detach().to("cpu", torch.float32).clone() for n, p in self._params.items()}
 
     def _on_welcome(self, msg: Welcome) -> None:
         fragments = tuple(tuple(f) for f in msg.fragments)
@@ -521,6 +536,7 @@ class DilocoWorker:
         tensors = {}
         for n in self._fragments[fid]:
             tensors[n] = self._global[n] - self._params[n].detach().to("cpu", torch.float32)
+        self.last_update_norm = math.sqrt(sum(float(torch.linalg.vector_norm(t)) ** 2 for t in tensors.values()))
         rid = self._round_ids[fid]
         self._retry_at.pop(fid, None)
         if self._lifecycle.state is S.TRAINING:
