@@ -38,6 +38,17 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _update_norm(text: str) -> float:
+    """``--max-update-norm``: a finite number > 0, or 0 for no limit."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"{v} is not a finite number > 0 (or 0 for no limit)")
+    return v
+
+
 def _add_client_keys(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--key", default=None, metavar="FILE.key_secret",
                    help=f"this client's secret key, for a coordinator run with --auth (its public key must be in "
@@ -112,6 +123,12 @@ def register(subparsers) -> None:
                         "counters); options given here override the saved ones (not --mode or --fragments)")
     p.add_argument("--max-message-mb", type=_positive_float, default=None, metavar="MB",
                    help="largest message accepted, in MiB (default 1024); checked as its parts arrive")
+    p.add_argument("--max-update-norm", type=_update_norm, default=None, metavar="X",
+                   help="refuse a contribution whose L2 norm (over all its tensors) exceeds X (update_too_large); "
+                        "off by default. Use it when workers you do not fully trust can reach the run, or to "
+                        "catch a diverging worker: set X to a few times the largest healthy pseudo-gradient "
+                        "norm, which the workers' round lines or a trial run show. 0: no limit (on --resume: "
+                        "default the saved limit)")
     p.add_argument("--auth", default=None, metavar="DIR",
                    help="authenticate and encrypt every connection (ZeroMQ CURVE): DIR/server.key_secret is the "
                         "server's key, DIR/workers/*.key the public keys allowed to train, DIR/admins/*.key those "
@@ -269,6 +286,7 @@ def cmd_server(args) -> int:
         outer_optimizer=args.outer_optimizer, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
         resume=args.resume,
         max_message_bytes=None if args.max_message_mb is None else int(args.max_message_mb * (1 << 20)),
+        max_update_norm=args.max_update_norm,
         auth_dir=args.auth, io_threads=args.io_threads,
     )
     if args.auth is None and not _is_loopback_bind(args.bind):

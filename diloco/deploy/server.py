@@ -48,6 +48,9 @@ class ServerSettings:
     max_message_bytes: int | None = None
     #: Seconds to keep answering after the run stops, so every worker hears it (default: 3 heartbeats).
     linger_s: float | None = None
+    #: ``--max-update-norm``: refuse contributions with a larger L2 norm (0: no limit; None: not given,
+    #: so the default, no limit, or on resume the checkpoint's).
+    max_update_norm: float | None = None
     #: ``--auth DIR``: CURVE keys and roles (``diloco.transport.zmq.auth.ServerAuth``); None: no authentication.
     auth_dir: str | None = None
     #: ZeroMQ I/O threads (default 1, or 2 with authentication: CURVE runs on them).
@@ -60,6 +63,8 @@ class EventPrinter:
     def __init__(self, out: TextIO = sys.stdout) -> None:
         self.out = out
         self.coordinator: Coordinator | None = None
+        #: (fragment, round) of the last refused step: its "apply" event needs no second line.
+        self._refused: tuple[int, int] | None = None
 
     def _live(self) -> str:
         c = self.coordinator
@@ -71,7 +76,15 @@ class EventPrinter:
         if kind == "join":
             parked = f", parked on {info['parked']}" if info.get("parked") else ""
             line = f"join     {info['worker_id']} ({self._live()}){parked}"
+        elif kind == "step_refused":
+            self._refused = (info["fragment_id"], info["round_id"])
+            who = ", ".join(info["contributors"])
+            line = (f"REFUSED  fragment {info['fragment_id']} round {info['round_id']}: the outer step made "
+                    f"{info['tensor']!r} non-finite; params unchanged, contributions of [{who}] discarded")
         elif kind == "apply":
+            if self._refused == (info["fragment_id"], info["round_id"]):
+                self._refused = None
+                return  # the REFUSED line said it all
             who = ", ".join(info["contributors"])
             line = (f"applied  fragment {info['fragment_id']} round {info['round_id']} "
                     f"from {len(info['contributors'])} contributors [{who}]")
@@ -129,7 +142,8 @@ def build_config(s: ServerSettings, base: CoordinatorConfig | None = None) -> Co
         hb_interval = base.heartbeat_interval_s if s.heartbeat_timeout_s is None else 0.0
         if fsm.mode is Mode.SYNC and outer.name == "delayed_nesterov" and "name" not in outer_changes:
             outer = dataclasses.replace(outer, name="nesterov")
-        return CoordinatorConfig(fsm=fsm, outer=outer, heartbeat_interval_s=hb_interval)
+        max_norm = base.max_update_norm if s.max_update_norm is None else (s.max_update_norm or None)
+        return CoordinatorConfig(fsm=fsm, outer=outer, heartbeat_interval_s=hb_interval, max_update_norm=max_norm)
     except (ConfigError, ValueError) as exc:
         raise ServerError(str(exc)) from None
 
@@ -209,6 +223,9 @@ def run_server(s: ServerSettings, out: TextIO = sys.stdout, stop_event: threadin
     print(f"  mode {cfg.fsm.mode.value}, {cfg.fsm.num_fragments} fragment(s), min_workers {coordinator.fsm.min_workers}, "
           f"heartbeat timeout {cfg.fsm.heartbeat_timeout_s:g} s (workers beat every {cfg.heartbeat_interval_s:g} s), "
           f"outer {cfg.outer.name} lr {cfg.outer.lr:g} momentum {cfg.outer.momentum:g}", file=out, flush=True)
+    if cfg.max_update_norm is not None:
+        print(f"  max update norm {cfg.max_update_norm:g}: contributions with a larger L2 norm are refused "
+              f"(update_too_large)", file=out, flush=True)
     if auth is not None:
         roles = [c.role.value for c in auth.clients.values()]
         print(f"  auth: CURVE, {roles.count('worker')} worker key(s) and {roles.count('admin')} admin key(s) "

@@ -105,7 +105,8 @@ class _Printer:
         if w is not None and w.rounds_synced > self._rounds_printed:
             self._rounds_printed = w.rounds_synced
             loss = "-" if math.isnan(self.last_loss) else f"{self.last_loss:.3f}"
-            self.line(f"synced: next round {list(w.round_ids)}, inner step {w.inner_step}, loss {loss}")
+            self.line(f"synced: next round {list(w.round_ids)}, inner step {w.inner_step}, loss {loss}, "
+                      f"update norm {w.last_update_norm:.4g}")
         if w is None or state == prev:
             return
         if state == "joining":
