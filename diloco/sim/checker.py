@@ -24,6 +24,9 @@ fragment's round and params, the outer optimizer's state -- and checks:
   recomputation: plain Nesterov (sync: ``torch.optim.SGD(nesterov=True)``'s
   formula) or Delayed Nesterov (async) on the mean of exactly its
   contributors' pseudo-gradients, from the previous params (``allclose``).
+  An apply the coordinator reported ``step_refused`` first (the step made a
+  parameter non-finite, SPEC.md section 12) must leave the params exactly
+  as they were, and the optimizer state is not advanced.
 * **Params**: every ``Welcome`` carries the params of the rounds it names;
   every ``Result(applied)`` carries the fragment's params after the apply and
   names the fragment's next round; every worker's params equal them once it
@@ -111,6 +114,8 @@ class _Step:
     joins: dict = field(default_factory=dict)
     accept: tuple | None = None
     quorum_min: list = field(default_factory=list)
+    #: (fragment_id, round_id) of the applies this step reported ``step_refused``.
+    refused: set = field(default_factory=set)
 
 
 class TraceChecker:
@@ -153,7 +158,7 @@ class TraceChecker:
         self.counts = dict(accepted=0, applied_rounds=0, applied_contributions=0, discarded_at_stop=0,
                            lost_with_crash=0, rolled_back_rounds=0, joins=0, deaths=0, leaves=0,
                            coordinator_crashes=0, snapshots=0, outer_steps_checked=0, results=0,
-                           messages=0, drops=0, pending_at_end=0)
+                           messages=0, drops=0, pending_at_end=0, steps_refused=0)
 
     # ------------------------------------------------------------------ API
 
@@ -447,6 +452,8 @@ class TraceChecker:
             if new in ("forming", "paused") and len(live) >= mw:
                 self._violate("I12", f"phase {new} with {len(live)} live members >= min_workers {mw}")
             self.phase = new
+        elif what == "step_refused":
+            step.refused.add((rec["fragment_id"], rec["round_id"]))
         elif what == "apply":
             self._apply(rec, step)
         elif what == "stop":
@@ -541,7 +548,12 @@ class TraceChecker:
                 self._violate("I2", f"{w}'s contribution to fragment {f} round {base} applied twice")
             self.applied_keys[key] = r
         grads = [pend.pop(w)[1] for w, _ in keys]
-        if grads:
+        if (f, r) in step.refused:
+            # SPEC.md section 12, "Non-finite steps": params and optimizer state unchanged.
+            self.counts["steps_refused"] += 1
+            if rec["p"] != m.params[f]:
+                self._violate("outer", f"fragment {f} round {r}: the step was refused but the params changed")
+        elif grads:
             self._check_outer_step(f, r, grads, rec)
         m.params[f] = {n: list(v) for n, v in rec["p"].items()}
         m.rounds[f] = r + 1

@@ -130,3 +130,43 @@ def test_a_reordering_within_one_connection_is_caught(clean):
     recs[first]["m"], recs[second]["m"] = recs[second]["m"], recs[first]["m"]
     violations, _ = check_records(recs)
     assert any(v.rule == "net" and "FIFO" in v.detail for v in violations)
+
+
+def test_a_refused_step_that_changed_the_params_is_caught(clean):
+    """A ``step_refused`` report promises the apply left the params as they were."""
+    recs = copy.deepcopy(clean)
+    at = [i for i, r in enumerate(recs) if _is_apply(r)][2]
+    apply = recs[at]
+    recs.insert(at, {"k": "obs", "t": apply["t"], "s": apply["s"], "what": "step_refused",
+                     "fragment_id": apply["fragment_id"], "round_id": apply["round_id"],
+                     "contributors": list(apply["contributors"]), "tensor": next(iter(apply["p"]))})
+    violations, _ = check_records(recs)
+    assert any(v.rule == "outer" and "refused" in v.detail for v in violations)
+
+
+def test_a_run_with_a_refused_outer_step_checks_clean(monkeypatch):
+    """Every worker submits 3.4e38s for round 1: finite, but Nesterov with lr 0.7 steps to an
+    infinity. The coordinator refuses that step (SPEC.md section 12) and the run goes on; the
+    checker accepts the unchanged params and keeps its optimizer model where it was."""
+    import dataclasses
+
+    import torch
+
+    import diloco.sim.worker as sim_worker
+
+    real = sim_worker.seeded_update
+
+    def huge_in_round_1(seed, worker_id, fragment_id, round_id, names, sizes):
+        out = real(seed, worker_id, fragment_id, round_id, names, sizes)
+        if round_id == 1:
+            out = {n: torch.full_like(t, 3.4e38) for n, t in out.items()}
+        return out
+
+    monkeypatch.setattr(sim_worker, "seeded_update", huge_in_round_1)
+    cfg = dataclasses.replace(derive_config(2, mode="sync", shutdown="abort", fragments=1, faults="none"),
+                              outer_lr=0.7, outer_momentum=0.9)
+    out: list[dict] = []
+    Simulation(cfg, TraceWriter(None, [lambda r, line: out.append(json.loads(line))])).run()
+    violations, checker = check_records(out)
+    assert violations == []
+    assert checker.counts["steps_refused"] == 1 and checker.counts["outer_steps_checked"] > 2
