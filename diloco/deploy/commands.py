@@ -349,8 +349,12 @@ def cmd_status(args) -> int:
             sys.stdout = open(os.devnull, "w")
         return EXIT_OK
     try:
+        from diloco.transport.base import AuthRefused
+
         while True:
             reply, err = _admin(args, "status")
+            if isinstance(err, AuthRefused):  # retrying cannot help
+                return _unreachable(args, err)
             if args.json:
                 print(json.dumps(reply.data if err is None else {"error": str(err)}, sort_keys=True), flush=True)
             else:
