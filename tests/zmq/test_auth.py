@@ -271,3 +271,22 @@ def test_kick_ban_keeps_a_worker_and_its_key_out_until_unban(cluster, capsys):
     cluster.worker("w2", *cluster.key_args("k2"))
     st = cluster.wait_status(lambda s: {"w1", "w2"} <= {m["worker_id"] for m in s["members"]}, 120, "w2 back")
     assert st["banned_workers"] == [] and st["banned_keys"] == []
+
+
+@pytest.mark.parametrize("bind, loopback", [
+    ("tcp://127.0.0.1:5555", True), ("tcp://127.3.4.5:0", True), ("tcp://localhost:5555", True),
+    ("tcp://[::1]:5555", True), ("ipc:///tmp/diloco.sock", True),
+    ("tcp://0.0.0.0:5555", False), ("tcp://*:5555", False), ("tcp://10.0.0.5:5555", False),
+    ("tcp://eth0:5555", False), ("tcp://[::]:5555", False), ("tcp://example.org:5555", False),
+])
+def test_which_binds_count_as_loopback(bind, loopback):
+    from diloco.deploy.commands import _is_loopback_bind
+
+    assert _is_loopback_bind(bind) is loopback
+
+
+def test_a_server_refuses_to_listen_beyond_loopback_without_auth(capsys):
+    """A5: nothing is started; the refusal names both ways out."""
+    assert main(["server", "--bind", "tcp://0.0.0.0:0"]) == 2
+    err = capsys.readouterr().err
+    assert "needs --auth DIR" in err and "--insecure" in err
