@@ -170,6 +170,9 @@ class SimWorker:
         self.waits = {}
         self.current = None
         self.set_state("joining")
+        # Light workers always send their (tiny) params, so no params_required round trip:
+        # the coordinator uses the first join's and drops the rest on arrival (SPEC.md
+        # section 11, "Joining"); the checker reads the run's params off the first Join.
         init = self.sim.initial_params
         self.sim.send_from_worker(self, Join(self.wid, PROTOCOL_VERSION, self.sim.param_spec, init))
         self.arm(JOIN, self.sim.cfg.join_timeout_s)
