@@ -62,6 +62,14 @@ def raw():
     ctx.term()
 
 
+def send_parts(sock: zmq.Socket, frames, seq: int = 1) -> None:
+    """Send codec frames the protocol-2 way: one [tag, frame] part each (SPEC.md section 11)."""
+    from diloco.transport.zmq import framing
+
+    for part in framing.parts(seq, list(frames)):
+        sock.send_multipart(part)
+
+
 def recv_reply(sock: zmq.Socket, timeout_s: float = 3.0):
     assert sock.poll(int(timeout_s * 1000)), "no reply"
     return codec.decode(sock.recv_multipart())
@@ -117,7 +125,7 @@ def test_hostile_frames_get_an_error_reply_and_are_counted(coordinator, raw):
         reply = recv_reply(sock)
         assert isinstance(reply, Error) and reply.code is code, reply
     # A valid message from the same socket still goes through.
-    sock.send_multipart(codec.encode(Heartbeat("ok")))
+    send_parts(sock, codec.encode(Heartbeat("ok")))
     peer, msg = coordinator.recv(2.0)
     assert msg == Heartbeat("ok")
     stats = coordinator.stats()
@@ -152,7 +160,7 @@ def test_oversized_messages_are_refused_and_oversized_frames_dropped_by_libzmq(r
         assert not sock2.poll(300)
         # The coordinator is unharmed.
         sock3 = raw(c.address)
-        sock3.send_multipart(codec.encode(Heartbeat("fine")))
+        send_parts(sock3, codec.encode(Heartbeat("fine")))
         assert c.recv(2.0)[1] == Heartbeat("fine")
         deadline = time.monotonic() + 3
         while c.stats()["disconnects"] < 1 and time.monotonic() < deadline:
