@@ -113,6 +113,9 @@ class _StatusEndpoint:
     def recv(self, timeout_s: float):
         return self.inner.recv(timeout_s)
 
+    def lost_peers(self) -> list[str]:
+        return self.inner.lost_peers()
+
     def send(self, peer: str, message: Message) -> None:
         if isinstance(message, AdminReply) and "phase" in message.data:
             message = dataclasses.replace(message, data={**message.data, "transport": self.inner.stats()})

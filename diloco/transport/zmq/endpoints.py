@@ -92,6 +92,9 @@ class ZmqOptions:
     copy_on_send: bool = False
     #: libzmq's I/O threads (``zmq.Context(io_threads=...)``); CURVE encrypts and decrypts on them.
     io_threads: int = 1
+    #: Coordinator: a peer whose connection closed and did not come back within this many
+    #: seconds is reported lost (``lost_peers``); a reconnect inside the window is a blip.
+    disconnect_grace_s: float = 1.0
 
     @property
     def max_frame_bytes(self) -> int:
@@ -105,8 +108,10 @@ class ZmqOptions:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"ZmqOptions.{name}={v!r} is invalid: expected an integer >= 1")
-        if not (isinstance(self.send_timeout_s, (int, float)) and self.send_timeout_s > 0):
-            raise ValueError(f"ZmqOptions.send_timeout_s={self.send_timeout_s!r} is invalid: expected seconds > 0")
+        for name in ("send_timeout_s", "disconnect_grace_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not (isinstance(v, (int, float)) and 0 < v < float("inf")):
+                raise ValueError(f"ZmqOptions.{name}={v!r} is invalid: expected seconds > 0")
 
 
 # ------------------------------------------------------------------ helpers
@@ -220,6 +225,10 @@ class ZmqCoordinatorEndpoint:
         _set(self._sock, zmq.MAXMSGSIZE, o.max_frame_bytes)
         _set(self._sock, zmq.HEARTBEAT_IVL, o.zmtp_heartbeat_ivl_ms)
         _set(self._sock, zmq.HEARTBEAT_TIMEOUT, o.zmtp_heartbeat_timeout_ms)
+        #: routing id -> when it last sent something: the peers a probe checks (``lost_peers``).
+        self._heard: dict[bytes, float] = {}
+        #: When to probe for peers whose connection closed (a disconnect seen, plus the grace).
+        self._probe_at: float | None = None
         self._monitor = None
         try:
             if auth is not None:
@@ -253,7 +262,8 @@ class ZmqCoordinatorEndpoint:
             "auth": self.auth is not None,
             **{k: self.counters[k] for k in (
                 "messages_in", "messages_out", "bytes_in", "bytes_out", "dropped_unroutable", "dropped_queue_full",
-                "connections_accepted", "disconnects", "handshake_failures", "auth_failures", "forbidden")},
+                "connections_accepted", "disconnects", "handshake_failures", "auth_failures", "forbidden",
+                "peers_lost")},
             "incomplete_dropped": self._assembler.incomplete_dropped,
             "partial_messages": self._assembler.partial_count,
             "malformed_total": sum(self.malformed.values()),
@@ -286,6 +296,7 @@ class ZmqCoordinatorEndpoint:
             except zmq.Again:
                 return None
             rid = frames[0].bytes
+            self._remember(rid)
             peer = peer_name(rid)
             self.counters["bytes_in"] += codec.message_nbytes(frames[1:])
             identity = None
@@ -331,6 +342,48 @@ class ZmqCoordinatorEndpoint:
                 continue
             return peer, message, identity
 
+    #: Most peers remembered for probing; the longest silent are forgotten first.
+    MAX_REMEMBERED_PEERS = 100_000
+
+    def _remember(self, rid: bytes) -> None:
+        heard = self._heard
+        heard.pop(rid, None)
+        heard[rid] = time.monotonic()  # insertion order = order of last message
+        if len(heard) > self.MAX_REMEMBERED_PEERS:
+            del heard[next(iter(heard))]
+
+    def lost_peers(self) -> list[str]:
+        """Peers whose connection closed and did not come back within ``disconnect_grace_s``.
+
+        libzmq does not say *which* peer a closed connection was (the socket
+        monitor names only a file descriptor), so a closed connection schedules
+        a probe ``disconnect_grace_s`` later: an empty message to every peer
+        heard from. With ``ROUTER_MANDATORY`` a send to a routing id that has no
+        connection fails at once (``EHOSTUNREACH``): that peer is lost, reported
+        once. A worker whose process dies (``kill -9`` closes its socket at once)
+        is reported about a second after; one whose connection blips and comes
+        back within the window (libzmq reconnects a DEALER after 100 ms) answers
+        the probe's send and is not. Receivers ignore an empty message.
+        """
+        if self._probe_at is None or time.monotonic() < self._probe_at:
+            return []
+        self._probe_at = None
+        lost = []
+        for rid in list(self._heard):
+            try:
+                self._sock.send(rid, zmq.SNDMORE | zmq.NOBLOCK)
+                self._sock.send(b"", zmq.NOBLOCK)
+            except zmq.Again:
+                continue  # connected, just slow: its queue is full
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise TransportError(f"probe of {peer_name(rid)} failed: {exc}") from None
+                del self._heard[rid]
+                self._assembler.forget(peer_name(rid))
+                lost.append(peer_name(rid))
+        self.counters["peers_lost"] += len(lost)
+        return lost
+
     def _drain_monitor(self) -> None:
         from zmq.utils.monitor import recv_monitor_message
         while True:
@@ -345,6 +398,8 @@ class ZmqCoordinatorEndpoint:
                 self.counters["connections_accepted"] += 1
             elif kind == zmq.EVENT_DISCONNECTED:
                 self.counters["disconnects"] += 1
+                if self._probe_at is None:
+                    self._probe_at = time.monotonic() + self.options.disconnect_grace_s
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self.counters["auth_failures"] += 1
             else:
@@ -546,6 +601,8 @@ class ZmqWorkerEndpoint:
                 if self._sock.poll(wait_ms, zmq.POLLIN):
                     frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     self._last_heard = self._clock()
+                    if len(frames) == 1 and len(frames[0].buffer) == 0:
+                        continue  # the coordinator's liveness probe (``lost_peers``): nothing to read
                     got = self._assembler.add("coordinator", frames, time.monotonic())
                     if isinstance(got, framing.Complete):
                         self.counters["messages_in"] += 1
