@@ -80,6 +80,12 @@ def test_contributions_that_overflow_the_step_never_reach_a_worker(cluster):
     params = tiny_params()
     a1, a2 = Attacker(cluster, "a1", "evil1"), Attacker(cluster, "a2", "evil2")
     try:
+        # A NaN first join is refused, naming the tensor; the run stays without params.
+        nan_params = {n: torch.full_like(t, math.nan) for n, t in params.items()}
+        a1.ep.send(Join("evil1", PROTOCOL_VERSION, spec_of(params), nan_params))
+        refused = a1.expect(Error)
+        assert refused.code is ErrorCode.NON_FINITE and next(iter(params)) in refused.detail, refused
+        assert cluster.status()["num_params"] == 0
         welcome = a1.join(params)
         a2.join(params)
         initial = welcome.params
