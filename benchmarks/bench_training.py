@@ -224,7 +224,7 @@ class _RealDiloco:
         model = build_model(s.model, derive_seed(self.seed, "model"))
         opt, sched = inner_optimizer(model, s, self.steps)
         w = DilocoWorker(model, opt, self.net.connect(worker_id), worker_id=worker_id, sync_every=self.H,
-                         join_timeout_s=120.0)
+                         coordinator_timeout_s=120.0)
         self.workers[worker_id] = w
         w.join()
         sampler = self.samplers[index]

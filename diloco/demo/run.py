@@ -201,8 +201,10 @@ class _Run:
         opt, sched = inner_optimizer(model, s, self.cfg.steps)
         endpoint = self.net.connect(worker_id)
         w = DilocoWorker(model, opt, endpoint, worker_id=worker_id, sync_every=self.cfg.sync_every,
-                         on_state=self._on_state, join_timeout_s=30.0)
+                         on_state=self._on_state, coordinator_timeout_s=30.0)
         w.join()
+        if w.stopped:
+            raise RuntimeError(f"{worker_id}: could not join the demo's coordinator ({w.stop_reason})")
         start_round = w.round_ids[0]
         # A replacement continues the schedule: it trains the rounds that remain.
         steps = (self.target_rounds - start_round) * self.cfg.sync_every

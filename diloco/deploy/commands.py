@@ -154,7 +154,11 @@ def register(subparsers) -> None:
                     "diloco.worker.TrainingSetup(model, optimizer, batches, loss_fn); the function may take\n"
                     "a `worker_id` keyword argument (to pick a data shard).",
         epilog="example:\n  diloco worker --connect tcp://127.0.0.1:5555 --id w1 --checkpoint-dir ckpt/w1\n"
-               "  diloco worker --connect tcp://10.0.0.5:5555 --entry mytrain:make_setup --sync-every 100")
+               "  diloco worker --connect tcp://10.0.0.5:5555 --entry mytrain:make_setup --sync-every 100\n\n"
+               "exit codes: 0 stopped cleanly (told to stop, drained, saved, --max-steps, SIGTERM); 1 refused\n"
+               "by the run or training failed; 2 bad usage or --entry; 3 coordinator unreachable: gave up\n"
+               "after --coordinator-timeout, checkpoint written (with --checkpoint-dir), restart it;\n"
+               "4 the coordinator refused this worker's key; 130 interrupted")
     p.add_argument("--connect", default=DEFAULT_ADDRESS, metavar="ADDR",
                    help=f"the coordinator's address (default {DEFAULT_ADDRESS})")
     p.add_argument("--id", dest="worker_id", default=None, metavar="NAME",
@@ -165,11 +169,18 @@ def register(subparsers) -> None:
                    help="inner steps per outer round (default 10 for the built-in demo, else 100)")
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help="the worker's own checkpoint (its inner optimizer state and place in the run), written "
-                        "on save-and-stop and read when it starts again")
+                        "on save-and-stop (and before exit 3, see --coordinator-timeout) and read when it starts "
+                        "again")
     p.add_argument("--max-steps", type=_positive_int, default=None, metavar="N",
                    help="stop (leave the run) after N inner steps (default: train until the coordinator stops)")
-    p.add_argument("--join-timeout", type=_positive_float, default=30.0, metavar="S",
-                   help="give up when the coordinator has not answered the join after S seconds: exit 3 (default 30)")
+    p.add_argument("--coordinator-timeout", type=_positive_float, default=None, metavar="S",
+                   help="how long to wait for a coordinator that says nothing, in any phase (joining, training, "
+                        "waiting for a round's Result, paused below quorum); default 600 (10 minutes). While it "
+                        "waits the worker prints a line after 5 s, then every 10 s; a coordinator restarted "
+                        "within S seconds is re-joined and the run goes on. At S it gives up: writes its "
+                        "checkpoint (with --checkpoint-dir) and exits 3, so a supervisor restarts it")
+    p.add_argument("--join-timeout", type=_positive_float, default=None, metavar="S",
+                   help="deprecated: the same as --coordinator-timeout")
     p.add_argument("--threads", type=_positive_int, default=1, metavar="N",
                    help="torch CPU threads for this worker (default 1)")
     _add_client_keys(p, "worker")

@@ -6,9 +6,18 @@ a ``ZmqWorkerEndpoint`` to the coordinator, wraps model and optimizer in a
 run (or ``--max-steps``). Prints a line per round synced and per state worth
 knowing (joining, paused, stopped). Exit codes: 0 stopped cleanly (told to
 stop, drained, saved, or reached ``--max-steps``); 1 the run refused this
-worker or training failed; 2 bad ``--entry``; 3 the coordinator did not
-answer the join; 4 the coordinator refused this worker's key; 130 Ctrl-C. SIGTERM asks the worker to stop (saving its
-checkpoint if it has a ``--checkpoint-dir``) and exits 0.
+worker or training failed; 2 bad ``--entry``; 3 coordinator unreachable: the
+worker gave up after ``--coordinator-timeout`` seconds without a word from the
+coordinator, in whatever phase (joining, training, waiting for a Result,
+paused), its checkpoint written first if it has a ``--checkpoint-dir`` (a
+supervisor should restart it); 4 the coordinator refused this worker's key;
+130 Ctrl-C. SIGTERM asks the worker to stop (saving its checkpoint if it has a
+``--checkpoint-dir``) and exits 0.
+
+While the coordinator is silent the worker prints a line after 5 s and then
+every 10 s (how long, what it waits for, the limit), and one when the
+coordinator answers again (a coordinator restarted on the same address: the
+worker re-joins and the run goes on).
 """
 
 from __future__ import annotations
@@ -118,6 +127,16 @@ class _Printer:
         elif state == "stopped":
             self.line(f"stopped ({w.stop_reason})")
 
+    def on_outage(self, kind: str, waited_s: float, what: str, limit_s: float) -> None:
+        if kind == "waiting":
+            self.line(f"coordinator unreachable for {waited_s:.0f} s: waiting for {what} "
+                      f"(gives up after {limit_s:g} s, --coordinator-timeout)")
+        elif kind == "back":
+            self.line(f"coordinator answered again after {waited_s:.0f} s")
+        elif kind == "gave_up":
+            self.line(f"coordinator unreachable for {waited_s:.0f} s (waiting for {what}): giving up "
+                      f"(--coordinator-timeout {limit_s:g})")
+
 
 def run_worker_command(args) -> int:
     import torch
@@ -142,13 +161,23 @@ def run_worker_command(args) -> int:
             sync_every = 100
     printer = _Printer(worker_id)
     from diloco.deploy.commands import client_auth
+    from diloco.worker.worker import DEFAULT_COORDINATOR_TIMEOUT_S
+
+    coordinator_timeout = args.coordinator_timeout
+    if args.join_timeout is not None:
+        print("diloco worker: --join-timeout is deprecated; use --coordinator-timeout (it covers joining too)",
+              file=sys.stderr, flush=True)
+        if coordinator_timeout is None:
+            coordinator_timeout = args.join_timeout
+    if coordinator_timeout is None:
+        coordinator_timeout = DEFAULT_COORDINATOR_TIMEOUT_S
 
     auth = client_auth(args)
     endpoint = ZmqWorkerEndpoint(args.connect, label=worker_id, auth=auth)
     try:
         worker = DilocoWorker(setup.model, setup.optimizer, endpoint, worker_id=worker_id, sync_every=sync_every,
                               checkpoint_dir=args.checkpoint_dir, on_state=printer.on_state,
-                              join_timeout_s=args.join_timeout)
+                              coordinator_timeout_s=coordinator_timeout, on_outage=printer.on_outage)
     except DilocoWorkerError as exc:
         endpoint.close()
         raise UsageError(str(exc)) from None
@@ -164,9 +193,7 @@ def run_worker_command(args) -> int:
     except DilocoWorkerError as exc:
         code = getattr(exc, "code", None)
         print(f"diloco worker {worker_id}: {exc}", file=sys.stderr, flush=True)
-        if code == "auth_refused":
-            return EXIT_AUTH_REFUSED
-        return EXIT_UNREACHABLE if code == "join_timeout" else EXIT_PROBLEM
+        return EXIT_AUTH_REFUSED if code == "auth_refused" else EXIT_PROBLEM
     finally:
         signal.signal(signal.SIGTERM, previous)
         try:
@@ -174,8 +201,14 @@ def run_worker_command(args) -> int:
         except Exception:
             pass
     saved = ""
-    if report.stop_reason == "save_and_stop" and worker.checkpoint_path is not None:
+    unreachable = report.stop_reason == "coordinator_unreachable"
+    if (report.stop_reason == "save_and_stop" or unreachable) and worker.checkpoint_path is not None \
+            and worker.checkpoint_path.exists():
         saved = f"; checkpoint {worker.checkpoint_path}"
     printer.line(f"done ({report.stop_reason}): {report.inner_steps} inner steps, {report.rounds_synced} rounds synced, "
                  f"{report.seconds_paused:.1f} s paused{saved}")
+    if unreachable:
+        print(f"diloco worker {worker_id}: the coordinator at {args.connect} was unreachable for "
+              f"{coordinator_timeout:g} s (--coordinator-timeout){saved}; exit 3", file=sys.stderr, flush=True)
+        return EXIT_UNREACHABLE
     return EXIT_OK

@@ -48,10 +48,27 @@ it trains no further, so it never produces a gradient from params that are
 not the round's base. Every wait is a ``recv`` with a timeout of at most
 ``poll_interval_s``, and each turn polls for a stop (a ``Result`` with
 outcome ``stop``, a heartbeat command, ``request_stop()`` from another
-thread), so a stop always breaks a pause at once. Nothing waits forever: a
-Welcome has ``join_timeout_s``, and a coordinator that answers nothing for
-``coordinator_timeout_s`` stops the worker (with its checkpoint, if it has
-a directory).
+thread), so a stop always breaks a pause at once. Nothing waits forever
+(see "A coordinator outage" below).
+
+A coordinator outage
+--------------------
+The coordinator is *unreachable* when it has said nothing for
+``coordinator_timeout_s`` (default 600 s) since the first message the worker
+sent after last hearing from it: a Join without a Welcome, heartbeats
+without replies, a Submit without its Result. One rule covers every phase
+(joining, training, waiting for a Result, paused below quorum): after
+``OUTAGE_NOTICE_S`` of silence the worker reports it through ``on_outage``
+(``"waiting"``, seconds waited, what it waits for, the limit), then every
+``OUTAGE_REPORT_EVERY_S``; it keeps heartbeating (and re-sends a Join at a
+backed-off interval), so a coordinator restarted on the same address within
+the limit answers ``rejoin`` / ``unknown_worker`` and the worker joins again
+and goes on (``on_outage("back", ...)``). It does not resync (leave and join
+again) while the coordinator is silent. At the limit it gives up: it writes
+its checkpoint (if it has a ``checkpoint_dir`` and has joined or was restored)
+and stops with ``stop_reason == "coordinator_unreachable"`` (``join()``
+returns, ``step_done`` returns False; ``on_outage("gave_up", ...)``);
+``diloco worker`` exits 3.
 
 A Result lost in transit would leave a worker waiting, unpaused, for ever;
 after ``RESYNC_INTERVALS`` heartbeat intervals of that (doubling each time)
@@ -98,6 +115,7 @@ import math
 import os
 import threading
 import time
+import warnings
 from typing import Callable
 
 import torch
@@ -143,6 +161,15 @@ HISTORY_LIMIT = 10_000
 RESYNC_INTERVALS = 16
 #: Retries of a join answered ``already_member`` (Leave, then Join again).
 _ALREADY_MEMBER_RETRIES = 3
+#: Default ``coordinator_timeout_s``: how long a silent coordinator is waited for (10 minutes).
+DEFAULT_COORDINATOR_TIMEOUT_S = 600.0
+#: Seconds of coordinator silence before the first ``on_outage("waiting", ...)`` report.
+OUTAGE_NOTICE_S = 5.0
+#: Seconds between further reports while the silence lasts.
+OUTAGE_REPORT_EVERY_S = 10.0
+#: A silent join is re-sent after this long, then after twice as long, ... (at most ``_JOIN_RESEND_MAX_S``).
+_JOIN_RESEND_S = 2.5
+_JOIN_RESEND_MAX_S = 30.0
 
 
 class DilocoWorkerError(Exception):
@@ -161,14 +188,22 @@ class DilocoWorker:
                  checkpoint_dir: str | os.PathLike | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  on_state: Callable[[str, str, float], None] | None = None,
-                 join_timeout_s: float = 30.0, poll_interval_s: float = 0.05,
-                 coordinator_timeout_s: float = 60.0) -> None:
+                 poll_interval_s: float = 0.05,
+                 coordinator_timeout_s: float | None = None,
+                 on_outage: Callable[[str, float, str, float], None] | None = None,
+                 join_timeout_s: float | None = None) -> None:
         if not isinstance(worker_id, str) or not worker_id:
             raise ValueError(f"worker_id={worker_id!r}: expected a non-empty string")
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every={sync_every!r}: expected an integer >= 1 (inner steps per round)")
-        for name, value in (("join_timeout_s", join_timeout_s), ("poll_interval_s", poll_interval_s),
-                            ("coordinator_timeout_s", coordinator_timeout_s)):
+        if join_timeout_s is not None:
+            warnings.warn("DilocoWorker(join_timeout_s=...) is deprecated: coordinator_timeout_s governs every "
+                          "wait for the coordinator, joining included", DeprecationWarning, stacklevel=2)
+            if coordinator_timeout_s is None:
+                coordinator_timeout_s = join_timeout_s
+        if coordinator_timeout_s is None:
+            coordinator_timeout_s = DEFAULT_COORDINATOR_TIMEOUT_S
+        for name, value in (("poll_interval_s", poll_interval_s), ("coordinator_timeout_s", coordinator_timeout_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ValueError(f"{name}={value!r}: expected a finite number of seconds > 0")
         self.model = model
@@ -176,11 +211,11 @@ class DilocoWorker:
         self.endpoint = endpoint
         self.worker_id = worker_id
         self.sync_every = sync_every
-        self.join_timeout_s = float(join_timeout_s)
         self.poll_interval_s = float(poll_interval_s)
         self.coordinator_timeout_s = float(coordinator_timeout_s)
         self._clock = clock
         self._on_state = on_state
+        self._on_outage = on_outage
         self._params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
         if not self._params:
             raise ValueError("the model has no parameters to train")
@@ -226,6 +261,9 @@ class DilocoWorker:
         self._quorum_fresh = False
         self._last_hb_sent = -math.inf
         self._last_heard = clock()
+        #: When the first message sent since the coordinator last said anything went out (None: nothing unanswered).
+        self._unanswered_since: float | None = None
+        self._outage_reports = 0                     # on_outage("waiting") calls in the current silence
         self._rejoin_needed = False
         self._stop_cmd: tuple[str, bool | None] | None = None  # (reason, save?); None save = ask
         self._stop_requested = threading.Event()
@@ -279,8 +317,9 @@ class DilocoWorker:
         """Join the run: send Join (the spec; the params too if the run has none yet), take the Welcome's params.
 
         Raises ``DilocoWorkerError`` if the run refuses this worker (protocol version,
-        model mismatch, ...) or no Welcome arrives within ``join_timeout_s``. If the
-        run has already stopped, the worker stops (``step_done`` returns False).
+        model mismatch, ...). If the run has already stopped, or the coordinator stays
+        silent for ``coordinator_timeout_s`` (``stop_reason`` "coordinator_unreachable"),
+        the worker stops (``step_done`` returns False).
         """
         if self._welcomed and not self.stopped:
             raise DilocoWorkerError(f"worker {self.worker_id!r} has already joined")
@@ -363,18 +402,25 @@ class DilocoWorker:
         self._lifecycle.go(S.JOINING)
         spec = self._join_spec()
         self._send(Join(self.worker_id, PROTOCOL_VERSION, spec))
-        deadline = self._clock() + self.join_timeout_s
         retries = 0
+        # A Join can be lost with a connection that died under it: while the coordinator is
+        # silent, send it again after 2.5 s, 5 s, 10 s, ... (a duplicate is answered
+        # already_member after the Welcome, and ignored).
+        resend_after, last_join = _JOIN_RESEND_S, self._clock()
         while True:
             if self._stop_requested.is_set():
                 self._finish_stop("stop_requested", save=self._save_on_request)
                 return False
-            remaining = deadline - self._clock()
-            if remaining <= 0:
-                raise DilocoWorkerError(
-                    f"worker {self.worker_id!r}: no Welcome from the coordinator within "
-                    f"join_timeout_s={self.join_timeout_s}", "join_timeout")
-            msg = self._recv(min(remaining, self.poll_interval_s))
+            now = self._clock()
+            if self._check_silence(now):
+                self._give_up()
+                return False
+            if self._unanswered_since is not None and now - max(last_join, self._unanswered_since) >= resend_after:
+                self._send(Join(self.worker_id, PROTOCOL_VERSION, spec))
+                last_join, resend_after = now, min(2 * resend_after, _JOIN_RESEND_MAX_S)
+            msg = self._recv(self.poll_interval_s)
+            if msg is not None and not isinstance(msg, Welcome) and self._unanswered_since is None:
+                self._unanswered_since = self._clock()  # heard something else: the Join is still unanswered
             if isinstance(msg, Welcome):
                 self._on_welcome(msg)
                 return True
@@ -512,7 +558,8 @@ class DilocoWorker:
         if self._hb_outstanding:
             while (msg := self._recv(0.0)) is not None:
                 self._dispatch(msg)
-        self._check_silence(now)
+        if self._check_silence(self._clock()) and self._stop_cmd is None:
+            self._stop_cmd = ("coordinator_unreachable", None)
         self._handle_flags()
 
     def _sync_loop(self) -> None:
@@ -563,7 +610,8 @@ class DilocoWorker:
         while msg is not None:
             self._dispatch(msg)
             msg = self._recv(0.0)
-        self._check_silence(self._clock())
+        if self._check_silence(self._clock()) and self._stop_cmd is None:
+            self._stop_cmd = ("coordinator_unreachable", None)
 
     def _maybe_resync(self) -> bool:
         """Recover from a lost Result: after a long unpaused wait, leave and join again.
@@ -577,7 +625,9 @@ class DilocoWorker:
         ``RESYNC_INTERVALS`` heartbeat intervals and the delay doubles each time.
         """
         now = self._clock()
-        if self._lifecycle.state is not S.SYNCING or not self._waiting:
+        silent = self._silence(now) > 2 * self.heartbeat_interval_s
+        if self._lifecycle.state is not S.SYNCING or not self._waiting or silent:
+            # (A silent coordinator is an outage, not a lost Result: joining again would not help.)
             self._syncing_since = None
             return False
         if self._syncing_since is None:
@@ -708,11 +758,54 @@ class DilocoWorker:
         self._hb_outstanding += 1
         self._last_hb_sent = now
 
-    def _check_silence(self, now: float) -> None:
-        if self._hb_outstanding and now - self._last_heard > self.coordinator_timeout_s and self._stop_cmd is None:
-            log.warning("worker %s: no reply from the coordinator for %.1f s; stopping", self.worker_id,
-                        now - self._last_heard)
-            self._stop_cmd = ("coordinator_unreachable", self.checkpoint_path is not None)
+    def _silence(self, now: float) -> float:
+        """Seconds the coordinator has left the worker's messages unanswered (0 when nothing is)."""
+        return 0.0 if self._unanswered_since is None else max(0.0, now - self._unanswered_since)
+
+    def _waiting_for(self) -> str:
+        """What the worker is waiting for from the coordinator, for the outage reports."""
+        state = self._lifecycle.state
+        if state is S.JOINING:
+            return "a Welcome (joining)"
+        if self._waiting:
+            rounds = ", ".join(f"fragment {f} round {r}" for f, r in sorted(self._waiting.items()))
+            paused = " (paused: the run was below quorum)" if state is S.PAUSED else ""
+            return f"the Result for {rounds}{paused}"
+        return "heartbeat replies"
+
+    def _report_outage(self, kind: str, waited_s: float, what: str) -> None:
+        if self._on_outage is None:
+            return
+        try:
+            self._on_outage(kind, waited_s, what, self.coordinator_timeout_s)
+        except Exception:  # an observer must never break training
+            log.exception("worker %s: on_outage callback failed", self.worker_id)
+
+    def _check_silence(self, now: float) -> bool:
+        """Report a silent coordinator every so often; True once it has been silent for the timeout."""
+        silence = self._silence(now)
+        if silence >= self.coordinator_timeout_s:
+            return True
+        if silence < OUTAGE_NOTICE_S:
+            return False
+        due = OUTAGE_NOTICE_S + self._outage_reports * OUTAGE_REPORT_EVERY_S
+        if silence >= due:
+            self._outage_reports = int((silence - OUTAGE_NOTICE_S) // OUTAGE_REPORT_EVERY_S) + 1
+            log.warning("worker %s: no answer from the coordinator for %.0f s; waiting for %s (gives up after %g s)",
+                        self.worker_id, silence, self._waiting_for(), self.coordinator_timeout_s)
+            self._report_outage("waiting", silence, self._waiting_for())
+        return False
+
+    def _give_up(self) -> None:
+        """The coordinator stayed silent for ``coordinator_timeout_s``: save (if possible) and stop."""
+        silence = self._silence(self._clock())
+        what = self._waiting_for()
+        save = self.checkpoint_path is not None and (self._welcomed or self.restored)
+        log.warning("worker %s: no answer from the coordinator for %.1f s (waiting for %s); giving up%s",
+                    self.worker_id, silence, what, " after writing its checkpoint" if save else "")
+        self._report_outage("gave_up", silence, what)
+        self._stop_cmd = ("coordinator_unreachable", save)
+        self._finish_stop("coordinator_unreachable", save=save)
 
     def _handle_flags(self) -> bool:
         """Act on a stop or re-join that a message asked for. True when the worker stopped."""
@@ -721,6 +814,9 @@ class DilocoWorker:
             return True
         if self._stop_cmd is not None:
             reason, save = self._stop_cmd
+            if reason == "coordinator_unreachable":
+                self._give_up()
+                return True
             if save is None:
                 save = self._ask_if_saving()
                 if save:
@@ -772,6 +868,8 @@ class DilocoWorker:
     # ------------------------------------------------------------------ plumbing
 
     def _send(self, msg: Message) -> None:
+        if self._unanswered_since is None:
+            self._unanswered_since = self._clock()
         try:
             self.endpoint.send(msg)
         except AuthRefused as exc:
@@ -788,7 +886,14 @@ class DilocoWorker:
         except TransportError as exc:
             raise DilocoWorkerError(f"worker {self.worker_id!r}: cannot receive: {exc}", "transport") from exc
         if msg is not None:
-            self._last_heard = self._clock()
+            now = self._clock()
+            if self._outage_reports:
+                waited = self._silence(now)
+                log.warning("worker %s: the coordinator answered again after %.0f s", self.worker_id, waited)
+                self._report_outage("back", waited, self._waiting_for())
+            self._last_heard = now
+            self._unanswered_since = None
+            self._outage_reports = 0
         return msg
 
     def _announce(self) -> None:

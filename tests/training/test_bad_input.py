@@ -125,14 +125,24 @@ def test_a_mangled_submission_raises_tensor_mismatch_in_the_worker():
     assert w.inner_step == 2 and w.state == "stopped"
 
 
-def test_join_without_a_coordinator_times_out_clearly():
+def test_join_without_a_coordinator_gives_up_after_the_coordinator_timeout():
     model = linear(0)
     w = DilocoWorker(model, torch.optim.SGD(model.parameters(), lr=0.1), InprocNetwork().connect("a"),
-                     worker_id="a", sync_every=2, join_timeout_s=0.2)
+                     worker_id="a", sync_every=2, coordinator_timeout_s=0.2)
     t0 = time.monotonic()
-    with pytest.raises(DilocoWorkerError, match="no Welcome .* join_timeout_s=0.2"):
-        w.join()
-    assert time.monotonic() - t0 < 2.0
+    w.join()
+    assert w.stopped and w.stop_reason == "coordinator_unreachable"
+    assert 0.2 <= time.monotonic() - t0 < 2.0
+
+
+def test_join_timeout_s_is_a_deprecated_alias_of_coordinator_timeout_s():
+    model = linear(0)
+    with pytest.warns(DeprecationWarning, match="coordinator_timeout_s"):
+        w = DilocoWorker(model, torch.optim.SGD(model.parameters(), lr=0.1), InprocNetwork().connect("a"),
+                         worker_id="a", sync_every=2, join_timeout_s=7.0)
+    assert w.coordinator_timeout_s == 7.0
+    assert DilocoWorker(model, torch.optim.SGD(model.parameters(), lr=0.1), InprocNetwork().connect("b"),
+                        worker_id="b", sync_every=2).coordinator_timeout_s == 600.0
 
 
 def test_joining_a_stopped_run_stops_the_worker_cleanly():

@@ -146,7 +146,7 @@ class Cluster:
     def worker(self, worker_id: str, *args: str, sync_every: int = 5) -> Proc:
         assert self.address is not None, "start a server first"
         return self.start(worker_id, ["worker", "--connect", self.address, "--id", worker_id, "--entry", ENTRY,
-                                      "--sync-every", str(sync_every), "--join-timeout", "120", *args])
+                                      "--sync-every", str(sync_every), "--coordinator-timeout", "120", *args])
 
     def status(self, timeout_s: float = 10.0) -> dict:
         reply = admin_request(self.address, AdminRequest("status"), timeout_s=timeout_s, auth=self.admin_auth)
