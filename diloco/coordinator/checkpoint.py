@@ -1,8 +1,27 @@
-"""The coordinator's checkpoint: global params, outer optimizer state, the machine's snapshot.
+"""The coordinator's checkpoints: global params, outer optimizer state, the machine's snapshot.
 
-Written on save-and-stop (SPEC.md P4) before any worker is told to stop, and
-read by ``diloco server --resume``. One file, ``coordinator.ckpt``, in the
-checkpoint directory; the format is ``diloco.tensorfile`` (no pickle).
+Format (SPEC.md section 12, "Checkpoints"): one safetensors file per durable
+round, ``coordinator-<rounds_applied, 12 digits>.safetensors``, in the
+checkpoint directory.
+
+- The global params under their own names (the model's ``state_dict`` names),
+  so ``model.load_state_dict(safetensors.torch.load_file(path), strict=False)``
+  loads them without diloco.
+- The outer optimizers' tensors under ``outer/<fragment>/...`` (a ``/`` never
+  occurs in a ``state_dict`` name, so they cannot collide with a parameter).
+- The header metadata (a str->str map): ``format`` (``diloco.coordinator``),
+  ``version`` (``2``), ``diloco`` (JSON: the run config, the machine's
+  snapshot, the outer optimizers' non-tensor state, the param names, the
+  incarnation, ``rounds_applied``) and ``sha256``: a digest of every tensor
+  (name, dtype, shape, bytes, in name order) checked on load, so a corrupt
+  file is refused with a message naming it.
+
+Writes are atomic (temporary name in the same folder, fsync of the file,
+rename, fsync of the folder) and go straight from the live tensors (no copy):
+the runner writes between two steps of the single-threaded loop, so nothing
+changes them meanwhile. The newest ``keep`` files are kept.
+
+The old format (``coordinator.ckpt``, ``diloco.tensorfile``) is still read.
 """
 
 from __future__ import annotations
@@ -10,20 +29,36 @@ from __future__ import annotations
 import copy
 import os
 import pathlib
+import re
+from dataclasses import dataclass, field
 
 import torch
 
+from diloco.ckptio import flatten_named, read_safetensors, unflatten_named, write_safetensors
 from diloco.core import RoundFSM
 from diloco.coordinator.config import CoordinatorConfig
 from diloco.coordinator.service import Coordinator, Observer
-from diloco.tensorfile import CheckpointError, flatten, load_tensorfile, save_tensorfile, unflatten
+from diloco.tensorfile import CheckpointError, flatten, load_tensorfile
 
+#: The old single-file format (``diloco.tensorfile``), still read by ``--resume``.
 FILENAME = "coordinator.ckpt"
 KIND = "diloco.coordinator"
+PREFIX = "coordinator-"
+SUFFIX = ".safetensors"
+OUTER_PREFIX = "outer/"
+DEFAULT_KEEP = 3
+_NAME_RX = re.compile(rf"^{PREFIX}(\d+){re.escape(SUFFIX)}$")
+
+
+def checkpoint_name(rounds_applied: int) -> str:
+    return f"{PREFIX}{rounds_applied:012d}{SUFFIX}"
+
+
+# ------------------------------------------------------------------ in memory
 
 
 def coordinator_state(coordinator: Coordinator) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Everything needed to resume the run, as (msgpack-able meta, tensors). No I/O.
+    """Everything needed to resume the run, as (plain meta, tensors): copies, no I/O.
 
     The simulator keeps this in memory to model a coordinator crash and restart.
     """
@@ -37,29 +72,9 @@ def coordinator_state(coordinator: Coordinator) -> tuple[dict, dict[str, torch.T
         "fsm": coordinator.fsm.snapshot(),
         "outer": outer,
         "param_names": list(coordinator.store.params),
+        "incarnation": coordinator.incarnation,
     }
     return meta, tensors
-
-
-def save_coordinator(coordinator: Coordinator, directory: str | os.PathLike) -> pathlib.Path:
-    """Write ``coordinator.ckpt`` atomically into ``directory``."""
-    meta, tensors = coordinator_state(coordinator)
-    directory = pathlib.Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / FILENAME
-    save_tensorfile(path, meta, tensors)
-    return path
-
-
-def load_coordinator(directory: str | os.PathLike, now_s: float, *, observer: Observer | None = None,
-                     config: CoordinatorConfig | None = None) -> Coordinator:
-    """Read ``coordinator.ckpt`` from ``directory`` and resume the run it holds."""
-    path = pathlib.Path(directory) / FILENAME
-    meta, tensors = load_tensorfile(path)
-    try:
-        return restore_coordinator(meta, tensors, now_s, observer=observer, config=config)
-    except CheckpointError as exc:
-        raise CheckpointError(f"{path}: {exc}") from None
 
 
 def restore_coordinator(meta: dict, tensors: dict[str, torch.Tensor], now_s: float, *,
@@ -67,9 +82,10 @@ def restore_coordinator(meta: dict, tensors: dict[str, torch.Tensor], now_s: flo
                         config: CoordinatorConfig | None = None) -> Coordinator:
     """A coordinator that resumes the saved run: same params, optimizer state and counters.
 
-    Members and anything in flight are not restored (``RoundFSM.resume``): workers
-    re-join. ``config`` may override settings such as ``min_workers``; the mode and
-    fragment count must match the saved run's.
+    ``tensors`` names params ``param/<name>`` (``coordinator_state``, the old file
+    format). Members and anything in flight are not restored (``RoundFSM.resume``):
+    workers re-join. ``config`` may override settings such as ``min_workers``; the
+    mode and fragment count must match the saved run's.
     """
     if meta.get("kind") != KIND:
         raise CheckpointError(f"not a coordinator checkpoint (kind={meta.get('kind')!r})")
@@ -84,11 +100,139 @@ def restore_coordinator(meta: dict, tensors: dict[str, torch.Tensor], now_s: flo
             snap = dict(snap, config=config.fsm.to_dict(), min_workers=config.fsm.min_workers)
         fsm = RoundFSM.resume(snap, now_s=now_s)
         params = {name: tensors[f"param/{name}"].clone() for name in meta["param_names"]}
-        outer = unflatten(meta["outer"], {k: t.clone() for k, t in tensors.items()})
+        outer = unflatten_named(meta["outer"], {k: t.clone() for k, t in tensors.items()})
+        incarnation = int(meta.get("incarnation", 0))
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, CheckpointError):
             raise
         raise CheckpointError(f"checkpoint metadata is incomplete or invalid ({exc!r})") from None
     coordinator = Coordinator(config or saved, now_s, fsm=fsm, observer=observer)
     coordinator.install_params(params, outer)
+    coordinator.incarnation = incarnation + 1
     return coordinator
+
+
+# --------------------------------------------------------------------- files
+
+
+def save_coordinator(coordinator: Coordinator, directory: str | os.PathLike, *,
+                     keep: int | None = DEFAULT_KEEP) -> pathlib.Path:
+    """Write ``coordinator-<rounds_applied>.safetensors`` atomically; keep the newest ``keep`` files."""
+    if coordinator.store is None:
+        raise CheckpointError("nothing to checkpoint: no worker ever joined, so the run has no params")
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = dict(coordinator.store.params)
+    outer = [flatten_named(state, f"{OUTER_PREFIX}{fid}", tensors)
+             for fid, state in enumerate(coordinator.optimizer_states())]
+    rounds = coordinator.fsm.rounds_applied
+    meta = {
+        "kind": KIND,
+        "config": coordinator.config.to_dict(),
+        "fsm": coordinator.fsm.snapshot(),
+        "outer": outer,
+        "param_names": list(coordinator.store.params),
+        "incarnation": coordinator.incarnation,
+        "rounds_applied": rounds,
+        "open_rounds": list(coordinator.fsm.open_round_ids()),
+    }
+    path = directory / checkpoint_name(rounds)
+    write_safetensors(path, tensors, meta, KIND)
+    if keep is not None:
+        rotate(directory, keep)
+    return path
+
+
+def rotate(directory: pathlib.Path, keep: int) -> list[pathlib.Path]:
+    """Delete all but the newest ``keep`` checkpoint files (and stale temporary files of this process)."""
+    removed = []
+    for path in list_checkpoints(directory)[max(1, keep):]:
+        if path.name != FILENAME:  # an old-format file is the operator's: never deleted
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[pathlib.Path]:
+    """The checkpoint files in ``directory``, newest first; an old-format ``coordinator.ckpt`` last."""
+    directory = pathlib.Path(directory)
+    if not directory.is_dir():
+        return []
+    found = []
+    for entry in directory.iterdir():
+        m = _NAME_RX.match(entry.name)
+        if m:
+            found.append((int(m.group(1)), entry))
+    paths = [p for _, p in sorted(found, reverse=True)]
+    legacy = directory / FILENAME
+    if legacy.is_file():
+        paths.append(legacy)
+    return paths
+
+
+def read_checkpoint(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(meta, tensors) of one checkpoint file, either format; tensors named as ``restore_coordinator`` wants."""
+    path = pathlib.Path(path)
+    if path.suffix != SUFFIX:
+        meta, tensors = load_tensorfile(path)  # the old format
+        if meta.get("kind") != KIND:
+            raise CheckpointError(f"{path}: not a coordinator checkpoint (kind={meta.get('kind')!r})")
+        return meta, tensors
+    meta, raw = read_safetensors(path, KIND)
+    try:
+        names = meta["param_names"]
+        missing = [n for n in names if n not in raw]
+        if missing:
+            raise CheckpointError(f"{path}: tensor {missing[0]!r} is missing")
+        tensors = {f"param/{n}": raw[n] for n in names}
+        tensors.update((k, t) for k, t in raw.items() if k.startswith(OUTER_PREFIX))
+    except (KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path}: checkpoint metadata is incomplete or invalid ({exc!r})") from None
+    return meta, tensors
+
+
+@dataclass
+class Found:
+    """The newest valid checkpoint of a directory, and the newer ones that were refused."""
+
+    path: pathlib.Path
+    meta: dict
+    tensors: dict[str, torch.Tensor]
+    skipped: list[tuple[pathlib.Path, str]] = field(default_factory=list)
+
+
+def find_newest(location: str | os.PathLike) -> Found | None:
+    """The newest checkpoint in a directory (or the given file) that reads and checks; None if there is none.
+
+    Raises ``CheckpointError`` when there are checkpoints but none is valid (the
+    message lists why each was refused), or when a given file is invalid.
+    """
+    location = pathlib.Path(location)
+    if location.is_file():
+        meta, tensors = read_checkpoint(location)
+        return Found(location, meta, tensors)
+    candidates = list_checkpoints(location)
+    skipped: list[tuple[pathlib.Path, str]] = []
+    for path in candidates:
+        try:
+            meta, tensors = read_checkpoint(path)
+        except CheckpointError as exc:
+            skipped.append((path, str(exc)))
+            continue
+        return Found(path, meta, tensors, skipped)
+    if skipped:
+        raise CheckpointError("no valid checkpoint in " + str(location) + ": "
+                              + "; ".join(reason for _, reason in skipped))
+    return None
+
+
+def load_coordinator(location: str | os.PathLike, now_s: float, *, observer: Observer | None = None,
+                     config: CoordinatorConfig | None = None) -> Coordinator:
+    """Resume the run of the newest valid checkpoint in ``location`` (a directory or a file)."""
+    found = find_newest(location)
+    if found is None:
+        raise CheckpointError(f"no checkpoint in {location}")
+    try:
+        return restore_coordinator(found.meta, found.tensors, now_s, observer=observer, config=config)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{found.path}: {exc}") from None

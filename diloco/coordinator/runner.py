@@ -2,7 +2,9 @@
 
 The only place the coordinator meets time and I/O. Each turn: receive one
 message (or time out), read the clock, let the coordinator handle it, persist
-if the run just stopped with save-and-stop, *then* send (SPEC.md section 5).
+(with a checkpoint directory: when the step applied a round, or the run just
+stopped with save-and-stop; then the audit log's lines of the step), *then*
+send (SPEC.md section 5).
 After the run stops it lingers for a few heartbeat intervals so that every
 worker hears the stop from a heartbeat reply, then returns.
 """
@@ -16,7 +18,8 @@ import time
 from typing import Callable
 
 from diloco.core import ShutdownKind
-from diloco.coordinator.checkpoint import save_coordinator
+from diloco.coordinator.audit import AuditLog
+from diloco.coordinator.checkpoint import DEFAULT_KEEP, save_coordinator
 from diloco.coordinator.service import Coordinator
 from diloco.transport.base import CoordinatorEndpoint
 
@@ -25,11 +28,20 @@ log = logging.getLogger("diloco.coordinator")
 
 def serve(endpoint: CoordinatorEndpoint, coordinator: Coordinator, *,
           checkpoint_dir: str | os.PathLike | None = None,
+          keep: int = DEFAULT_KEEP,
+          audit: AuditLog | None = None,
           clock: Callable[[], float] = time.monotonic,
           stop_event: threading.Event | None = None,
           tick_interval_s: float = 0.05,
           linger_s: float | None = None) -> Coordinator:
-    """Run until the run stops (and the linger passes) or ``stop_event`` is set."""
+    """Run until the run stops (and the linger passes) or ``stop_event`` is set.
+
+    With ``checkpoint_dir``, every step that applied a round (``rounds_applied``
+    moved: applied or refused outer steps) is written to a checkpoint before any
+    of the step's messages is sent, keeping the newest ``keep`` files; then the
+    step's ``audit`` lines are appended and fsync'd. A failed write raises: nothing
+    of that step is announced (restart with ``--resume``).
+    """
     if linger_s is None:
         linger_s = 3 * coordinator.config.heartbeat_interval_s
     saved = False
@@ -37,6 +49,7 @@ def serve(endpoint: CoordinatorEndpoint, coordinator: Coordinator, *,
     while stop_event is None or not stop_event.is_set():
         item = endpoint.recv(tick_interval_s)
         now = clock()
+        rounds_before = coordinator.fsm.rounds_applied
         if item is None:
             out = coordinator.tick(now)
         else:
@@ -58,14 +71,29 @@ def serve(endpoint: CoordinatorEndpoint, coordinator: Coordinator, *,
                 elif coordinator.store is None:
                     log.warning("save-and-stop: no worker ever joined, nothing to save")
                 else:
-                    path = save_coordinator(coordinator, checkpoint_dir)
+                    path = _persist(coordinator, checkpoint_dir, keep)
                     log.info("checkpoint written to %s", path)
                 saved = True
+        if (checkpoint_dir is not None and coordinator.fsm.rounds_applied != rounds_before
+                and coordinator.store is not None and not saved):
+            # Persist before announce (SPEC.md section 5): the step's Results go out only once
+            # the round they announce is on disk.
+            _persist(coordinator, checkpoint_dir, keep)
+        if audit is not None:
+            audit.flush()
         for peer, message in out:
             endpoint.send(peer, message)
         if stopped_at is not None and now - stopped_at >= linger_s:
             break
     return coordinator
+
+
+def _persist(coordinator: Coordinator, checkpoint_dir: str | os.PathLike, keep: int):
+    start = time.perf_counter()
+    path = save_coordinator(coordinator, checkpoint_dir, keep=keep)
+    coordinator.stats.checkpoints_written += 1
+    coordinator.stats.checkpoint_write_s += time.perf_counter() - start
+    return path
 
 
 class CoordinatorThread(threading.Thread):

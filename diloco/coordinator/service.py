@@ -38,6 +38,7 @@ from diloco.core import (
     PhaseChanged,
     QuorumChanged,
     Reject,
+    RejectReason,
     ReleaseOutcome,
     ReleaseWorker,
     RoundFSM,
@@ -101,6 +102,13 @@ class CoordinatorStats:
     messages_refused: int = 0
     #: Outer steps undone because they made a parameter non-finite (SPEC.md section 12).
     steps_refused: int = 0
+    #: Workers that presented a round this coordinator has not opened (they are ahead of its
+    #: durable state, e.g. after a resume from an older checkpoint) and were told to re-join
+    #: (SPEC.md section 12, "Reconciliation").
+    reconciled: int = 0
+    #: Durable checkpoints written by the runner (one per step that applied a round), and their seconds.
+    checkpoints_written: int = 0
+    checkpoint_write_s: float = 0.0
 
 
 @dataclass
@@ -125,6 +133,8 @@ class Coordinator:
         self._stop_kind: ShutdownKind | None = None
         self.stats = CoordinatorStats()
         self._observer = observer
+        #: 1 for a fresh run; a resumed coordinator is its checkpoint's incarnation + 1.
+        self.incarnation = 1
         self._sync = config.fsm.mode is Mode.SYNC
         #: fragment -> (next round id / version, params right after its last ApplyRound in
         #: this step). Results carry these copies, never the live tensors (see ``_release``).
@@ -175,6 +185,10 @@ class Coordinator:
             paused_s=self._paused_total(self.fsm.now_s),
             messages_refused=self.stats.messages_refused,
             steps_refused=self.stats.steps_refused,
+            reconciled=self.stats.reconciled,
+            checkpoints_written=self.stats.checkpoints_written,
+            checkpoint_write_s=round(self.stats.checkpoint_write_s, 6),
+            incarnation=self.incarnation,
             stopped=self.stopped,
             stop_kind=self._stop_kind.value if self._stop_kind else None,
             num_params=sum(t.numel() for t in self.store.params.values()) if self.store else 0,
@@ -355,6 +369,10 @@ class Coordinator:
     def _on_submit(self, peer: str, msg: Submit, out: Outgoing) -> None:
         wid = msg.worker_id
         if self._peers.get(wid) != peer or not self.fsm.is_member(wid):
+            opened = self.fsm.open_round_ids()
+            if (type(msg.fragment_id) is int and 0 <= msg.fragment_id < len(opened)
+                    and type(msg.round_id) is int and msg.round_id > opened[msg.fragment_id]):
+                self._reconciled(msg, self.fsm.now_s, "unknown_worker")
             self._refuse(peer, out, ErrorCode.UNKNOWN_WORKER,
                          f"worker {wid!r} is not a live member on this connection (join first)", msg)
             return
@@ -453,6 +471,8 @@ class Coordinator:
             elif kind is ApplyRound:
                 self._apply(effect, now)
             elif kind is Reject:
+                if effect.reason is RejectReason.FUTURE_ROUND and submit is not None:
+                    self._reconciled(submit, now, "future_round")
                 target = peer if peer is not None else self._peers.get(effect.worker_id)
                 if target is not None:
                     self._refuse(target, out, ErrorCode(effect.reason.value), effect.detail,
@@ -464,6 +484,8 @@ class Coordinator:
                 self._notify("dead", now, worker_id=effect.worker_id, last_seen_s=effect.last_seen_s)
             elif kind is DiscardContribution:
                 self._discard(effect)
+                self._notify("discard", now, worker_id=effect.worker_id, fragment_id=effect.fragment_id,
+                             round_id=effect.round_id, reason=effect.reason.value)
             elif kind is QuorumChanged:
                 self._quorum_changed(effect, now)
             elif kind is PhaseChanged:
@@ -566,6 +588,16 @@ class Coordinator:
             next_round, params = self._released[effect.fragment_id]
             self.stats.bytes_sent += _nbytes(params)
         out.append((peer, Result(effect.fragment_id, effect.round_id, effect.outcome.value, next_round, params)))
+
+    def _reconciled(self, submit: Submit, now: float, answer: str) -> None:
+        """A submission for a round this coordinator never opened: the worker is ahead of its durable
+        state (it got a Result a lost checkpoint held). SPEC.md section 12, "Reconciliation": the
+        durable state wins; the answer (future_round or unknown_worker) makes the worker re-join and
+        adopt the Welcome's params and round ids."""
+        self.stats.reconciled += 1
+        self._notify("reconciled", now, worker_id=submit.worker_id, fragment_id=submit.fragment_id,
+                     round_id=submit.round_id, open_round=self.fsm.open_round_ids()[submit.fragment_id],
+                     answer=answer)
 
     def _discard(self, effect: DiscardContribution) -> None:
         if self._sync:

@@ -17,14 +17,14 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import TextIO
 
 from diloco.coordinator import Coordinator, CoordinatorConfig
-from diloco.coordinator.checkpoint import FILENAME, restore_coordinator
+from diloco.coordinator.audit import AuditLog, Tee
+from diloco.coordinator.checkpoint import DEFAULT_KEEP, find_newest, list_checkpoints, restore_coordinator
 from diloco.coordinator.runner import serve
 from diloco.core import ConfigError, Mode
-from diloco.tensorfile import CheckpointError, load_tensorfile
+from diloco.tensorfile import CheckpointError
 from diloco.transport.messages import AdminReply, Message
 from diloco.transport.zmq import ZmqCoordinatorEndpoint, ZmqOptions
 
@@ -39,6 +39,8 @@ class ServerSettings:
     min_workers: int | None = None
     heartbeat_timeout_s: float | None = None
     checkpoint_dir: str | None = None
+    #: ``--keep K``: checkpoint files kept in ``checkpoint_dir`` (the newest K).
+    keep: int = DEFAULT_KEEP
     mode: str | None = None
     fragments: int | None = None
     outer_optimizer: str | None = None
@@ -97,6 +99,13 @@ class EventPrinter:
             line = f"left     {info['worker_id']} ({info['cause']}) ({self._live()})"
         elif kind == "phase":
             line = f"phase    {info['old']} -> {info['new']}"
+        elif kind == "discard":
+            line = (f"discard  fragment {info['fragment_id']} round {info['round_id']} of {info['worker_id']} "
+                    f"({info['reason']})")
+        elif kind == "reconciled":
+            line = (f"RECONCILED {info['worker_id']} submitted fragment {info['fragment_id']} round "
+                    f"{info['round_id']}, ahead of this coordinator's durable round {info['open_round']}: "
+                    f"the durable state wins, the worker re-joins and takes its params")
         elif kind == "stop":
             line = f"stopped  {info['kind']}"
         else:
@@ -151,15 +160,40 @@ def build_config(s: ServerSettings, base: CoordinatorConfig | None = None) -> Co
         raise ServerError(str(exc)) from None
 
 
-def make_coordinator(s: ServerSettings, printer: EventPrinter, now_s: float) -> Coordinator:
-    if s.resume is None:
-        coordinator = Coordinator(build_config(s), now_s, observer=printer)
-    else:
-        path = Path(s.resume)
-        if path.is_dir():
-            path = path / FILENAME
+def make_coordinator(s: ServerSettings, printer: EventPrinter, now_s: float,
+                     observer=None, out: TextIO = sys.stdout) -> Coordinator:
+    """A fresh coordinator, or with ``--resume`` the newest valid checkpoint's (SPEC.md section 12, "Resume").
+
+    ``observer`` (default: the printer) hears the coordinator's events. Sets
+    ``coordinator.resumed_from`` (the file, or None) and ``coordinator.resume_skipped``
+    (newer files refused, with why).
+    """
+    observer = observer or printer
+    found = None
+    skipped: list = []
+    if s.resume is not None:
         try:
-            meta, tensors = load_tensorfile(path)
+            found = find_newest(s.resume)
+        except CheckpointError as exc:
+            raise ServerError(f"cannot resume: {exc}") from None
+        if found is None:
+            print(f"  --resume {s.resume}: no checkpoint there; starting a fresh run", file=out, flush=True)
+        else:
+            skipped = found.skipped
+            for path, why in skipped:
+                print(f"  WARNING: skipping checkpoint {path}: {why}; falling back to an older one",
+                      file=out, flush=True)
+    elif s.checkpoint_dir is not None:
+        existing = [p for p in list_checkpoints(s.checkpoint_dir) if p.suffix == ".safetensors"]
+        if existing:
+            raise ServerError(f"--checkpoint-dir {s.checkpoint_dir} already holds checkpoints of a run (newest "
+                              f"{existing[0].name}): pass --resume {s.checkpoint_dir} to continue it, or use an "
+                              f"empty directory for a new run")
+    if found is None:
+        coordinator = Coordinator(build_config(s), now_s, observer=observer)
+    else:
+        path, meta, tensors = found.path, found.meta, found.tensors
+        try:
             saved = CoordinatorConfig.from_dict(meta["config"])
             # The quorum in force when the run stopped (set-min-workers changes it at run
             # time) is the machine's, not the start-up config's: keep it unless overridden.
@@ -172,9 +206,11 @@ def make_coordinator(s: ServerSettings, printer: EventPrinter, now_s: float) -> 
             raise ServerError(f"cannot resume: {path}: the checkpoint's config is invalid ({exc})") from None
         config = build_config(s, saved)
         try:
-            coordinator = restore_coordinator(meta, tensors, now_s, observer=printer, config=config)
+            coordinator = restore_coordinator(meta, tensors, now_s, observer=observer, config=config)
         except CheckpointError as exc:
             raise ServerError(f"cannot resume: {path}: {exc}") from None
+    coordinator.resumed_from = found.path if found is not None else None
+    coordinator.resume_skipped = skipped
     printer.coordinator = coordinator
     return coordinator
 
@@ -210,7 +246,27 @@ def run_server(s: ServerSettings, out: TextIO = sys.stdout, stop_event: threadin
         except AuthError as exc:
             raise ServerError(str(exc)) from None
     printer = EventPrinter(out)
-    coordinator = make_coordinator(s, printer, time.monotonic())
+    if s.keep < 1:
+        raise ServerError(f"--keep {s.keep}: keep at least 1 checkpoint")
+    audit = None
+    if s.checkpoint_dir is not None:
+        try:
+            audit = AuditLog(s.checkpoint_dir)
+        except OSError as exc:
+            raise ServerError(f"--checkpoint-dir {s.checkpoint_dir}: cannot open its audit log: {exc}") from None
+    try:
+        coordinator = make_coordinator(s, printer, time.monotonic(), observer=Tee(printer, audit), out=out)
+    except BaseException:
+        if audit is not None:
+            audit.close()
+        raise
+    if audit is not None:
+        audit.attach(coordinator)
+        audit.record("start", resumed_from=str(coordinator.resumed_from) if coordinator.resumed_from else None,
+                     skipped=[str(p) for p, _ in coordinator.resume_skipped],
+                     open_rounds=list(coordinator.fsm.open_round_ids()), min_workers=coordinator.fsm.min_workers,
+                     mode=coordinator.config.fsm.mode.value, pid=os.getpid())
+        audit.flush()
     warm_up(coordinator.config)
     overrides = {}
     if s.max_message_bytes is not None:
@@ -235,33 +291,45 @@ def run_server(s: ServerSettings, out: TextIO = sys.stdout, stop_event: threadin
               f"from {auth.directory}", file=out, flush=True)
     else:
         print("  auth: none (anyone who reaches the address can join or run admin commands)", file=out, flush=True)
-    if s.resume is not None:
-        print(f"  resumed from {s.resume}: open rounds {list(coordinator.fsm.open_round_ids())}, "
+    if coordinator.resumed_from is not None:
+        print(f"  resumed from {coordinator.resumed_from}: open rounds {list(coordinator.fsm.open_round_ids())}, "
               f"rounds applied {coordinator.fsm.rounds_applied}, "
-              f"{sum(t.numel() for t in coordinator.store.params.values())} params", file=out, flush=True)
+              f"{sum(t.numel() for t in coordinator.store.params.values())} params, "
+              f"incarnation {coordinator.incarnation}", file=out, flush=True)
     if s.checkpoint_dir:
-        print(f"  checkpoint on save-and-stop: {os.path.join(s.checkpoint_dir, FILENAME)}", file=out, flush=True)
+        print(f"  durable rounds: every applied round is written to {s.checkpoint_dir} (newest {s.keep} kept) "
+              f"before any worker hears of it; audit log {os.path.join(s.checkpoint_dir, 'events.jsonl')}",
+              file=out, flush=True)
     stop_event = stop_event or threading.Event()
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, lambda *_: stop_event.set())
     try:
         serve(_StatusEndpoint(endpoint), coordinator, checkpoint_dir=s.checkpoint_dir, stop_event=stop_event,
-              linger_s=s.linger_s)
+              linger_s=s.linger_s, keep=s.keep, audit=audit)
     finally:
         endpoint.close()
+        if audit is not None:
+            audit.close()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     if coordinator.stopped:
         kind = coordinator.stop_kind.value
         extra = ""
         if kind == "save_and_stop" and s.checkpoint_dir and coordinator.store is not None:
-            extra = f"; checkpoint {os.path.join(s.checkpoint_dir, FILENAME)}"
+            extra = f"; checkpoint {_newest(s.checkpoint_dir)}"
         print(f"run ended ({kind}) after {coordinator.fsm.rounds_applied} applied rounds{extra}", file=out, flush=True)
     else:
-        print(f"server stopped by signal after {coordinator.fsm.rounds_applied} applied rounds (nothing saved)",
+        saved = (f"; every applied round is in {_newest(s.checkpoint_dir)}" if s.checkpoint_dir
+                 and coordinator.store is not None else " (nothing saved)")
+        print(f"server stopped by signal after {coordinator.fsm.rounds_applied} applied rounds{saved}",
               file=out, flush=True)
     return coordinator
+
+
+def _newest(directory: str) -> str:
+    paths = list_checkpoints(directory)
+    return str(paths[0]) if paths else directory
 
 
 __all__ = ["ServerSettings", "ServerError", "EventPrinter", "run_server", "build_config", "warm_up"]

@@ -5,8 +5,13 @@ each worker saves what only it has: its model's state (local params, which
 may be up to H inner steps away from the global ones, and buffers), its inner
 optimizer's state (DiLoCo keeps each worker's AdamW moments across rounds),
 its inner-step and schedule counters, its copy of the global params and the
-round ids it holds. One file per worker, ``worker-<id>.ckpt``, written with
-``diloco.tensorfile`` (msgpack + raw tensor bytes, atomic, no pickle).
+round ids it holds. One file per worker, ``worker-<id>.safetensors``
+(``diloco.ckptio``: safetensors, the model's state under ``model/<name>``, the
+global copy under ``global/<name>``, the inner optimizer's tensors under
+``optim/...``, the rest as JSON in the header metadata, a sha256 checked on
+load; written atomically). A ``worker-<id>.ckpt`` of the old format
+(``diloco.tensorfile``) is still read, and replaced by the new file at the
+next save.
 
 A pseudo-gradient that was pending when the run stopped was discarded by the
 coordinator (P4); nothing is lost, because the local params and the global
@@ -23,15 +28,29 @@ from dataclasses import dataclass
 
 import torch
 
-from diloco.tensorfile import CheckpointError, flatten, load_tensorfile, save_tensorfile, unflatten
+from diloco.ckptio import flatten_named, read_safetensors, unflatten_named, write_safetensors
+from diloco.tensorfile import CheckpointError, load_tensorfile
 
 KIND = "diloco.worker"
 VERSION = 1
 
 
+SUFFIX = ".safetensors"
+LEGACY_SUFFIX = ".ckpt"
+
+
 def checkpoint_path(directory: str | os.PathLike, worker_id: str) -> pathlib.Path:
-    """``<directory>/worker-<id>.ckpt``; the id is percent-quoted so it can never leave the directory."""
-    return pathlib.Path(directory) / f"worker-{urllib.parse.quote(worker_id, safe='')}.ckpt"
+    """``<directory>/worker-<id>.safetensors``; the id is percent-quoted so it can never leave the directory.
+
+    An old-format ``worker-<id>.ckpt`` is returned instead when it is there and the new
+    file is not, so that a worker resumes from it (``save_worker_checkpoint`` then
+    writes the new file and removes the old one).
+    """
+    stem = pathlib.Path(directory) / f"worker-{urllib.parse.quote(worker_id, safe='')}"
+    new, old = stem.with_name(stem.name + SUFFIX), stem.with_name(stem.name + LEGACY_SUFFIX)
+    if not new.exists() and old.exists():
+        return old
+    return new
 
 
 @dataclass
@@ -53,12 +72,17 @@ class WorkerCheckpoint:
 
 
 def save_worker_checkpoint(path: pathlib.Path, ckpt: WorkerCheckpoint) -> None:
+    """Write the checkpoint atomically (to ``worker-<id>.safetensors`` even when ``path`` is an old ``.ckpt``)."""
+    path = pathlib.Path(path)
+    legacy = path if path.suffix == LEGACY_SUFFIX else None
+    if legacy is not None:
+        path = path.with_suffix(SUFFIX)
     tensors: dict[str, torch.Tensor] = {}
     for name, t in ckpt.model_state.items():
-        tensors[f"model/{name}"] = t.detach().clone()
+        tensors[f"model/{name}"] = t
     for name, t in ckpt.global_params.items():
-        tensors[f"global/{name}"] = t.detach().clone()
-    optimizer = flatten(ckpt.optimizer_state, "optim", tensors)
+        tensors[f"global/{name}"] = t
+    optimizer = flatten_named(ckpt.optimizer_state, "optim", tensors)
     meta = {
         "kind": KIND,
         "version": VERSION,
@@ -76,12 +100,18 @@ def save_worker_checkpoint(path: pathlib.Path, ckpt: WorkerCheckpoint) -> None:
         "optimizer": optimizer,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_tensorfile(path, meta, tensors)
+    write_safetensors(path, tensors, meta, KIND)
+    if legacy is not None:
+        legacy.unlink(missing_ok=True)  # the new file supersedes it
 
 
 def load_worker_checkpoint(path: pathlib.Path) -> WorkerCheckpoint:
     """Read and check a worker checkpoint; raises ``CheckpointError`` naming what is wrong."""
-    meta, tensors = load_tensorfile(path)
+    path = pathlib.Path(path)
+    if path.suffix == LEGACY_SUFFIX:
+        meta, tensors = load_tensorfile(path)  # the old format
+    else:
+        meta, tensors = read_safetensors(path, KIND)
     if meta.get("kind") != KIND:
         raise CheckpointError(f"{path}: not a worker checkpoint (kind={meta.get('kind')!r})")
     if meta.get("version") != VERSION:
@@ -99,7 +129,7 @@ def load_worker_checkpoint(path: pathlib.Path) -> WorkerCheckpoint:
             mode=meta.get("mode"),
             fragments=tuple(tuple(str(n) for n in f) for f in meta["fragments"]),
             model_state={k: tensors[f"model/{k}"] for k in meta["model_keys"]},
-            optimizer_state=unflatten(meta["optimizer"], tensors),
+            optimizer_state=unflatten_named(meta["optimizer"], tensors),
             global_params={n: tensors[f"global/{n}"] for n in meta["global_names"]},
         )
     except CheckpointError:

@@ -1,0 +1,167 @@
+"""Checkpoint files in the safetensors format, written atomically and checked on load.
+
+Shared by the coordinator's and the workers' checkpoints. A file is a plain
+safetensors file (``safetensors.torch.load_file`` reads it without diloco);
+its header metadata (a str->str map) holds:
+
+- ``format``: what the file is (``diloco.coordinator``, ``diloco.worker``);
+- ``version``: ``"2"`` (version 1 was ``diloco.tensorfile``);
+- ``diloco``: the rest of the state as JSON (counters, snapshots, the
+  optimizers' non-tensor state with ``{"__tensor__": NAME}`` references);
+- ``sha256``: ``tensors_digest`` of the tensors, checked on load, so a
+  corrupt file is refused with a message naming it.
+
+Writes: ``safetensors.torch.save_file`` (straight from the tensors' memory)
+to a temporary name in the same folder, fsync of the file, rename, fsync of
+the folder (SPEC.md section 5: persist before you send).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+from typing import Any
+
+import torch
+
+from diloco.tensorfile import CheckpointError
+
+FORMAT_VERSION = "2"
+TENSOR_REF = "__tensor__"  # the same reference ``diloco.tensorfile.unflatten`` resolves
+ITEMS = "__items__"  # a dict with keys that are not strings, as [[key, value], ...]
+
+
+def flatten_named(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """Move the tensors of nested state into ``tensors``, each named by its path (``outer/0/state/3/momentum_buffer``)."""
+    if isinstance(obj, torch.Tensor):
+        tensors[path] = obj
+        return {TENSOR_REF: path}
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj):
+            return {k: flatten_named(v, f"{path}/{k}", tensors) for k, v in obj.items()}
+        # JSON keys are strings: keep other keys (an optimizer's per-parameter state is keyed by int).
+        return {ITEMS: [[k, flatten_named(v, f"{path}/{k}", tensors)] for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        return [flatten_named(v, f"{path}/{i}", tensors) for i, v in enumerate(obj)]
+    return obj
+
+
+def unflatten_named(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """The inverse of ``flatten_named`` (also reads ``diloco.tensorfile.flatten``'s references)."""
+    if isinstance(obj, dict):
+        if set(obj) == {TENSOR_REF}:
+            try:
+                return tensors[obj[TENSOR_REF]]
+            except KeyError:
+                raise CheckpointError(f"checkpoint refers to a missing tensor {obj[TENSOR_REF]!r}") from None
+        if set(obj) == {ITEMS} and isinstance(obj[ITEMS], list):
+            return {k: unflatten_named(v, tensors) for k, v in obj[ITEMS]}
+        return {k: unflatten_named(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [unflatten_named(v, tensors) for v in obj]
+    return obj
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes, without a copy when it is contiguous on the CPU."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    if t.dtype is torch.bfloat16:
+        t = t.view(torch.int16)
+    elif t.dtype is torch.bool:
+        t = t.view(torch.uint8)
+    return memoryview(t.numpy()).cast("B")
+
+
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over every tensor's name, dtype, shape and bytes, in name order (independent of the file layout)."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(json.dumps([name, str(t.dtype).removeprefix("torch."), list(t.shape)]).encode())
+        h.update(_raw(t))
+    return h.hexdigest()
+
+
+def fsync_dir(directory: pathlib.Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached, contiguous CPU tensors; a tensor whose memory an earlier one already uses (tied weights) is copied."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in tensors.items():
+        t = t.detach()
+        if t.device.type != "cpu" or not t.is_contiguous():
+            t = t.cpu().contiguous()
+        ptr = t.untyped_storage().data_ptr() if t.numel() else None
+        if ptr is not None and ptr in seen:
+            t = t.clone()
+            ptr = t.untyped_storage().data_ptr()
+        if ptr is not None:
+            seen.add(ptr)
+        out[name] = t
+    return out
+
+
+def write_safetensors(path: pathlib.Path, tensors: dict[str, torch.Tensor], meta: dict, kind: str) -> None:
+    """Write ``tensors`` and ``meta`` (JSON) as a safetensors file at ``path``, atomically."""
+    from safetensors.torch import save_file
+
+    path = pathlib.Path(path)
+    tensors = _unshared(tensors)
+    header = {"format": kind, "version": FORMAT_VERSION, "diloco": json.dumps(meta, separators=(",", ":")),
+              "sha256": tensors_digest(tensors)}
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata=header)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def read_safetensors(path: pathlib.Path, kind: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(meta, tensors) of a file ``write_safetensors`` wrote; ``CheckpointError`` naming the file on any problem."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    path = pathlib.Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header = f.metadata() or {}
+        tensors = load_file(str(path))
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} does not exist") from None
+    except Exception as exc:  # safetensors raises several types for a torn or foreign file
+        raise CheckpointError(f"{path} is not a readable safetensors file (torn or corrupt): "
+                              f"{str(exc).strip()[:200]}") from None
+    if header.get("format") != kind:
+        raise CheckpointError(f"{path}: not a {kind} checkpoint (format={header.get('format')!r})")
+    if header.get("version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: checkpoint version {header.get('version')!r} is not supported "
+                              f"(this diloco reads version {FORMAT_VERSION})")
+    if tensors_digest(tensors) != header.get("sha256"):
+        raise CheckpointError(f"{path}: checksum mismatch (the file is corrupt)")
+    try:
+        meta = json.loads(header["diloco"])
+    except (KeyError, ValueError) as exc:
+        raise CheckpointError(f"{path}: the 'diloco' metadata is missing or not JSON ({exc})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: the 'diloco' metadata is not an object")
+    return meta, tensors
