@@ -69,12 +69,12 @@ class AuditLog:
         self._base_rounds = coordinator.fsm.rounds_applied - coordinator.stats.rounds_applied
         return self.incarnation
 
-    def record(self, kind: str, **info) -> None:
+    def record(self, event: str, **info) -> None:
         """Queue one line (written by the next ``flush``)."""
         c = self.coordinator
-        line = {"t": round(time.time(), 6), "incarnation": self.incarnation, "kind": kind,
+        line = {"t": round(time.time(), 6), "incarnation": self.incarnation, "event": event,
                 "rounds_applied": self._base_rounds + c.stats.rounds_applied if c is not None else 0}
-        if kind == "apply" and c is not None:
+        if event == "apply" and c is not None:
             line["min_workers"] = c.fsm.min_workers
         line.update(info)
         self._pending.append(json.dumps(line, default=str, separators=(",", ":")))

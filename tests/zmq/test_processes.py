@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from diloco.cli import main
-from diloco.tensorfile import load_tensorfile
 from diloco.transport.messages import PROTOCOL_VERSION, Join, Leave, Welcome, spec_of
 from diloco.transport.zmq import ZmqWorkerEndpoint
 
@@ -64,9 +63,10 @@ def test_kill9_pauses_the_run_and_a_replacement_resumes_it(cluster, capsys):
 
     workers["w3"].kill9()
     st = cluster.wait_status(lambda s: "w3" not in cluster.members(s) and s["below_min_workers"], 15,
-                             "w3 declared dead by the heartbeat timeout")
+                             "w3 declared gone (its connection closed, or the heartbeat timeout)")
     assert st["phase"] == "paused"
-    server.wait_for(r"dead\s+w3 \(silent for", 5)
+    # kill -9 closes the socket: the transport reports it (left, crashed) before the heartbeat timeout can.
+    server.wait_for(r"left\s+w3 \(crashed\)|dead\s+w3 \(silent for", 5)
     # Below quorum nothing applies: the counter stands still while the survivors park.
     frozen = st["rounds_applied"]
     cluster.wait_status(lambda s: set(s["parked_workers"]) >= {"w1", "w2"}, 15, "w1 and w2 parked at the barrier")
@@ -164,9 +164,11 @@ def test_save_and_stop_then_resume_keeps_params_and_round_counters(cluster, caps
     for w in workers:
         assert w.wait_exit(RELEASE_BOUND_S) == 0, w.output()
     assert server.wait_exit(30) == 0
-    meta, tensors = load_tensorfile(cluster.tmp / "ckpt-server" / "coordinator.ckpt")
+    from safetensors.torch import load_file
+    newest = sorted((cluster.tmp / "ckpt-server").glob("coordinator-*.safetensors"))[-1]
+    tensors = load_file(newest)
     for name, t in welcome1.params.items():
-        assert torch.equal(tensors[f"param/{name}"], t)
+        assert torch.equal(tensors[name], t)
 
     address = cluster.address
     server2 = cluster.server("--resume", "ckpt-server", "--checkpoint-dir", "ckpt-server",
