@@ -773,6 +773,11 @@ class DilocoWorker:
             return f"the Result for {rounds}{paused}"
         return "heartbeat replies"
 
+    @property
+    def _outage_log_level(self) -> int:
+        # With an on_outage callback the caller shows the outage; the log would say it twice.
+        return logging.INFO if self._on_outage is not None else logging.WARNING
+
     def _report_outage(self, kind: str, waited_s: float, what: str) -> None:
         if self._on_outage is None:
             return
@@ -791,8 +796,8 @@ class DilocoWorker:
         due = OUTAGE_NOTICE_S + self._outage_reports * OUTAGE_REPORT_EVERY_S
         if silence >= due:
             self._outage_reports = int((silence - OUTAGE_NOTICE_S) // OUTAGE_REPORT_EVERY_S) + 1
-            log.warning("worker %s: no answer from the coordinator for %.0f s; waiting for %s (gives up after %g s)",
-                        self.worker_id, silence, self._waiting_for(), self.coordinator_timeout_s)
+            log.log(self._outage_log_level, "worker %s: no answer from the coordinator for %.0f s; waiting for %s "
+                    "(gives up after %g s)", self.worker_id, silence, self._waiting_for(), self.coordinator_timeout_s)
             self._report_outage("waiting", silence, self._waiting_for())
         return False
 
@@ -801,8 +806,8 @@ class DilocoWorker:
         silence = self._silence(self._clock())
         what = self._waiting_for()
         save = self.checkpoint_path is not None and (self._welcomed or self.restored)
-        log.warning("worker %s: no answer from the coordinator for %.1f s (waiting for %s); giving up%s",
-                    self.worker_id, silence, what, " after writing its checkpoint" if save else "")
+        log.log(self._outage_log_level, "worker %s: no answer from the coordinator for %.1f s (waiting for %s); "
+                "giving up%s", self.worker_id, silence, what, " after writing its checkpoint" if save else "")
         self._report_outage("gave_up", silence, what)
         self._stop_cmd = ("coordinator_unreachable", save)
         self._finish_stop("coordinator_unreachable", save=save)
@@ -889,7 +894,8 @@ class DilocoWorker:
             now = self._clock()
             if self._outage_reports:
                 waited = self._silence(now)
-                log.warning("worker %s: the coordinator answered again after %.0f s", self.worker_id, waited)
+                log.log(self._outage_log_level, "worker %s: the coordinator answered again after %.0f s",
+                        self.worker_id, waited)
                 self._report_outage("back", waited, self._waiting_for())
             self._last_heard = now
             self._unanswered_since = None
