@@ -7,7 +7,8 @@ code). This file only wires them together and owns the exit-code contract:
     0  success
     1  the command ran and found a problem (failed check, invariant violated)
     2  bad usage (argparse) or bad input (unreadable file, invalid value)
-    3  could not reach the coordinator within the timeout
+    3  could not reach the coordinator within the timeout (admin commands: --timeout;
+       ``diloco worker``: gave up after --coordinator-timeout, checkpoint written)
     4  the coordinator refused this client's key (authentication)
     130 interrupted (Ctrl-C)
 """
