@@ -1,0 +1,198 @@
+"""Durable checkpoints in process: keep-K rotation, corrupt-file fallback, persist before announce,
+the audit log, the old format, reconciliation (SPEC.md sections 5 and 12)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from diloco.coordinator import Coordinator, CoordinatorConfig
+from diloco.coordinator.audit import AuditLog, Tee
+from diloco.coordinator.checkpoint import (
+    FILENAME,
+    coordinator_state,
+    find_newest,
+    list_checkpoints,
+    load_coordinator,
+    save_coordinator,
+)
+from diloco.coordinator.runner import serve
+from diloco.core import FSMConfig
+from diloco.tensorfile import CheckpointError, save_tensorfile
+from diloco.transport.messages import PROTOCOL_VERSION, Error, Join, Result, Submit, spec_of
+
+
+def run_rounds(n: int, c: Coordinator | None = None) -> Coordinator:
+    c = c or Coordinator(CoordinatorConfig(fsm=FSMConfig(min_workers=1)))
+    params = {"layer.weight": torch.zeros(2, 3), "layer.bias": torch.zeros(3)}
+    if not c.fsm.is_member("w1"):
+        c.handle("p", Join("w1", PROTOCOL_VERSION, spec_of(params), params), 1.0)
+    for _ in range(n):
+        rid = c.fsm.open_round_ids()[0]
+        c.handle("p", Submit("w1", 0, rid, {k: torch.full_like(v, 0.1 * (rid + 1)) for k, v in params.items()}),
+                 2.0 + rid)
+    return c
+
+
+def test_keep_k_rotation(tmp_path):
+    c = run_rounds(0)
+    for _ in range(6):
+        run_rounds(1, c)
+        save_coordinator(c, tmp_path, keep=3)
+    names = [p.name for p in list_checkpoints(tmp_path)]
+    assert names == [f"coordinator-{r:012d}.safetensors" for r in (6, 5, 4)]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary file left
+
+
+def test_corrupt_or_torn_newest_falls_back_to_the_previous(tmp_path):
+    c = run_rounds(0)
+    for _ in range(3):
+        run_rounds(1, c)
+        save_coordinator(c, tmp_path)
+    newest, middle, oldest = list_checkpoints(tmp_path)
+    data = bytearray(newest.read_bytes())
+    data[-3] ^= 0xFF  # a flipped bit in the payload: only the checksum sees it
+    newest.write_bytes(bytes(data))
+    found = find_newest(tmp_path)
+    assert found.path == middle and found.meta["rounds_applied"] == 2
+    assert found.skipped[0][0] == newest and "checksum mismatch" in found.skipped[0][1]
+    middle.write_bytes(middle.read_bytes()[:100])  # torn
+    found = find_newest(tmp_path)
+    assert found.path == oldest and len(found.skipped) == 2 and str(middle) in found.skipped[1][1]
+    oldest.write_bytes(b"")
+    with pytest.raises(CheckpointError, match="no valid checkpoint") as info:
+        load_coordinator(tmp_path, 0.0)
+    assert str(oldest) in str(info.value)
+    assert find_newest(tmp_path / "missing") is None
+
+
+def test_resume_restores_params_momentum_and_counters(tmp_path):
+    c = run_rounds(3)
+    save_coordinator(c, tmp_path)
+    back = load_coordinator(tmp_path, 5.0)
+    assert back.fsm.open_round_ids() == (3,) and back.incarnation == 2
+    for name, t in c.store.params.items():
+        assert torch.equal(back.store.params[name], t)
+    (s0,), (s1,) = c.optimizer_states(), back.optimizer_states()
+    assert s0["param_groups"] == s1["param_groups"]
+    for i, state in s0["state"].items():
+        assert torch.equal(s1["state"][i]["momentum_buffer"], state["momentum_buffer"])
+    # The next step is the same on both.
+    run_rounds(1, c), run_rounds(1, back)
+    for name, t in c.store.params.items():
+        assert torch.equal(back.store.params[name], t)
+
+
+def test_old_format_checkpoint_still_resumes(tmp_path):
+    c = run_rounds(2)
+    meta, tensors = coordinator_state(c)
+    save_tensorfile(tmp_path / FILENAME, meta, tensors)
+    back = load_coordinator(tmp_path, 0.0)
+    assert back.fsm.rounds_applied == 2
+    assert torch.equal(back.store.params["layer.bias"], c.store.params["layer.bias"])
+    # A newer safetensors checkpoint wins over the old file; the old file is never rotated away.
+    run_rounds(1, back)
+    save_coordinator(back, tmp_path, keep=1)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["coordinator-000000000003.safetensors", FILENAME]
+
+
+class RecordingEndpoint:
+    """Feeds a scripted list of messages; on every send, records what is on disk at that moment."""
+
+    def __init__(self, items, ck) -> None:
+        self.items = list(items)
+        self.ck = ck
+        self.sent: list[tuple[object, int, list[dict]]] = []
+
+    def recv(self, timeout_s):
+        return self.items.pop(0) if self.items else None
+
+    def send(self, peer, message) -> None:
+        found = find_newest(self.ck)
+        durable = found.meta["rounds_applied"] if found else 0
+        lines = [json.loads(x) for x in (self.ck / "events.jsonl").read_text().splitlines()]
+        self.sent.append((message, durable, lines))
+
+
+def test_every_round_is_durable_and_logged_before_its_result_is_sent(tmp_path):
+    ck = tmp_path / "ck"
+    audit = AuditLog(ck)
+    c = Coordinator(CoordinatorConfig(fsm=FSMConfig(min_workers=1)), 0.0, observer=Tee(audit))
+    audit.attach(c)
+    params = {"w": torch.zeros(4)}
+    items = [("p", Join("w1", PROTOCOL_VERSION, spec_of(params), params))]
+    items += [("p", Submit("w1", 0, r, {"w": torch.ones(4)})) for r in range(4)]
+    items += [("p", Submit("w1", 0, 9, {"w": torch.ones(4)}))]  # ahead of the coordinator: reconciled
+    endpoint = RecordingEndpoint(items, ck)
+    clock = iter(range(1, 1000))
+    serve(endpoint, c, checkpoint_dir=ck, audit=audit, clock=lambda: float(next(clock)), stop_event=_StopAfter(8))
+    audit.close()
+    results = [(m, durable, lines) for m, durable, lines in endpoint.sent if isinstance(m, Result)]
+    assert [m.round_id for m, _, _ in results] == [0, 1, 2, 3]
+    for m, durable, lines in results:
+        assert durable >= m.round_id + 1
+        applies = [x for x in lines if x["event"] == "apply"]
+        assert applies[-1]["round_id"] == m.round_id and applies[-1]["min_workers"] == 1
+        assert applies[-1]["rounds_applied"] == m.round_id + 1 and applies[-1]["incarnation"] == 1
+    errors = [m for m, _, _ in endpoint.sent if isinstance(m, Error)]
+    assert errors and errors[-1].code.value == "future_round"
+    assert c.status()["reconciled"] == 1 and c.status()["checkpoints_written"] == 4
+    lines = [json.loads(x) for x in (ck / "events.jsonl").read_text().splitlines()]
+    assert [x for x in lines if x["event"] == "reconciled"][0]["round_id"] == 9
+
+
+class _StopAfter:
+    """A stop_event that is set after ``n`` loop turns."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def is_set(self) -> bool:
+        self.n -= 1
+        return self.n < 0
+
+
+def test_audit_log_repairs_a_torn_last_line_and_continues_the_incarnation(tmp_path):
+    (tmp_path / "events.jsonl").write_text('{"incarnation":4,"event":"start"}\n{"incarnation":4,"ev')
+    audit = AuditLog(tmp_path)
+    c = run_rounds(1)
+    assert audit.attach(c) == 5 and c.incarnation == 5
+    audit.record("start")
+    audit.close()
+    lines = (tmp_path / "events.jsonl").read_text().splitlines()
+    assert lines[1] == '{"incarnation":4,"ev'
+    assert json.loads(lines[2])["incarnation"] == 5 and json.loads(lines[2])["rounds_applied"] == 1
+
+
+def test_worker_checkpoint_old_format_is_read_and_replaced(tmp_path):
+    from diloco.worker.checkpoint import (
+        WorkerCheckpoint,
+        checkpoint_path,
+        load_worker_checkpoint,
+        save_worker_checkpoint,
+    )
+    from diloco.tensorfile import flatten
+
+    ck = WorkerCheckpoint("a", 4, 8, 8, [12], [2], 2, "sync", (("w",),), {"w": torch.ones(2)},
+                          {"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [{"lr": 0.1, "params": [0]}]},
+                          {"w": torch.zeros(2)})
+    tensors = {"model/w": ck.model_state["w"], "global/w": ck.global_params["w"]}
+    meta = {"kind": "diloco.worker", "version": 1, "worker_id": "a", "sync_every": 4, "inner_step": 8,
+            "sched_step": 8, "next_close": [12], "round_ids": [2], "rounds_synced": 2, "mode": "sync",
+            "fragments": [["w"]], "model_keys": ["w"], "global_names": ["w"],
+            "optimizer": flatten(ck.optimizer_state, "optim", tensors)}
+    save_tensorfile(tmp_path / "worker-a.ckpt", meta, tensors)
+    path = checkpoint_path(tmp_path, "a")
+    assert path.name == "worker-a.ckpt"
+    old = load_worker_checkpoint(path)
+    assert old.optimizer_state["state"][0]["step"].item() == 3.0
+    save_worker_checkpoint(path, old)
+    assert not (tmp_path / "worker-a.ckpt").exists()
+    path = checkpoint_path(tmp_path, "a")
+    assert path.name == "worker-a.safetensors"
+    new = load_worker_checkpoint(path)
+    assert new.optimizer_state["state"][0]["step"].item() == 3.0 and new.round_ids == [2]
+    from safetensors.torch import load_file
+    assert set(load_file(path)) == {"model/w", "global/w", "optim/state/0/step"}
