@@ -759,8 +759,21 @@ class DilocoWorker:
         self._last_hb_sent = now
 
     def _silence(self, now: float) -> float:
-        """Seconds the coordinator has left the worker's messages unanswered (0 when nothing is)."""
-        return 0.0 if self._unanswered_since is None else max(0.0, now - self._unanswered_since)
+        """Seconds the coordinator has left the worker's messages unanswered (0 when nothing is).
+
+        An endpoint with ``silence_s()`` (ZeroMQ: time since the last *part* arrived) caps it,
+        so a large Welcome or Result still arriving does not count as silence.
+        """
+        if self._unanswered_since is None:
+            return 0.0
+        silence = max(0.0, now - self._unanswered_since)
+        endpoint_silence = getattr(self.endpoint, "silence_s", None)
+        if callable(endpoint_silence):
+            try:
+                silence = min(silence, float(endpoint_silence()))
+            except Exception:  # a transport's probe must never break training
+                pass
+        return silence
 
     def _waiting_for(self) -> str:
         """What the worker is waiting for from the coordinator, for the outage reports."""
@@ -893,7 +906,7 @@ class DilocoWorker:
         if msg is not None:
             now = self._clock()
             if self._outage_reports:
-                waited = self._silence(now)
+                waited = now - self._unanswered_since if self._unanswered_since is not None else 0.0
                 log.log(self._outage_log_level, "worker %s: the coordinator answered again after %.0f s",
                         self.worker_id, waited)
                 self._report_outage("back", waited, self._waiting_for())

@@ -212,3 +212,15 @@ def test_a_second_worker_contributing_after_the_outage_releases_the_waiting_one(
     assert train_step(w, 1)
     assert w.rounds_synced == 1 and w.round_ids == (1,) and w.state == "training"
     assert [o[0] for o in outages] == ["waiting", "back"]
+
+
+def test_an_endpoint_still_receiving_parts_is_not_silent(tmp_path):
+    """ZeroMQ's ``silence_s()`` counts every part: a large Result still arriving is no outage."""
+    clock, c, script, ep, w, states, outages = make(tmp_path, sync_every=1000, min_workers=1)
+    ep.silence_s = lambda: 1.0  # parts keep arriving
+    w.join()
+    script.partitioned = True
+    for step in range(60):  # 30 s without a whole message
+        clock.advance(0.5)
+        assert train_step(w, step)
+    assert outages == [] and not w.stopped

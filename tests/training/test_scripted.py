@@ -172,7 +172,8 @@ def test_held_limit_is_retried_after_an_interval():
 def test_coordinator_silence_stops_the_worker_with_its_checkpoint(tmp_path):
     clock, c, script, w, states, spec = setup(min_workers=2, heartbeat_timeout_s=1.0)
     w.coordinator_timeout_s = 5.0
-    w.checkpoint_path = tmp_path / "worker-a.ckpt"
+    from diloco.worker.checkpoint import checkpoint_path
+    w.checkpoint_path = checkpoint_path(tmp_path, "a")
     w.join()
 
     def scenario():
