@@ -10,8 +10,8 @@ round ids it holds. One file per worker, ``worker-<id>.safetensors``
 global copy under ``global/<name>``, the inner optimizer's tensors under
 ``optim/...``, the rest as JSON in the header metadata, a sha256 checked on
 load; written atomically). A ``worker-<id>.ckpt`` of the old format
-(``diloco.tensorfile``) is still read, and replaced by the new file at the
-next save.
+(``diloco.tensorfile``) is still read (the format is told by the file's first
+bytes), and rewritten in the new format, under its name, at the next save.
 
 A pseudo-gradient that was pending when the run stopped was discarded by the
 coordinator (P4); nothing is lost, because the local params and the global
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from diloco.ckptio import flatten_named, read_safetensors, unflatten_named, write_safetensors
+from diloco.tensorfile import MAGIC as TENSORFILE_MAGIC
 from diloco.tensorfile import CheckpointError, load_tensorfile
 
 KIND = "diloco.worker"
@@ -43,8 +44,7 @@ def checkpoint_path(directory: str | os.PathLike, worker_id: str) -> pathlib.Pat
     """``<directory>/worker-<id>.safetensors``; the id is percent-quoted so it can never leave the directory.
 
     An old-format ``worker-<id>.ckpt`` is returned instead when it is there and the new
-    file is not, so that a worker resumes from it (``save_worker_checkpoint`` then
-    writes the new file and removes the old one).
+    file is not, so that a worker resumes from it (and saves to it, in the new format).
     """
     stem = pathlib.Path(directory) / f"worker-{urllib.parse.quote(worker_id, safe='')}"
     new, old = stem.with_name(stem.name + SUFFIX), stem.with_name(stem.name + LEGACY_SUFFIX)
@@ -72,11 +72,8 @@ class WorkerCheckpoint:
 
 
 def save_worker_checkpoint(path: pathlib.Path, ckpt: WorkerCheckpoint) -> None:
-    """Write the checkpoint atomically (to ``worker-<id>.safetensors`` even when ``path`` is an old ``.ckpt``)."""
+    """Write the checkpoint to ``path`` atomically, in the safetensors format."""
     path = pathlib.Path(path)
-    legacy = path if path.suffix == LEGACY_SUFFIX else None
-    if legacy is not None:
-        path = path.with_suffix(SUFFIX)
     tensors: dict[str, torch.Tensor] = {}
     for name, t in ckpt.model_state.items():
         tensors[f"model/{name}"] = t
@@ -101,14 +98,12 @@ def save_worker_checkpoint(path: pathlib.Path, ckpt: WorkerCheckpoint) -> None:
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     write_safetensors(path, tensors, meta, KIND)
-    if legacy is not None:
-        legacy.unlink(missing_ok=True)  # the new file supersedes it
 
 
 def load_worker_checkpoint(path: pathlib.Path) -> WorkerCheckpoint:
     """Read and check a worker checkpoint; raises ``CheckpointError`` naming what is wrong."""
     path = pathlib.Path(path)
-    if path.suffix == LEGACY_SUFFIX:
+    if _is_tensorfile(path):
         meta, tensors = load_tensorfile(path)  # the old format
     else:
         meta, tensors = read_safetensors(path, KIND)
@@ -140,6 +135,14 @@ def load_worker_checkpoint(path: pathlib.Path) -> WorkerCheckpoint:
         raise CheckpointError(f"{path}: {len(ckpt.fragments)} fragments but {len(ckpt.round_ids)} round ids "
                               f"and {len(ckpt.next_close)} sync points")
     return ckpt
+
+
+def _is_tensorfile(path: pathlib.Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(TENSORFILE_MAGIC)) == TENSORFILE_MAGIC
+    except OSError:
+        return False  # the safetensors reader names the problem
 
 
 def _typed(meta: dict, key: str, kind: type):

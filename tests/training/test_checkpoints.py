@@ -166,7 +166,7 @@ def test_audit_log_repairs_a_torn_last_line_and_continues_the_incarnation(tmp_pa
     assert json.loads(lines[2])["incarnation"] == 5 and json.loads(lines[2])["rounds_applied"] == 1
 
 
-def test_worker_checkpoint_old_format_is_read_and_replaced(tmp_path):
+def test_worker_checkpoint_old_format_is_read_and_rewritten(tmp_path):
     from diloco.worker.checkpoint import (
         WorkerCheckpoint,
         checkpoint_path,
@@ -188,10 +188,8 @@ def test_worker_checkpoint_old_format_is_read_and_replaced(tmp_path):
     assert path.name == "worker-a.ckpt"
     old = load_worker_checkpoint(path)
     assert old.optimizer_state["state"][0]["step"].item() == 3.0
-    save_worker_checkpoint(path, old)
-    assert not (tmp_path / "worker-a.ckpt").exists()
-    path = checkpoint_path(tmp_path, "a")
-    assert path.name == "worker-a.safetensors"
+    save_worker_checkpoint(path, old)  # rewritten in the new format, under its name
+    assert checkpoint_path(tmp_path, "a") == path and path.read_bytes()[:8] != b"DILOCOTF"
     new = load_worker_checkpoint(path)
     assert new.optimizer_state["state"][0]["step"].item() == 3.0 and new.round_ids == [2]
     from safetensors.torch import load_file

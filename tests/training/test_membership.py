@@ -95,7 +95,7 @@ def test_shutdown_releases_a_paused_worker_promptly(kind, tmp_path):
     if kind == "save_and_stop":
         assert report.stop_reason == "save_and_stop"
         assert w.checkpoint_path.exists()
-        assert (tmp_path / "coordinator" / "coordinator.ckpt").exists()
+        assert list((tmp_path / "coordinator").glob("coordinator-*.safetensors"))
     else:
         assert report.stop_reason == "stop"
         assert not w.checkpoint_path.exists()
