@@ -1,4 +1,9 @@
-"""A checkpoint file format with no pickle: msgpack metadata plus raw tensor bytes.
+"""The old checkpoint file format (version 1): msgpack metadata plus raw tensor bytes, no pickle.
+
+Checkpoints are now written in safetensors (``diloco.ckptio``); this module stays
+to read files written before (``coordinator.ckpt``, ``worker-<id>.ckpt``), for
+``CheckpointError``, and for ``flatten``/``unflatten`` of in-memory state (the
+simulator's coordinator snapshots).
 
 Layout::
 

@@ -2,11 +2,12 @@
 
 It wires three existing parts together: ``ZmqCoordinatorEndpoint`` (bytes),
 ``Coordinator`` (the sans-IO service around ``RoundFSM``) and
-``coordinator.runner.serve`` (the real-time loop that writes the checkpoint
-on save-and-stop *before* telling anyone to stop, SPEC.md section 5). What it
-adds: a line on stdout per join, death, leave, quorum change, phase change,
-applied round and stop; the transport's counters in every status reply; a
-resume from a checkpoint; a clean exit on SIGTERM.
+``coordinator.runner.serve`` (the real-time loop that, with a checkpoint
+directory, writes every applied round and the save-and-stop checkpoint
+*before* telling anyone, SPEC.md section 5). What it adds: a line on stdout
+per join, death, leave, quorum change, phase change, applied round and stop;
+the audit log ``events.jsonl``; the transport's counters in every status
+reply; a resume from the newest valid checkpoint; a clean exit on SIGTERM.
 """
 
 from __future__ import annotations
