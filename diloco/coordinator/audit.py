@@ -97,6 +97,10 @@ class AuditLog:
         self._file.flush()
         os.fsync(self._file.fileno())
 
+    def discard(self) -> None:
+        """Drop the queued lines (their step could not be made durable)."""
+        self._pending.clear()
+
     def close(self) -> None:
         try:
             self.flush()

@@ -78,7 +78,12 @@ def serve(endpoint: CoordinatorEndpoint, coordinator: Coordinator, *,
                 and coordinator.store is not None and not saved):
             # Persist before announce (SPEC.md section 5): the step's Results go out only once
             # the round they announce is on disk.
-            _persist(coordinator, checkpoint_dir, keep)
+            try:
+                _persist(coordinator, checkpoint_dir, keep)
+            except BaseException:
+                if audit is not None:
+                    audit.discard()  # no line for a round that is not durable
+                raise
         if audit is not None:
             audit.flush()
         for peer, message in out:

@@ -194,3 +194,27 @@ def test_worker_checkpoint_old_format_is_read_and_rewritten(tmp_path):
     assert new.optimizer_state["state"][0]["step"].item() == 3.0 and new.round_ids == [2]
     from safetensors.torch import load_file
     assert set(load_file(path)) == {"model/w", "global/w", "optim/state/0/step"}
+
+
+def test_a_failed_write_announces_nothing_and_logs_no_line(tmp_path, monkeypatch):
+    import diloco.coordinator.runner as runner
+
+    ck = tmp_path / "ck"
+    audit = AuditLog(ck)
+    c = Coordinator(CoordinatorConfig(fsm=FSMConfig(min_workers=1)), 0.0, observer=Tee(audit))
+    audit.attach(c)
+    params = {"w": torch.zeros(4)}
+    items = [("p", Join("w1", PROTOCOL_VERSION, spec_of(params), params)), ("p", Submit("w1", 0, 0, {"w": torch.ones(4)}))]
+    endpoint = RecordingEndpoint(items, ck)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(runner, "save_coordinator", disk_full)
+    clock = iter(range(1, 1000))
+    with pytest.raises(OSError):
+        serve(endpoint, c, checkpoint_dir=ck, audit=audit, clock=lambda: float(next(clock)),
+              stop_event=_StopAfter(5))
+    audit.close()
+    assert not [m for m, _, _ in endpoint.sent if isinstance(m, Result)]
+    assert "apply" not in (ck / "events.jsonl").read_text()
