@@ -34,7 +34,7 @@ ITEMS = "__items__"  # a dict with keys that are not strings, as [[key, value], 
 
 
 def flatten_named(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
-    """Move the tensors of nested state into ``tensors``, each named by its path (``outer/0/state/3/momentum_buffer``)."""
+    """Move the tensors of nested state into ``tensors``, each named by its path (``outer/0/state/3/...``)."""
     if isinstance(obj, torch.Tensor):
         tensors[path] = obj
         return {TENSOR_REF: path}

@@ -204,7 +204,8 @@ def test_a_failed_write_announces_nothing_and_logs_no_line(tmp_path, monkeypatch
     c = Coordinator(CoordinatorConfig(fsm=FSMConfig(min_workers=1)), 0.0, observer=Tee(audit))
     audit.attach(c)
     params = {"w": torch.zeros(4)}
-    items = [("p", Join("w1", PROTOCOL_VERSION, spec_of(params), params)), ("p", Submit("w1", 0, 0, {"w": torch.ones(4)}))]
+    items = [("p", Join("w1", PROTOCOL_VERSION, spec_of(params), params)),
+             ("p", Submit("w1", 0, 0, {"w": torch.ones(4)}))]
     endpoint = RecordingEndpoint(items, ck)
 
     def disk_full(*args, **kwargs):
