@@ -96,8 +96,10 @@ def register(subparsers) -> None:
                     "contributors: below that the run pauses until a replacement joins or the quorum is\n"
                     "lowered (`diloco set-min-workers`). A worker silent for --heartbeat-timeout seconds\n"
                     "is declared dead. Prints one line per join, death, quorum change and applied round.\n"
-                    "`diloco shutdown --save` writes DIR/coordinator.ckpt before any worker is told to\n"
-                    "stop; `diloco server --resume DIR` continues that run (workers re-join).",
+                    "With --checkpoint-dir DIR every applied round is written to DIR (safetensors, the\n"
+                    "newest --keep kept) before any worker hears of it, with an audit log DIR/events.jsonl;\n"
+                    "`diloco server --resume DIR` continues that run after a crash or `shutdown --save`\n"
+                    "(workers re-join). A supervisor can always pass both: --checkpoint-dir DIR --resume DIR.",
         epilog="example:\n  diloco server --bind tcp://127.0.0.1:5555 --min-workers 3 --heartbeat-timeout 5 "
                "--checkpoint-dir ckpt/server")
     p.add_argument("--bind", default=DEFAULT_ADDRESS, metavar="tcp://HOST:PORT",
@@ -108,7 +110,11 @@ def register(subparsers) -> None:
                    help="seconds of silence after which a worker is declared dead; workers heartbeat every S/4 "
                         "(default 30)")
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
-                   help="where save-and-stop writes coordinator.ckpt (without it, `shutdown --save` saves nothing)")
+                   help="make every applied round durable before announcing it: DIR/coordinator-<rounds>"
+                        ".safetensors (params, outer optimizer, round counters) and DIR/events.jsonl (audit log); "
+                        "also where `shutdown --save` writes (without it, nothing is saved)")
+    p.add_argument("--keep", type=_positive_int, default=3, metavar="K",
+                   help="checkpoint files kept in --checkpoint-dir, newest first (default 3)")
     p.add_argument("--mode", choices=("sync", "async"), default=None,
                    help="sync: rounds with a barrier (DiLoCo); async: one outer step per contribution "
                         "(Async Local-SGD) (default sync)")
@@ -119,8 +125,10 @@ def register(subparsers) -> None:
     p.add_argument("--outer-lr", type=_positive_float, default=None, metavar="X", help="outer learning rate (default 0.7)")
     p.add_argument("--outer-momentum", type=float, default=None, metavar="X", help="outer momentum (default 0.9)")
     p.add_argument("--resume", default=None, metavar="DIR",
-                   help="continue the run saved in DIR/coordinator.ckpt (same params, optimizer state and round "
-                        "counters); options given here override the saved ones (not --mode or --fragments)")
+                   help="continue the run of the newest valid checkpoint in DIR (same params, outer optimizer "
+                        "state and round counters; a corrupt newest file falls back to the previous one with a "
+                        "warning; an empty or missing DIR starts a fresh run); options given here override the "
+                        "saved ones (not --mode or --fragments)")
     p.add_argument("--max-message-mb", type=_positive_float, default=None, metavar="MB",
                    help="largest message accepted, in MiB (default 1024); checked as its parts arrive")
     p.add_argument("--max-update-norm", type=_update_norm, default=None, metavar="X",
@@ -295,7 +303,7 @@ def cmd_server(args) -> int:
         bind=args.bind, min_workers=args.min_workers, heartbeat_timeout_s=args.heartbeat_timeout,
         checkpoint_dir=args.checkpoint_dir, mode=args.mode, fragments=args.fragments,
         outer_optimizer=args.outer_optimizer, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
-        resume=args.resume,
+        resume=args.resume, keep=args.keep,
         max_message_bytes=None if args.max_message_mb is None else int(args.max_message_mb * (1 << 20)),
         max_update_norm=args.max_update_norm,
         auth_dir=args.auth, io_threads=args.io_threads,
