@@ -30,7 +30,10 @@ with: persist-before-announce makes it 0). Last line::
 
     RESULT chaos minutes=M worker_kills=N coordinator_kills=N rounds_applied=N violations=N max_lost_rounds=N
 
-Exit 1 on any violation. Every process it starts is killed by pid at the end.
+A coordinator that exits by itself (for example, refusing to resume) and a
+final ``shutdown --save`` that fails are violations too: a run that cannot
+be resumed has lost the crash-safety it exists for. Exit 1 on any
+violation. Every process it starts is killed by pid at the end.
 """
 
 from __future__ import annotations
@@ -98,6 +101,8 @@ class Soak:
         self.coordinator_kills = 0
         self.min_worker_changes = 0
         self.server_starts = 0
+        #: Coordinator processes that exited by themselves (not killed here): each is a violation.
+        self.server_failures: list[str] = []
 
     # ------------------------------------------------------------------ processes
 
@@ -172,6 +177,15 @@ class Soak:
                 self.min_worker_changes += rc == 0
                 self.say(f"set-min-workers {n} (exit {rc})")
                 next_min_change = now + self.rng.expovariate(1 / a.min_workers_every)
+            if self.server_restart_at is None and self.server is not None and not self.server.alive():
+                # A coordinator must never die on its own, least of all refuse to resume: a
+                # violation; restart it as a supervisor would (and again, if it keeps failing).
+                last = [ln for ln in self.server.output().splitlines() if ln.strip()][-1:]
+                self.server_failures.append(f"{self.server.name} exited ({self.server.popen.returncode}) "
+                                            f"by itself: {last[0] if last else ''}")
+                self.say(f"VIOLATION coordinator exited by itself: {self.server_failures[-1]}")
+                self.server.kill9()
+                self.server_restart_at = now + 2.0
             for wid, p in self.workers.items():
                 if not p.alive() and wid not in self.restart_at:
                     self.say(f"worker {wid} exited on its own ({p.popen.returncode}); restarting it")
@@ -192,6 +206,8 @@ class Soak:
         time.sleep(3)
         rc = self.admin("shutdown", "--save")
         self.say(f"shutdown --save (exit {rc})")
+        if rc != 0:
+            self.server_failures.append(f"the final `shutdown --save` failed (exit {rc}): the run did not end cleanly")
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and self.server.alive():
             time.sleep(0.2)
@@ -318,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         soak.close()
     violations, log_stats = check_audit_log(out / "ckpt" / "events.jsonl")
+    violations += soak.server_failures
     ck_violations, ck_stats = check_checkpoint(out / "ckpt")
     violations += ck_violations
     for v in violations:

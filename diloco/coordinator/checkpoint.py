@@ -66,7 +66,12 @@ def coordinator_state(coordinator: Coordinator) -> tuple[dict, dict[str, torch.T
         raise CheckpointError("nothing to checkpoint: no worker ever joined, so the run has no params")
     tensors = {f"param/{name}": t.clone() for name, t in coordinator.store.params.items()}
     outer = flatten(copy.deepcopy(coordinator.optimizer_states()), "outer", tensors)
-    meta = {
+    return _meta(coordinator, outer), tensors
+
+
+def _meta(coordinator: Coordinator, outer: list) -> dict:
+    """The non-tensor state of a checkpoint; ``outer`` is the optimizers' state with tensor references."""
+    return {
         "kind": KIND,
         "config": coordinator.config.to_dict(),
         "fsm": coordinator.fsm.snapshot(),
@@ -74,7 +79,6 @@ def coordinator_state(coordinator: Coordinator) -> tuple[dict, dict[str, torch.T
         "param_names": list(coordinator.store.params),
         "incarnation": coordinator.incarnation,
     }
-    return meta, tensors
 
 
 def restore_coordinator(meta: dict, tensors: dict[str, torch.Tensor], now_s: float, *,
@@ -126,16 +130,8 @@ def save_coordinator(coordinator: Coordinator, directory: str | os.PathLike, *,
     outer = [flatten_named(state, f"{OUTER_PREFIX}{fid}", tensors)
              for fid, state in enumerate(coordinator.optimizer_states())]
     rounds = coordinator.fsm.rounds_applied
-    meta = {
-        "kind": KIND,
-        "config": coordinator.config.to_dict(),
-        "fsm": coordinator.fsm.snapshot(),
-        "outer": outer,
-        "param_names": list(coordinator.store.params),
-        "incarnation": coordinator.incarnation,
-        "rounds_applied": rounds,
-        "open_rounds": list(coordinator.fsm.open_round_ids()),
-    }
+    meta = {**_meta(coordinator, outer), "rounds_applied": rounds,
+            "open_rounds": list(coordinator.fsm.open_round_ids())}
     path = directory / checkpoint_name(rounds)
     write_safetensors(path, tensors, meta, KIND)
     if keep is not None:

@@ -26,7 +26,7 @@ from diloco.coordinator.checkpoint import DEFAULT_KEEP, find_newest, list_checkp
 from diloco.coordinator.runner import serve
 from diloco.core import ConfigError, Mode
 from diloco.tensorfile import CheckpointError
-from diloco.transport.messages import AdminReply, Message
+from diloco.transport.messages import AdminReply, AdminRequest, Message
 from diloco.transport.zmq import ZmqCoordinatorEndpoint, ZmqOptions
 
 
@@ -205,11 +205,21 @@ def make_coordinator(s: ServerSettings, printer: EventPrinter, now_s: float,
             raise ServerError(f"cannot resume: {exc}") from None
         except (KeyError, TypeError, ValueError, ConfigError) as exc:
             raise ServerError(f"cannot resume: {path}: the checkpoint's config is invalid ({exc})") from None
-        config = build_config(s, saved)
+        # Restore with the quorum the snapshot was taken under (its phase agrees with it); a
+        # --min-workers given now is then applied as the change it is, through the machine
+        # (SPEC.md R8), so that it can pause (or resume) the run instead of contradicting it.
+        config = build_config(dataclasses.replace(s, min_workers=None), saved)
         try:
             coordinator = restore_coordinator(meta, tensors, now_s, observer=observer, config=config)
         except CheckpointError as exc:
             raise ServerError(f"cannot resume: {path}: {exc}") from None
+        if s.min_workers is not None and s.min_workers != coordinator.fsm.min_workers:
+            before = coordinator.fsm.min_workers
+            reply = coordinator.handle("--min-workers", AdminRequest("set_min_workers", {"min_workers": s.min_workers}),
+                                       now_s)[-1][1]
+            if not reply.ok:
+                raise ServerError(f"--min-workers {s.min_workers}: {reply.error}")
+            print(f"  min_workers {before} (saved) -> {s.min_workers} (--min-workers)", file=out, flush=True)
     coordinator.resumed_from = found.path if found is not None else None
     coordinator.resume_skipped = skipped
     printer.coordinator = coordinator

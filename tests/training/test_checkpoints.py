@@ -219,3 +219,28 @@ def test_a_failed_write_announces_nothing_and_logs_no_line(tmp_path, monkeypatch
     audit.close()
     assert not [m for m, _, _ in endpoint.sent if isinstance(m, Result)]
     assert "apply" not in (ck / "events.jsonl").read_text()
+
+
+@pytest.mark.parametrize("override", [2, 3])
+def test_resume_with_a_min_workers_above_the_saved_one_pauses_instead_of_failing(tmp_path, override):
+    """Regression (chaos soak, seed 1): a run RUNNING with 1 member under set-min-workers 1 was saved;
+    every restart with `--min-workers 2` failed with 'phase running contradicts 1 members'."""
+    import io
+
+    from diloco.deploy.server import EventPrinter, ServerSettings, make_coordinator
+
+    c = run_rounds(3)
+    assert c.fsm.phase.value == "running" and c.fsm.min_workers == 1
+    save_coordinator(c, tmp_path)
+    out = io.StringIO()
+    resumed = make_coordinator(ServerSettings(resume=str(tmp_path), checkpoint_dir=str(tmp_path),
+                                              min_workers=override), EventPrinter(out), 100.0, out=out)
+    assert resumed.fsm.min_workers == override
+    # A resumed run waits for its workers to re-join (FORMING), now under the new quorum.
+    assert resumed.fsm.below_min_workers and resumed.fsm.phase.value == "forming"
+    assert resumed.fsm.rounds_applied == 3 and resumed.fsm.open_round_ids() == (3,)
+    assert f"min_workers 1 (saved) -> {override} (--min-workers)" in out.getvalue()
+    # The same resume without an override keeps the quorum the run had.
+    again = make_coordinator(ServerSettings(resume=str(tmp_path), checkpoint_dir=str(tmp_path)),
+                             EventPrinter(io.StringIO()), 100.0, out=io.StringIO())
+    assert again.fsm.min_workers == 1 and again.fsm.rounds_applied == 3

@@ -171,6 +171,20 @@ def _set(sock: zmq.Socket, option: int, value: int) -> None:
         log.debug("socket option %r not supported", option)
 
 
+def _close(sock: zmq.Socket, monitor: zmq.Socket | None, ctx: zmq.Context, authenticator=None) -> None:
+    """Close an endpoint's socket, its monitor and authenticator, then its context (linger 0: never blocks)."""
+    if monitor is not None:
+        try:
+            sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        monitor.close(0)
+    sock.close(0)
+    if authenticator is not None:
+        authenticator.stop()
+    ctx.term()
+
+
 # ------------------------------------------------------------------ who may send what
 
 #: Message types a worker key may send. Admin keys send ``AdminRequest`` only.
@@ -442,16 +456,7 @@ class ZmqCoordinatorEndpoint:
             self._close_sockets()
 
     def _close_sockets(self) -> None:
-        if self._monitor is not None:
-            try:
-                self._sock.disable_monitor()
-            except zmq.ZMQError:
-                pass
-            self._monitor.close(0)
-        self._sock.close(0)
-        if self._authenticator is not None:
-            self._authenticator.stop()
-        self._ctx.term()
+        _close(self._sock, self._monitor, self._ctx, self._authenticator)
 
     def __enter__(self) -> "ZmqCoordinatorEndpoint":
         return self
@@ -625,14 +630,7 @@ class ZmqWorkerEndpoint:
                 self._close_sockets()
 
     def _close_sockets(self) -> None:
-        if self._monitor is not None:
-            try:
-                self._sock.disable_monitor()
-            except zmq.ZMQError:
-                pass
-            self._monitor.close(0)
-        self._sock.close(0)
-        self._ctx.term()
+        _close(self._sock, self._monitor, self._ctx)
 
     def __enter__(self) -> "ZmqWorkerEndpoint":
         return self
