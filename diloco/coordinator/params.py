@@ -18,6 +18,12 @@ import torch
 from diloco.transport.messages import TensorSpec, Tensors, spec_of
 
 
+#: Running sums hold contributions times this power of two (see ``ParamStore.accumulate``).
+SUM_SCALE = 2.0 ** -20
+#: So a round may sum at most this many contributions without overflow.
+MAX_SUMMED = 1 << 20
+
+
 class ParamMismatch(ValueError):
     """Tensors that do not match the run's parameters (names, shapes or dtypes)."""
 
@@ -154,14 +160,17 @@ class ParamStore:
 
     # -- sync rounds: running sums (float64, see the module docstring)
     def accumulate(self, fragment_id: int, tensors: Tensors) -> None:
+        # A scaled fp32 sum: each contribution enters multiplied by SUM_SCALE = 2^-20, so
+        # at most 2^20 finite fp32 contributions (the core allows at most 1,000,000
+        # workers) can never sum past fp32's largest value. Scaling by a power of two is
+        # exact (bar values under ~1e-32, which become subnormal), so the sum rounds as a
+        # plain fp32 sum does, in one fused pass per contribution (a float64 sum cost 3x).
         s = self._sums[fragment_id]
         if s is None:
-            self._sums[fragment_id] = {n: t.detach().to(torch.float64, copy=True) for n, t in tensors.items()}
+            self._sums[fragment_id] = {n: t.detach().to(torch.float32).mul(SUM_SCALE) for n, t in tensors.items()}
         else:
             for n, t in tensors.items():
-                # Converting first and adding float64 to float64 is ~4x faster than torch's
-                # mixed-dtype add_ (which casts element by element on a slow path).
-                s[n].add_(t.detach().to(torch.float64))
+                s[n].add_(t.detach(), alpha=SUM_SCALE)
         self._counts[fragment_id] += 1
         self.bytes_received += sum(t.numel() * t.element_size() for t in tensors.values())
 
@@ -174,7 +183,8 @@ class ParamStore:
             )
         self._sums[fragment_id] = None
         self._counts[fragment_id] = 0
-        return {n: t.div_(contributors).to(torch.float32) for n, t in s.items()}
+        # Divide first, then undo the scale: sum / k is at most fp32's largest value * 2^-20.
+        return {n: t.div_(contributors).mul_(1.0 / SUM_SCALE) for n, t in s.items()}
 
     def reset_sum(self, fragment_id: int) -> None:
         self._sums[fragment_id] = None

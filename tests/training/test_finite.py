@@ -3,7 +3,7 @@
 * a first join's params must be finite (``non_finite``), and so must submissions;
 * a Join carries only the spec: the first one is answered ``params_required`` and
   the worker sends its params once; later joins' params are dropped at once;
-* the sync running sum is float64: finite fp32 contributions cannot sum to inf;
+* the sync running sum is scaled by 2^-20: finite fp32 contributions cannot sum to inf;
 * an outer step that makes a parameter non-finite is undone exactly (params and
   optimizer state), counted (``steps_refused``), and the round's Results carry
   the unchanged params;
