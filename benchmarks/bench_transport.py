@@ -225,6 +225,17 @@ def hb_client(i: int, addr: str, n_sockets: int, interval_s: float, duration_s: 
     from diloco.transport import codec
     from diloco.transport.messages import PROTOCOL_VERSION, Heartbeat, HeartbeatReply, Join, Welcome, spec_of
     from diloco.transport.zmq import make_routing_id
+    from diloco.transport.zmq.framing import parts
+
+    def send(sock, message) -> None:  # protocol 2: one [tag, frame] part per codec frame
+        for part in parts(1, codec.encode(message)):
+            sock.send_multipart(part, copy=False)
+
+    def recv(sock):  # skips the coordinator's liveness probes (empty messages); one-part replies only
+        while True:
+            frames = sock.recv_multipart(copy=False)
+            if len(frames) == 2:
+                return codec.decode([frames[1]])
 
     ctx = zmq.Context()
     poller = zmq.Poller()
@@ -239,10 +250,10 @@ def hb_client(i: int, addr: str, n_sockets: int, interval_s: float, duration_s: 
         poller.register(s, zmq.POLLIN)
     wids = [f"hb{i}_{k}" for k in range(n_sockets)]
     for s, wid in zip(socks, wids):
-        s.send_multipart(codec.encode(Join(wid, PROTOCOL_VERSION, spec_of(params), params)))
+        send(s, Join(wid, PROTOCOL_VERSION, spec_of(params), params))
         assert s.poll(60_000), "no Welcome"
-        assert isinstance(codec.decode(s.recv_multipart(copy=False)), Welcome)
-    beats = [codec.encode(Heartbeat(wid)) for wid in wids]
+        welcome = s.recv_multipart(copy=False)  # header part, then the params' part
+        assert isinstance(codec.decode([welcome[1], s.recv_multipart(copy=False)[1]]), Welcome)
     index = {s: k for k, s in enumerate(socks)}
     rng = random.Random(i)
     while time.monotonic() < start_at:
@@ -258,12 +269,12 @@ def hb_client(i: int, addr: str, n_sockets: int, interval_s: float, duration_s: 
         for k in range(n_sockets):
             if sent_at[k] is None and now >= next_at[k] and now < end:
                 sent_at[k] = time.monotonic()
-                socks[k].send_multipart(beats[k], copy=False)
+                send(socks[k], Heartbeat(wids[k]))
                 next_at[k] += interval_s
         wait_ms = max(0, min([int((t - time.monotonic()) * 1000) for t in next_at] + [5]))
         for s, _ in poller.poll(wait_ms):
             k = index[s]
-            msg = codec.decode(s.recv_multipart(copy=False))
+            msg = recv(s)
             t = time.monotonic()
             if isinstance(msg, HeartbeatReply) and sent_at[k] is not None:
                 rtts.append(t - sent_at[k])
