@@ -29,7 +29,7 @@ can be several times *slower* than 1, so pass ``--baseline-threads 1`` there.
 
 Usage::
 
-    python benchmarks/bench_training.py            # 1000 inner steps (DESIGN.md s6), 30-60+ min
+    python benchmarks/bench_training.py            # 1000 inner steps (the reference calibration), 30-60+ min
     python benchmarks/bench_training.py --quick    # 200 steps, smoke run, a few minutes
 
 Progress goes to stderr; the report to stdout, whose last line is::

@@ -32,7 +32,7 @@ full-model tensor (a gradient, or a pseudo-gradient) up and receives one
 float32, no compression). Sync data parallel syncs every step; DiLoCo every H
 inner steps.
 
-Calibration (DESIGN.md section 6; measured here with the defaults: 125k-param
+Calibration (benchmarks/README.md; measured here with the defaults: 125k-param
 model, seq_len 128, batch 32 per worker, inner AdamW lr 1e-3 cosine, k = 4,
 H = 10, outer Nesterov 0.7 / 0.9, 1000 inner steps, seed 0, one thread)::
 
@@ -517,7 +517,7 @@ def run_comparison(
     seed: int = 0,
     progress: Callable[[str, int, int, float], None] | None = None,
 ) -> dict[str, BaselineResult]:
-    """Run the DESIGN.md section 6 comparison; ``progress(name, step, total, loss)``.
+    """Run the calibration comparison (benchmarks/README.md); ``progress(name, step, total, loss)``.
 
     Returns ``{name: result}`` in the order of ``which`` (names: ``sync_dp``,
     ``diloco``, ``single``).

@@ -15,7 +15,7 @@ version, the header's types, every tensor's bounds and dtype, and the
 payload's sha256, and raises ``CheckpointError`` naming the problem: a
 corrupt or truncated file is refused, never half-loaded.
 
-Writes are atomic (DESIGN.md / SPEC.md section 5: persist before you send):
+Writes are atomic (SPEC.md section 5: persist before you send):
 write to a temporary name in the same directory, fsync the file, rename over
 the target, fsync the directory.
 

@@ -1,6 +1,6 @@
 """The layering rules hold: the core is pure, transport knows nothing about rounds.
 
-Two independent checks (DESIGN.md section 2, "diloco/core/ PURE"):
+Two independent checks (SPEC.md section 2: the core is pure):
 
 * import-linter runs the contracts in pyproject.toml. It follows indirect
   imports too (core -> helper -> os), but it needs every module a contract

@@ -1,6 +1,6 @@
 """The coordinator, sans-IO: (peer, message, clock reading) in, (peer, message) pairs out.
 
-Data flows one way (DESIGN.md section 2): a decoded message is checked here
+Data flows one way: a decoded message is checked here
 for what only the coordinator can check (protocol version, model shape,
 tensor shapes, finiteness), turned into an event, stepped through
 ``RoundFSM``, and the effects are executed in order (SPEC.md section 5) into

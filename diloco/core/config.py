@@ -1,6 +1,6 @@
 """The round state machine's configuration: one validated, frozen dataclass.
 
-Every limit on something that grows is named here (DESIGN.md section 4: "a
+Every limit on something that grows is named here ("a
 limit on everything that grows").
 """
 

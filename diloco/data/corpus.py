@@ -1,6 +1,6 @@
 """A character-level corpus made from text already on the machine.
 
-Nothing is downloaded (DESIGN.md section 5). The default corpus is the Python
+Nothing is downloaded. The default corpus is the Python
 standard library's own ``.py`` sources, read in sorted path order, so the same
 interpreter always yields the same bytes; any other text file works through
 :func:`load_text`.
@@ -26,7 +26,7 @@ tail of the sorted standard library is a handful of packages (``xml``,
 Shards (:func:`make_shards`): the train stream is cut into blocks, the blocks
 are permuted with a seeded generator and dealt round-robin, so the k shards
 are i.i.d. samples of the train text and differ only by which blocks they
-hold (DESIGN.md section 6 calibrates with "i.i.d. shards"). ``iid=False``
+hold (the calibration in benchmarks/README.md uses i.i.d. shards). ``iid=False``
 gives contiguous ranges instead, a crude non-i.i.d. split.
 """
 

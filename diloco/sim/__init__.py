@@ -1,4 +1,4 @@
-"""Deterministic simulation of whole diloco runs (DESIGN.md section 4: TigerBeetle VOPR, FoundationDB).
+"""Deterministic simulation of whole diloco runs (in the manner of TigerBeetle's VOPR and FoundationDB's simulation).
 
 One seed derives every knob (``config.derive_config``); simulated time only;
 the real ``RoundFSM`` and ``Coordinator`` run unchanged while the network,

@@ -10,7 +10,7 @@ frames (SPEC.md section 11)::
               (the last one shorter)
 
 Why chunks: on this machine pyzmq moves 2-3 GB/s for 0.5-4 MB frames but only
-0.6-0.9 GB/s for 60 MB ones (DESIGN.md section 6); 16 MB frames are about as
+0.6-0.9 GB/s for 60 MB ones (measured on a 2-core machine); 16 MB frames are about as
 fast as 4 MB ones, so a tensor of up to 16 MiB goes as one frame (decoded
 without a copy) and a 100 MB one as seven frames.
 
@@ -57,7 +57,7 @@ from diloco.transport.messages import (
 if TYPE_CHECKING:
     import torch
 
-#: Tensors larger than this travel as several frames of this size (DESIGN.md section 6).
+#: Tensors larger than this travel as several frames of this size (SPEC.md section 11, "Frames").
 #: 16 MiB, not 4: on loopback 4-16 MiB frames move at about the same rate (1.3-1.6 GB/s
 #: median on a loaded 2-core machine; 40 MiB frames 0.7), and a tensor that fits one frame
 #: is decoded without a copy, where a chunked one is reassembled with one.

@@ -11,7 +11,7 @@ from diloco.models import ModelConfig, build_model, count_params, evaluate_loss,
 def test_default_config_size_matches_calibration_model():
     m = build_model(ModelConfig(), seed=0)
     n = count_params(m)
-    # DESIGN.md section 6 calibrates with a 116k-param model; ours is ~125k.
+    # The reference calibration used a 116k-param model; ours is ~125k.
     assert 100_000 <= n <= 150_000, n
     assert param_bytes(m) == 4 * n
     assert m.head.weight is m.tok_emb.weight  # tied

@@ -14,7 +14,7 @@ def broken_membership_gate(monkeypatch):
 
     After every join, leave, death and min_workers change, whatever is complete is
     applied *without* asking quorum_decision: a gate on the submit path alone, the
-    bug DESIGN.md section 1 names (a death releases a round below quorum). Test-only:
+    bug the quorum rule exists to prevent (a death releases a round below quorum). Test-only:
     the core itself is never edited.
     """
     original = round_fsm.RoundFSM._after_membership_change

@@ -6,7 +6,7 @@ peers. Every worker process picks a unique routing id (worker id, host, pid,
 random suffix), so a restarted worker is a new peer and the coordinator can
 tell it from a duplicated message (SPEC.md R6).
 
-Limits (DESIGN.md section 4, "a limit on everything that grows"):
+Limits (a limit on everything that grows):
 
 * ``max_message_bytes``: libzmq drops any single frame larger than this
   (``zmq.MAXMSGSIZE``: it closes that connection, which the monitor counts);
@@ -66,7 +66,7 @@ class ZmqOptions:
 
     #: Largest message (and, at the libzmq level, largest frame) accepted.
     max_message_bytes: int = codec.MAX_MESSAGE_BYTES
-    #: Tensors larger than this are sent as several frames (DESIGN.md section 6).
+    #: Tensors larger than this are sent as several frames (SPEC.md section 11).
     chunk_bytes: int = codec.CHUNK_BYTES
     #: Coordinator: messages queued per peer before further ones are dropped.
     router_sndhwm: int = 256
