@@ -278,9 +278,12 @@ class Coordinator:
         self._keys[worker_id] = identity.public_key
         self._key_names[identity.public_key] = identity.name
         if len(self._keys) > MAX_BOUND_IDS:
-            # Forget the oldest bindings of ids that are no longer members (a limit on what grows).
-            for wid in [w for w in self._keys if not self.fsm.is_member(w)][: len(self._keys) - MAX_BOUND_IDS]:
-                del self._keys[wid]
+            # Forget the oldest binding of an id that is no longer a member (a limit on what
+            # grows); at most max_workers members stand before it, so this stays cheap per join.
+            for wid in self._keys:
+                if not self.fsm.is_member(wid):
+                    del self._keys[wid]
+                    break
 
     def _ban(self, worker_id: str) -> None:
         self._banned_ids.add(worker_id)

@@ -75,3 +75,20 @@ def test_async_held_contributions_release_each_worker_at_its_own_version():
     assert torch.equal(res["a"].params["w"], P0["w"] - 0.5)
     assert torch.equal(res["b"].params["w"], P0["w"] - 0.75)
     assert torch.equal(c.store.params["w"], P0["w"] - 0.75)
+
+
+def test_key_bindings_of_departed_ids_are_bounded_oldest_first(monkeypatch):
+    """SPEC.md section 11, A3: at most MAX_BOUND_IDS bindings of ids that are no longer members."""
+    from types import SimpleNamespace
+
+    import diloco.coordinator.service as service
+    from diloco.transport.messages import Leave
+
+    monkeypatch.setattr(service, "MAX_BOUND_IDS", 3)
+    c = Coordinator(CoordinatorConfig(fsm=FSMConfig(min_workers=1)))
+    key = SimpleNamespace(public_key="K" * 40, name="k")
+    for i in range(6):
+        c.handle(f"p{i}", Join(f"w{i}", PROTOCOL_VERSION, spec_of(P0), P0), float(i), identity=key)
+        assert c.fsm.is_member(f"w{i}")
+        c.handle(f"p{i}", Leave(f"w{i}"), float(i) + 0.5, identity=key)
+    assert list(c._keys) == ["w3", "w4", "w5"]

@@ -329,15 +329,14 @@ class ZmqCoordinatorEndpoint:
                 self._send_frames(rid, codec.encode(Error(ErrorCode(got.code), got.detail)))
                 continue
             self.counters["messages_in"] += 1
-            legacy = not (len(frames) == 3 and framing.read_tag(frames[1]) is not None)
             try:
                 message = codec.decode(got.frames, max_message_bytes=self.options.max_message_bytes)
             except codec.CodecError as exc:
                 self.malformed[exc.code.value] += 1
                 log.warning("malformed message from %s: %s", peer, exc.detail)
-                self._send_frames(rid, codec.encode(codec.error_for(exc)), legacy=legacy)
+                self._send_frames(rid, codec.encode(codec.error_for(exc)), legacy=got.legacy)
                 continue
-            if legacy:
+            if got.legacy:
                 # A message of this protocol version that did not come as parts: refused, so that
                 # every message the coordinator accepts went through the size check as it arrived.
                 detail = (f"{type(message).__name__} came as one multipart message; protocol version "

@@ -85,9 +85,10 @@ class _Partial:
 
 @dataclass(frozen=True, slots=True)
 class Complete:
-    """A whole message's codec frames."""
+    """A whole message's codec frames; ``legacy`` when they came as one multipart message, not as parts."""
 
     frames: list
+    legacy: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +129,7 @@ class Assembler:
         if len(zmq_frames) != 2 or (t := read_tag(zmq_frames[0])) is None:
             # Not a part: an old peer's whole message (or garbage), for the decoder to judge.
             self._drop(peer)
-            return Complete(list(zmq_frames))
+            return Complete(list(zmq_frames), legacy=True)
         seq, index, count = t
         payload = zmq_frames[1]
         partial = self._partials.get(peer)
