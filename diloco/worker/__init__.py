@@ -1,13 +1,42 @@
-"""The PyTorch side of DiLoCo: embed ``DilocoWorker`` in any training loop.
+"""The worker: a pure protocol session and the PyTorch driver around it.
 
-``DilocoWorker`` wraps any ``nn.Module`` and any ``torch.optim`` inner
-optimizer; ``run_training`` is the ready-made loop; ``TrainingSetup`` is what
-a ``--entry`` function returns. See ``diloco.worker.worker`` for the sync
-schedule, pausing, stopping, errors and checkpoints.
+``WorkerSession`` (``diloco.worker.session``) is the worker's side of the
+protocol, pure like the core (SPEC.md section 14); ``DilocoWorker`` drives it
+with a real model, endpoint and clock; ``run_training`` is the ready-made
+loop; ``TrainingSetup`` is what a ``--entry`` function returns. Names load on
+first use (PEP 562), so the pure modules never pull in torch.
 """
 
-from diloco.worker.lifecycle import WorkerState
-from diloco.worker.loop import TrainingSetup, WorkerReport, run_training
-from diloco.worker.worker import DilocoWorker, DilocoWorkerError
+from __future__ import annotations
 
-__all__ = ["DilocoWorker", "DilocoWorkerError", "TrainingSetup", "WorkerReport", "WorkerState", "run_training"]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from diloco.worker.loop import TrainingSetup, WorkerReport, run_training
+    from diloco.worker.session import WorkerSession
+    from diloco.worker.states import WorkerState
+    from diloco.worker.worker import DilocoWorker, DilocoWorkerError
+
+_LAZY = {
+    "DilocoWorker": "worker", "DilocoWorkerError": "worker",
+    "TrainingSetup": "loop", "WorkerReport": "loop", "run_training": "loop",
+    "WorkerSession": "session", "WorkerState": "states",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+__all__ = ["DilocoWorker", "DilocoWorkerError", "TrainingSetup", "WorkerReport", "WorkerSession", "WorkerState",
+           "run_training"]

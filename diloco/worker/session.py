@@ -1,0 +1,677 @@
+"""``WorkerSession``: the worker's side of the protocol, pure and deterministic.
+
+The coordinator has ``RoundFSM``; a worker has this. Events come in as data --
+a decoded coordinator message, a clock reading, "finished an inner step", a
+local stop request -- and each call returns the ``actions`` (``diloco.worker.actions``)
+the driver must carry out, in order. No torch, sockets, clocks or threads
+(import-linter contracts in pyproject.toml): tensors only pass through, as
+opaque values inside messages and ``InstallParams``. The same session runs in
+``DilocoWorker`` (real time, real model) and in the simulator (simulated time,
+seeded tensors). SPEC.md section 14 is its contract: states, events, rules W1-W14.
+
+Time is whatever the caller says it is (``now``, seconds, never decreasing).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Sequence
+
+from diloco.transport.messages import (
+    PROTOCOL_VERSION,
+    Accepted,
+    Command,
+    Error,
+    ErrorCode,
+    Heartbeat,
+    HeartbeatReply,
+    Join,
+    Leave,
+    Message,
+    Result,
+    TensorSpec,
+    Welcome,
+)
+from diloco.worker import schedule
+from diloco.worker.actions import (
+    Action,
+    Fail,
+    InstallParams,
+    Note,
+    OutageReport,
+    Send,
+    SendJoinWithParams,
+    StateChanged,
+    Stop,
+    SubmitFragment,
+)
+from diloco.worker.states import WorkerState
+
+S = WorkerState
+
+#: Error codes answered by joining again (the coordinator forgot us, or we fell behind).
+REJOIN_CODES = frozenset({ErrorCode.STALE_ROUND, ErrorCode.FUTURE_ROUND, ErrorCode.UNKNOWN_WORKER})
+#: Error codes that end the run for this worker: the run is over.
+STOP_CODES = frozenset({ErrorCode.STOPPED, ErrorCode.SHUTTING_DOWN})
+#: Heartbeat intervals of unpaused waiting before a worker suspects a lost Result (doubles each time).
+RESYNC_INTERVALS = 16
+#: Retries of a join answered ``already_member`` (Leave, then Join again).
+ALREADY_MEMBER_RETRIES = 3
+#: Default ``coordinator_timeout_s``: how long a silent coordinator is waited for (10 minutes).
+DEFAULT_COORDINATOR_TIMEOUT_S = 600.0
+#: Seconds of coordinator silence before the first "waiting" outage report.
+OUTAGE_NOTICE_S = 5.0
+#: Seconds between further reports while the silence lasts.
+OUTAGE_REPORT_EVERY_S = 10.0
+#: A silent join is sent again after this long, then twice as long, ... (at most ``JOIN_RESEND_MAX_S``).
+JOIN_RESEND_S = 2.5
+JOIN_RESEND_MAX_S = 30.0
+#: Heartbeat interval assumed before the first Welcome says the run's.
+DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
+#: How long a stop of unknown kind waits for the heartbeat reply that tells whether to save.
+ASK_SAVE_MAX_S = 1.0
+#: How many (inner_step, fragment, round, outcome) entries ``history`` keeps.
+HISTORY_LIMIT = 10_000
+
+_WAITING = (S.WAITING, S.PAUSED)
+_RUNNING = (S.TRAINING, S.WAITING, S.PAUSED)
+
+
+class SessionError(Exception):
+    """The caller broke the session's contract (an event in a state that cannot take it)."""
+
+
+def error_code(code: object) -> ErrorCode | None:
+    """``code`` as an ``ErrorCode``, or None for a code this worker does not know."""
+    try:
+        return ErrorCode(code)
+    except ValueError:
+        return None
+
+
+def code_value(code: object) -> str:
+    return code.value if isinstance(code, ErrorCode) else str(code)
+
+
+def command_of(command: object) -> Command | None:
+    try:
+        return Command(command)
+    except ValueError:
+        return None
+
+
+class WorkerSession:
+    """One worker's protocol state. See the module docstring and SPEC.md section 14."""
+
+    def __init__(self, worker_id: str, sync_every: int, spec: Sequence[TensorSpec], *,
+                 coordinator_timeout_s: float = DEFAULT_COORDINATOR_TIMEOUT_S) -> None:
+        if not isinstance(worker_id, str) or not worker_id:
+            raise ValueError(f"worker_id={worker_id!r}: expected a non-empty string")
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"sync_every={sync_every!r}: expected an integer >= 1 (inner steps per round)")
+        if isinstance(coordinator_timeout_s, bool) or not isinstance(coordinator_timeout_s, (int, float)) \
+                or not 0 < coordinator_timeout_s < math.inf:
+            raise ValueError(f"coordinator_timeout_s={coordinator_timeout_s!r}: expected a finite number of "
+                             f"seconds > 0")
+        self.worker_id = worker_id
+        self.sync_every = sync_every
+        self.spec = tuple(spec)
+        if not self.spec:
+            raise ValueError("the model has no parameters to train")
+        self.coordinator_timeout_s = float(coordinator_timeout_s)
+        self._names = frozenset(s.name for s in self.spec)
+
+        self.state: WorkerState | None = None       # None until start()
+        #: Why the worker stopped: "stop", "save_and_stop", "drain", "stop_requested", "left", ...
+        self.stop_reason: str | None = None
+        #: Inner steps taken (restored from a checkpoint); the schedule's own count is ``sched_step``.
+        self.inner_step = 0
+        self.sched_step = 0
+        #: Rounds (fragment syncs) whose Result this worker applied.
+        self.rounds_synced = 0
+        self.seconds_paused = 0.0
+        #: (inner_step, fragment_id, round_id, outcome) per released contribution, newest last.
+        self.history: deque[tuple[int, int, int, str]] = deque(maxlen=HISTORY_LIMIT)
+        #: What the last Welcome / heartbeat reply said.
+        self.mode: str | None = None
+        self.min_workers: int | None = None
+        self.below_min_workers = False
+        self.heartbeat_interval_s = DEFAULT_HEARTBEAT_INTERVAL_S
+        self.fragments: tuple[tuple[str, ...], ...] = ()
+        #: Per fragment: the round this worker contributes to next (sync) or its base version (async).
+        self.round_ids: list[int] = []
+        #: Per fragment: the schedule step at which it closes next.
+        self.next_close: list[int] = []
+        #: fragment -> round of a contribution submitted or parked whose Result is awaited.
+        self.waiting: dict[int, int] = {}
+        #: fragment -> time to submit again (answered ``held_limit``).
+        self.retry_at: dict[int, float] = {}
+        self.welcomed = False
+        self.restored = False
+        self._unacked: deque[int] = deque()          # fragments of Submits not yet answered, in order
+        self._hb_outstanding = 0
+        # Replies due to heartbeats sent before the current wait began say nothing about the
+        # quorum *at* the sync point, so they never pause the worker (W6).
+        self._stale_replies = 0
+        self._quorum_fresh = False
+        self._last_hb_sent = -math.inf
+        self._unanswered_since: float | None = None  # first message sent since the coordinator last spoke
+        self._outage_reports = 0
+        self._rejoin_needed = False
+        self._stop_cmd: tuple[str, bool | None] | None = None  # (reason, save?); save None: ask
+        self._ask_deadline: float | None = None
+        self._paused_since: float | None = None
+        self._waiting_since: float | None = None     # start of the current unpaused wait (W9)
+        self._resync_after_s = math.inf
+        self._last_join = -math.inf
+        self._join_resend_s = JOIN_RESEND_S
+        self._already_member_retries = 0
+        self._left = False
+        self._out: list[Action] = []
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def may_train(self) -> bool:
+        """True when the driver may run the next inner step."""
+        return self.state is S.TRAINING
+
+    @property
+    def stopped(self) -> bool:
+        return self.state in (S.STOPPING, S.STOPPED)
+
+    def due(self, now: float) -> list[int]:
+        """Fragments whose close the schedule has reached and that are not waiting (or retrying yet)."""
+        out = []
+        for f, close in enumerate(self.next_close):
+            if f in self.waiting or self.sched_step < close:
+                continue
+            retry = self.retry_at.get(f)
+            if retry is not None and now < retry:
+                continue
+            out.append(f)
+        return out
+
+    def silence(self, now: float, transport_silence_s: float | None = None) -> float:
+        """Seconds the coordinator has left this worker's messages unanswered (0 when nothing is).
+
+        ``transport_silence_s`` (ZeroMQ: time since the last message *part* arrived) caps it,
+        so a large Welcome or Result still arriving does not count as silence.
+        """
+        if self._unanswered_since is None:
+            return 0.0
+        s = max(0.0, now - self._unanswered_since)
+        return s if transport_silence_s is None else min(s, max(0.0, transport_silence_s))
+
+    def waiting_for(self) -> str:
+        """What the worker is waiting for from the coordinator (outage reports)."""
+        if self.state is S.JOINING:
+            return "a Welcome (joining)"
+        if self.waiting:
+            rounds = ", ".join(f"fragment {f} round {r}" for f, r in sorted(self.waiting.items()))
+            paused = " (paused: the run was below quorum)" if self.state is S.PAUSED else ""
+            return f"the Result for {rounds}{paused}"
+        return "heartbeat replies"
+
+    # ------------------------------------------------------------------ restore
+
+    def restore(self, *, fragments: Sequence[Sequence[str]], round_ids: Sequence[int], next_close: Sequence[int],
+                sched_step: int, inner_step: int, rounds_synced: int, mode: str | None) -> None:
+        """Take the schedule saved in the worker's checkpoint (before ``start``)."""
+        if self.state is not None:
+            raise SessionError("restore() after start()")
+        self.fragments = tuple(tuple(f) for f in fragments)
+        self.round_ids = [int(r) for r in round_ids]
+        self.next_close = [int(c) for c in next_close]
+        self.sched_step = int(sched_step)
+        self.inner_step = int(inner_step)
+        self.rounds_synced = int(rounds_synced)
+        self.mode = mode
+        self.restored = True
+
+    # ------------------------------------------------------------------ events
+
+    def start(self, now: float) -> list[Action]:
+        """Join the run (W1)."""
+        if self.state is not None:
+            raise SessionError(f"start() in state {self.state.value}")
+        self._go(S.JOINING)
+        self._send_join(now)
+        return self._flush()
+
+    def on_message(self, msg: Message, now: float) -> list[Action]:
+        """A decoded message from the coordinator."""
+        if self.state is None or self.state is S.STOPPED:
+            return []
+        self._heard(now)
+        if self.state is S.JOINING:
+            self._on_message_joining(msg, now)
+        elif isinstance(msg, HeartbeatReply):
+            self._on_heartbeat_reply(msg)
+        elif isinstance(msg, Result):
+            self._on_result(msg)
+        elif isinstance(msg, Accepted):
+            if msg.fragment_id in self._unacked:
+                self._unacked.remove(msg.fragment_id)
+        elif isinstance(msg, Error):
+            self._on_error(msg, now)
+        else:
+            self._note("debug", f"ignoring an unexpected {type(msg).__name__}")
+        self._settle(now)
+        return self._flush()
+
+    def tick(self, now: float, transport_silence_s: float | None = None) -> list[Action]:
+        """Time passed: heartbeats, join resends, held-limit retries, resyncs, outage reports (W3, W8-W11)."""
+        state = self.state
+        if state is None or state is S.STOPPED:
+            return []
+        if state is S.STOPPING:
+            if self._ask_deadline is not None and now >= self._ask_deadline:
+                reason = self._stop_cmd[0] if self._stop_cmd else "stop"
+                self._finish(reason, save=False)
+            return self._flush()
+        silence = self.silence(now, transport_silence_s)
+        if state is S.JOINING:
+            if self._outage(now, silence):
+                return self._flush()
+            if self._unanswered_since is not None and \
+                    now - max(self._last_join, self._unanswered_since) >= self._join_resend_s:
+                # A Join can be lost with a connection that died under it (a duplicate is
+                # answered already_member after the Welcome, and ignored).
+                self._send(Join(self.worker_id, PROTOCOL_VERSION, self.spec), now)
+                self._last_join = now
+                self._join_resend_s = min(2 * self._join_resend_s, JOIN_RESEND_MAX_S)
+            return self._flush()
+        if now - self._last_hb_sent >= self.heartbeat_interval_s:
+            self._heartbeat(now)
+        if self._outage(now, silence):
+            return self._flush()
+        if self.state in _WAITING:
+            self._maybe_resync(now, silence)
+        self._settle(now)
+        return self._flush()
+
+    def step_done(self, now: float) -> list[Action]:
+        """The driver finished one inner step (W4).
+
+        Counts it; in TRAINING it advances the schedule and, at a sync point, submits
+        every due fragment. A step finished in another state (a re-join arrived while it
+        ran) is counted but does not move the schedule: its base is being replaced.
+        """
+        state = self.state
+        if state is None:
+            raise SessionError("step_done() before start()")
+        if state in (S.STOPPING, S.STOPPED):
+            return []
+        self.inner_step += 1
+        if state is S.TRAINING:
+            self.sched_step += 1
+        self._settle(now)
+        return self._flush()
+
+    def request_stop(self, now: float, save: bool = False) -> list[Action]:
+        """Stop at once, from any state, breaking a pause (W12); save the checkpoint if ``save``."""
+        if self.state is None:
+            self._go(S.STOPPING)
+            self._finish("stop_requested", save=save)
+        elif not self.stopped or (self.state is S.STOPPING and self._ask_deadline is not None):
+            self._finish("stop_requested", save=save, now=now)
+        return self._flush()
+
+    def leave(self, now: float) -> list[Action]:
+        """The driver is leaving the run (W13): Leave, unless the coordinator ended it; then STOPPED."""
+        if self._left:
+            return []
+        self._left = True
+        if self.welcomed and self._stop_cmd is None:
+            # Told nothing by the coordinator (local stop, end of data, an error): say so at
+            # once rather than let the heartbeat timeout find out.
+            self._out.append(Send(Leave(self.worker_id)))
+        self._end_pause(now)
+        self.stop_reason = self.stop_reason or "left"
+        self._ask_deadline = None
+        self._go(S.STOPPED)
+        return self._flush()
+
+    def stopped_done(self, now: float) -> list[Action]:
+        """The driver carried out ``Stop`` (checkpoint written if asked): STOPPED."""
+        if self.state is S.STOPPING and self._ask_deadline is None:
+            self._go(S.STOPPED)
+        return self._flush()
+
+    def fail(self, code: str, detail: str, now: float) -> list[Action]:
+        """The driver hit an error it cannot go on from (transport, bad params): STOPPED."""
+        if self.state is not S.STOPPED:
+            self._end_pause(now)
+            self.stop_reason = self.stop_reason or f"error: {code}"
+            self._go(S.STOPPED)
+        return self._flush()
+
+    # ------------------------------------------------------------------ joining
+
+    def _send_join(self, now: float) -> None:
+        self._send(Join(self.worker_id, PROTOCOL_VERSION, self.spec), now)
+        self._last_join = now
+        self._join_resend_s = JOIN_RESEND_S
+        self._already_member_retries = 0
+
+    def _on_message_joining(self, msg: Message, now: float) -> None:
+        if isinstance(msg, Welcome):
+            self._on_welcome(msg, now)
+            return
+        if isinstance(msg, Error) and msg.in_reply_to in ("Join", ""):
+            code = error_code(msg.code)
+            if code in STOP_CODES:
+                self._stop_cmd = (code.value, False)
+                self._finish(f"run {code.value} before join: {msg.detail}", save=False, now=now)
+            elif code is ErrorCode.PARAMS_REQUIRED:
+                # The run has no params yet: the first joiner's become the run's (SPEC.md section 11).
+                self._out.append(SendJoinWithParams())
+                self._unanswered_since = now
+            elif code is ErrorCode.ALREADY_MEMBER and self._already_member_retries < ALREADY_MEMBER_RETRIES:
+                # The coordinator still counts us on this connection (a duplicate join):
+                # leave (our pending contributions stay, P1) and join again.
+                self._already_member_retries += 1
+                self._send(Leave(self.worker_id), now)
+                self._send(Join(self.worker_id, PROTOCOL_VERSION, self.spec), now)
+            else:
+                self._fail(code_value(msg.code), f"the coordinator refused the join ({code_value(msg.code)}): "
+                                                 f"{msg.detail}", now)
+            return
+        # Anything else answers something sent before this join: the Welcome supersedes it.
+        # The Join itself is still unanswered.
+        if self._unanswered_since is None:
+            self._unanswered_since = now
+
+    def _on_welcome(self, msg: Welcome, now: float) -> None:
+        fragments = tuple(tuple(f) for f in msg.fragments)
+        names = [n for f in fragments for n in f]
+        if len(names) != len(self._names) or set(names) != self._names or len(msg.round_ids) != len(fragments):
+            self._fail("bad_welcome", f"the Welcome's fragments do not cover this model's parameters exactly "
+                                      f"({len(names)} names for {len(self._names)} parameters)", now)
+            return
+        same_layout = (self.welcomed or self.restored) and fragments == self.fragments
+        ids_same = same_layout and [int(r) for r in msg.round_ids] == self.round_ids
+        for fid, frag in enumerate(fragments):
+            self._out.append(InstallParams(fid, frag, msg.params, same_layout, "Welcome"))
+        self.fragments = fragments
+        self.round_ids = [int(r) for r in msg.round_ids]
+        self.mode = str(msg.mode.value if hasattr(msg.mode, "value") else msg.mode)
+        self.min_workers = msg.min_workers
+        self.below_min_workers = bool(msg.below_min_workers)
+        self.heartbeat_interval_s = float(msg.heartbeat_interval_s)
+        self._place_on_schedule(ids_same, same_layout)
+        self.waiting = {int(f): int(r) for f, r in msg.parked}
+        self._unacked.clear()
+        self.retry_at.clear()
+        self._rejoin_needed = False
+        self._last_hb_sent = now
+        self._hb_outstanding = 0
+        self._stale_replies = 0
+        self._quorum_fresh = True
+        self._waiting_since = None
+        if not self.welcomed:
+            self._resync_after_s = RESYNC_INTERVALS * self.heartbeat_interval_s
+        self.welcomed = True
+        self._note("info", f"joined: mode={self.mode} round_ids={self.round_ids} parked={sorted(self.waiting.items())}")
+        self._go(S.WAITING if self.waiting or self.due(now) else S.TRAINING)
+
+    def _place_on_schedule(self, ids_same: bool, same_layout: bool) -> None:
+        F, H = len(self.fragments), self.sync_every
+        if self.mode == "sync":
+            if ids_same and len(self.next_close) == F:
+                return  # our own schedule is consistent with the run's rounds: keep it
+            self.next_close, self.sched_step = schedule.sync_place(self.round_ids, H)
+        elif not (same_layout and len(self.next_close) == F):
+            self.next_close = schedule.async_place(self.sched_step, F, H)
+
+    # ------------------------------------------------------------------ messages
+
+    def _on_heartbeat_reply(self, msg: HeartbeatReply) -> None:
+        self._hb_outstanding = max(0, self._hb_outstanding - 1)
+        if self._stale_replies:
+            self._stale_replies -= 1
+        else:
+            self._quorum_fresh = True
+        self.below_min_workers = bool(msg.below_min_workers)
+        self.min_workers = msg.min_workers
+        command = command_of(msg.command)
+        if self.state is S.STOPPING:
+            # The reply to the heartbeat that asked what kind of stop this is (W12).
+            reason = self._stop_cmd[0] if self._stop_cmd else "stop"
+            if command is Command.SAVE_AND_STOP:
+                self._finish("save_and_stop", save=True)
+            else:
+                self._finish(reason, save=False)
+            return
+        if command is Command.REJOIN:
+            self._rejoin_needed = True
+        elif command is Command.STOP:
+            # A reply sent after the stop: the kind is known now (nothing to save).
+            reason = self._stop_cmd[0] if self._stop_cmd else "stop"
+            if self._stop_cmd is None or self._stop_cmd[1] is None:
+                self._stop_cmd = (reason, False)
+        elif command is Command.SAVE_AND_STOP:
+            self._stop_cmd = ("save_and_stop", True)
+
+    def _on_result(self, msg: Result) -> None:
+        fid = msg.fragment_id
+        if self.waiting.get(fid) != msg.round_id:
+            self._note("debug", f"ignoring a stale Result for fragment {fid} round {msg.round_id}")
+            return
+        outcome = msg.outcome.value if hasattr(msg.outcome, "value") else str(msg.outcome)
+        if outcome in ("applied", "applied_final"):
+            del self.waiting[fid]
+            self._out.append(InstallParams(fid, self.fragments[fid], msg.params, False, "Result"))
+            self.round_ids[fid] = int(msg.next_round_id)
+            self.next_close[fid] = schedule.next_close_after(
+                fid, int(msg.next_round_id), self.next_close[fid], len(self.fragments), self.sync_every,
+                self.mode == "sync")
+            self.rounds_synced += 1
+            self._waiting_since = None
+            self._resync_after_s = RESYNC_INTERVALS * self.heartbeat_interval_s
+            self.history.append((self.inner_step, fid, msg.round_id, outcome))
+            if outcome == "applied_final":
+                self._stop_cmd = ("drain", False)
+        elif outcome == "stop":
+            del self.waiting[fid]
+            self.history.append((self.inner_step, fid, msg.round_id, outcome))
+            if self._stop_cmd is None:
+                self._stop_cmd = ("stop", None)  # ask: was it save-and-stop?
+        else:
+            self._fail("bad_message", f"Result with unknown outcome {outcome!r}", None)
+
+    def _on_error(self, msg: Error, now: float) -> None:
+        code = error_code(msg.code)
+        if msg.in_reply_to == "Submit":
+            fid = self._unacked.popleft() if self._unacked else None
+            if code in REJOIN_CODES:
+                self._note("info", f"submission refused ({code.value}: {msg.detail}); joining again")
+                self._rejoin_needed = True
+            elif code is ErrorCode.DUPLICATE:
+                pass  # it is already pending: its Result will come (P1)
+            elif code is ErrorCode.HELD_LIMIT and fid is not None:
+                self.waiting.pop(fid, None)
+                self.retry_at[fid] = now + self.heartbeat_interval_s
+            elif code in STOP_CODES:
+                if self._stop_cmd is None:
+                    self._stop_cmd = (code.value, None)
+            else:
+                self._fail(code_value(msg.code),
+                           f"submission refused ({code_value(msg.code)}): {msg.detail}", now)
+        elif msg.in_reply_to == "Heartbeat":
+            if code in STOP_CODES:
+                self._stop_cmd = self._stop_cmd or (code.value, None)
+            else:
+                self._note("warning", f"heartbeat refused ({code_value(msg.code)}): {msg.detail}")
+        else:
+            self._note("debug", f"ignoring a stale error ({code_value(msg.code)} in reply to {msg.in_reply_to})")
+
+    # ------------------------------------------------------------------ the waiting rules
+
+    def _settle(self, now: float) -> None:
+        """After any event: act on a stop or re-join, submit what is due, pause or release (W4-W7)."""
+        if self.state in (S.STOPPING, S.STOPPED, None):
+            return
+        if self._stop_cmd is not None:
+            reason, save = self._stop_cmd
+            if save is None:
+                self._ask_save(reason, now)
+            else:
+                self._finish(reason, save=save, now=now)
+            return
+        if self._rejoin_needed:
+            self._rejoin_needed = False
+            self._rejoin(now)
+            return
+        if self.state is S.JOINING:
+            return
+        due = self.due(now)
+        if due:
+            for f in due:
+                self._submit(f, now)
+        if self.state is S.TRAINING:
+            return
+        if not self.waiting and not self.retry_at:
+            self._end_pause(now)
+            self._go(S.TRAINING)
+            return
+        paused = self.below_min_workers and self._quorum_fresh
+        if paused and self.state is S.WAITING:
+            self._paused_since = now
+            self._waiting_since = None
+            self._go(S.PAUSED)
+        elif not paused and self.state is S.PAUSED:
+            self._end_pause(now)
+            self._go(S.WAITING)
+
+    def _submit(self, fid: int, now: float) -> None:
+        rid = self.round_ids[fid]
+        self.retry_at.pop(fid, None)
+        if self.state is S.TRAINING:
+            self._go(S.WAITING)
+        self._out.append(SubmitFragment(fid, rid))
+        self.waiting[fid] = rid
+        self._unacked.append(fid)
+        # Learn the quorum now rather than an interval later (a pause shows at once);
+        # until that reply, what earlier replies said does not pause the worker (W6).
+        self._stale_replies = self._hb_outstanding
+        self._quorum_fresh = False
+        self._heartbeat(now)
+
+    def _maybe_resync(self, now: float, silence: float) -> bool:
+        """A Result lost in transit: after a long unpaused wait, leave and join again (W9).
+
+        A transport may drop a message (ZeroMQ drops what a ROUTER sends to a peer that is
+        reconnecting), and nothing else would tell a worker whose Result was lost: its
+        heartbeats are answered, the run is not paused, it just waits. Leaving and joining
+        again is safe (SPEC.md P1: an accepted contribution stays pending and the Welcome
+        parks the worker on it; if it already applied, the Welcome brings the new params).
+        Waiting for slow peers is normal, so the first resync comes after
+        ``RESYNC_INTERVALS`` heartbeat intervals and the delay doubles each time.
+        """
+        if self.state is not S.WAITING or not self.waiting or silence > 2 * self.heartbeat_interval_s:
+            # (A silent coordinator is an outage, not a lost Result: joining again would not help.)
+            self._waiting_since = None
+            return False
+        if self._waiting_since is None:
+            self._waiting_since = now
+            return False
+        if now - self._waiting_since < self._resync_after_s:
+            return False
+        self._note("warning", f"no Result for {dict(self.waiting)} after {now - self._waiting_since:.1f} s at the "
+                              f"sync point; leaving and joining again")
+        self._resync_after_s *= 2
+        self._waiting_since = None
+        self._send(Leave(self.worker_id), now)
+        self._rejoin(now)
+        return True
+
+    def _rejoin(self, now: float) -> None:
+        self._end_pause(now)
+        self._go(S.JOINING)
+        self._send_join(now)
+
+    # ------------------------------------------------------------------ outages and stopping
+
+    def _outage(self, now: float, silence: float) -> bool:
+        """Report a silent coordinator every so often; give up at the limit (W11). True when given up."""
+        if silence >= self.coordinator_timeout_s:
+            what = self.waiting_for()
+            save = self.welcomed or self.restored
+            self._out.append(OutageReport("gave_up", silence, what, self.coordinator_timeout_s))
+            self._stop_cmd = ("coordinator_unreachable", save)
+            self._finish("coordinator_unreachable", save=save, now=now)
+            return True
+        if silence < OUTAGE_NOTICE_S:
+            return False
+        due = OUTAGE_NOTICE_S + self._outage_reports * OUTAGE_REPORT_EVERY_S
+        if silence >= due:
+            self._outage_reports = int((silence - OUTAGE_NOTICE_S) // OUTAGE_REPORT_EVERY_S) + 1
+            self._out.append(OutageReport("waiting", silence, self.waiting_for(), self.coordinator_timeout_s))
+        return False
+
+    def _heard(self, now: float) -> None:
+        if self._outage_reports:
+            waited = now - self._unanswered_since if self._unanswered_since is not None else 0.0
+            self._out.append(OutageReport("back", waited, self.waiting_for(), self.coordinator_timeout_s))
+        self._unanswered_since = None
+        self._outage_reports = 0
+
+    def _ask_save(self, reason: str, now: float) -> None:
+        """A stop arrived without its kind: one heartbeat asks whether it is save-and-stop (W12)."""
+        self._end_pause(now)
+        self._go(S.STOPPING)
+        self.stop_reason = self.stop_reason or reason
+        self._heartbeat(now)
+        self._ask_deadline = now + min(ASK_SAVE_MAX_S, 4 * self.heartbeat_interval_s)
+
+    def _finish(self, reason: str, *, save: bool, now: float | None = None) -> None:
+        if now is not None:
+            self._end_pause(now)
+        self._ask_deadline = None
+        if reason == "save_and_stop" and self.stop_reason == "stop":
+            self.stop_reason = "save_and_stop"
+        self.stop_reason = self.stop_reason or reason
+        if self.state is not S.STOPPING:
+            self._go(S.STOPPING)
+        self._out.append(Stop(self.stop_reason, save))
+
+    def _fail(self, code: str, detail: str, now: float | None) -> None:
+        if now is not None:
+            self._end_pause(now)
+        self._out.append(Fail(code, f"worker {self.worker_id!r}: {detail}"))
+        self.stop_reason = self.stop_reason or f"error: {code}"
+        self._ask_deadline = None
+        self._go(S.STOPPED)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _send(self, msg: Message, now: float) -> None:
+        if self._unanswered_since is None:
+            self._unanswered_since = now
+        self._out.append(Send(msg))
+
+    def _heartbeat(self, now: float) -> None:
+        self._send(Heartbeat(self.worker_id), now)
+        self._hb_outstanding += 1
+        self._last_hb_sent = now
+
+    def _end_pause(self, now: float) -> None:
+        if self._paused_since is not None:
+            self.seconds_paused += max(0.0, now - self._paused_since)
+            self._paused_since = None
+
+    def _go(self, state: WorkerState) -> None:
+        if state is self.state:
+            return
+        previous, self.state = self.state, state
+        self._out.append(StateChanged(state, previous))
+
+    def _note(self, level: str, text: str) -> None:
+        self._out.append(Note(level, text))
+
+    def _flush(self) -> list[Action]:
+        out, self._out = self._out, []
+        return out
