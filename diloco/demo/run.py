@@ -46,17 +46,6 @@ from diloco.transport.inproc import InprocNetwork
 from diloco.transport.messages import AdminRequest
 from diloco.worker import DilocoWorker
 
-#: Worker lifecycle states (diloco.worker) -> what the timeline draws.
-_TIMELINE_STATE = {
-    "joining": WorkerState.TRAINING,
-    "training": WorkerState.TRAINING,
-    "syncing": WorkerState.WAITING,
-    "paused": WorkerState.PAUSED,
-    "stopping": WorkerState.STOPPED,
-    "stopped": WorkerState.STOPPED,
-}
-
-
 class DemoError(Exception):
     """The demo could not run as configured (bad settings, a worker failed)."""
 
@@ -181,9 +170,7 @@ class _Run:
                 self.log(f"{info['worker_id']} joined; enlisted in the open round")
 
     def _on_state(self, worker_id: str, state: str, _t: float) -> None:
-        mapped = _TIMELINE_STATE.get(state)
-        if mapped is None:
-            return
+        mapped = WorkerState(state)  # the worker's vocabulary is the timeline's
         with self.lock:
             if self.recorder.state_of(worker_id) is WorkerState.DEAD:
                 return

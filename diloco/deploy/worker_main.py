@@ -122,7 +122,7 @@ class _Printer:
             self.line("joining" if prev is None else "joining again")
         elif state == "paused":
             self.line(f"paused: the run is below quorum (min_workers {w.min_workers}); waiting at the sync point")
-        elif prev == "paused" and state in ("syncing", "training"):
+        elif prev == "paused" and state in ("waiting", "training"):
             self.line("resumed: quorum is back")
         elif state == "stopped":
             self.line(f"stopped ({w.stop_reason})")

@@ -33,7 +33,6 @@ or demo driver sees them::
 
 from __future__ import annotations
 
-import enum
 import math
 import re
 from dataclasses import dataclass, field
@@ -43,6 +42,8 @@ from typing import Iterable, NamedTuple, Sequence
 from matplotlib.axes import Axes
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
+
+from diloco.worker.states import WorkerState
 
 __all__ = [
     "WorkerState",
@@ -58,47 +59,40 @@ __all__ = [
 ]
 
 
-class WorkerState(str, enum.Enum):
-    """What a worker is doing, as drawn on a membership timeline."""
-
-    #: Running inner steps.
-    TRAINING = "training"
-    #: Done with its H inner steps, waiting at the round barrier for the others.
-    WAITING = "waiting"
-    #: Idle at its sync point because live members < min_workers (the run is paused).
-    PAUSED = "paused"
-    #: Declared dead (missed heartbeats, crashed, killed).
-    DEAD = "dead"
-    #: Stopped cleanly (shutdown, drain, left).
-    STOPPED = "stopped"
-
-    @property
-    def colour(self) -> str:
-        """The bar colour for this state."""
-        return STATE_COLOURS[self]
-
-    @property
-    def label(self) -> str:
-        """Legend text."""
-        return _STATE_LABELS[self]
-
-
-#: Bar colour per state (colour-blind-friendly-ish: distinct in hue and lightness).
+#: Bar colour per state (colour-blind-friendly-ish: distinct in hue and lightness). The states
+#: are the worker's own vocabulary (``diloco.worker.states``), shared by worker, simulator and plots.
 STATE_COLOURS: dict[WorkerState, str] = {
+    WorkerState.JOINING: "#9ecae1",
     WorkerState.TRAINING: "#3a923a",
     WorkerState.WAITING: "#f0b429",
     WorkerState.PAUSED: "#e8743b",
-    WorkerState.DEAD: "#2d2d3a",
+    WorkerState.STOPPING: "#d9d9e0",
     WorkerState.STOPPED: "#b9b9c3",
+    WorkerState.FROZEN: "#7b61a8",
+    WorkerState.DEAD: "#2d2d3a",
 }
 
 _STATE_LABELS: dict[WorkerState, str] = {
+    WorkerState.JOINING: "joining",
     WorkerState.TRAINING: "training",
     WorkerState.WAITING: "waiting at barrier",
     WorkerState.PAUSED: "paused (below quorum)",
-    WorkerState.DEAD: "dead",
+    WorkerState.STOPPING: "stopping",
     WorkerState.STOPPED: "stopped",
+    WorkerState.FROZEN: "frozen",
+    WorkerState.DEAD: "dead",
 }
+
+
+def state_colour(state: WorkerState) -> str:
+    """The bar colour for ``state``."""
+    return STATE_COLOURS[state]
+
+
+def state_label(state: WorkerState) -> str:
+    """Legend text for ``state``."""
+    return _STATE_LABELS[state]
+
 
 _BELOW_COLOUR = "#c62828"
 _ABOVE_COLOUR = "#1565c0"
@@ -289,7 +283,7 @@ def draw_membership_timeline(
                 if iv.worker_id == w and iv.state is state
             ]
             if spans:
-                ax.broken_barh(spans, (row[w] - bar_h / 2, bar_h), facecolors=state.colour, edgecolor="none", zorder=2)
+                ax.broken_barh(spans, (row[w] - bar_h / 2, bar_h), facecolors=state_colour(state), edgecolor="none", zorder=2)
 
     fragments = sorted({r.fragment_id for r in timeline.applied_rounds})
     many_rounds = len(timeline.applied_rounds) > 60
@@ -315,7 +309,9 @@ def draw_membership_timeline(
         ax.set_title(title, loc="left", fontsize=12, fontweight="bold")
 
     if legend:
-        handles: list = [Patch(facecolor=s.colour, label=s.label) for s in WorkerState]
+        # The legend names the states drawn, so a plain run is not cluttered with frozen/dead.
+        drawn = {iv.state for iv in timeline.intervals}
+        handles: list = [Patch(facecolor=state_colour(s), label=state_label(s)) for s in WorkerState if s in drawn]
         if len(fragments) <= 1:
             handles.append(Line2D([], [], color=_ROUND_COLOURS[0], ls=":", lw=1.2, label="round applied"))
         else:

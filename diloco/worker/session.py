@@ -168,6 +168,7 @@ class WorkerSession:
         self._join_resend_s = JOIN_RESEND_S
         self._already_member_retries = 0
         self._left = False
+        self._stopping_from_training = False
         self._out: list[Action] = []
 
     # ------------------------------------------------------------------ queries
@@ -180,6 +181,11 @@ class WorkerSession:
     @property
     def stopped(self) -> bool:
         return self.state in (S.STOPPING, S.STOPPED)
+
+    @property
+    def awaiting_replies(self) -> bool:
+        """True while a heartbeat's reply is due (a driver without a receive thread reads then)."""
+        return self._hb_outstanding > 0
 
     def due(self, now: float) -> list[int]:
         """Fragments whose close the schedule has reached and that are not waiting (or retrying yet)."""
@@ -302,10 +308,12 @@ class WorkerSession:
         state = self.state
         if state is None:
             raise SessionError("step_done() before start()")
-        if state in (S.STOPPING, S.STOPPED):
+        if state is S.STOPPED:
             return []
+        # A step that ran while a stop was arriving still happened: the checkpoint the
+        # stop may write holds its effect, so it counts, on the schedule too if it trained.
         self.inner_step += 1
-        if state is S.TRAINING:
+        if state is S.TRAINING or (state is S.STOPPING and self._stopping_from_training):
             self.sched_step += 1
         self._settle(now)
         return self._flush()
@@ -623,7 +631,6 @@ class WorkerSession:
         """A stop arrived without its kind: one heartbeat asks whether it is save-and-stop (W12)."""
         self._end_pause(now)
         self._go(S.STOPPING)
-        self.stop_reason = self.stop_reason or reason
         self._heartbeat(now)
         self._ask_deadline = now + min(ASK_SAVE_MAX_S, 4 * self.heartbeat_interval_s)
 
@@ -631,8 +638,6 @@ class WorkerSession:
         if now is not None:
             self._end_pause(now)
         self._ask_deadline = None
-        if reason == "save_and_stop" and self.stop_reason == "stop":
-            self.stop_reason = "save_and_stop"
         self.stop_reason = self.stop_reason or reason
         if self.state is not S.STOPPING:
             self._go(S.STOPPING)
@@ -667,6 +672,8 @@ class WorkerSession:
         if state is self.state:
             return
         previous, self.state = self.state, state
+        if state is S.STOPPING:
+            self._stopping_from_training = previous is S.TRAINING
         self._out.append(StateChanged(state, previous))
 
     def _note(self, level: str, text: str) -> None:

@@ -63,11 +63,14 @@ def _timeline() -> Timeline:
     return rec.finish(10.0)
 
 
-def test_worker_state_has_exactly_five_states_each_with_a_colour():
-    assert [s.value for s in WorkerState] == ["training", "waiting", "paused", "dead", "stopped"]
+def test_the_timeline_draws_the_workers_own_states_each_with_its_own_colour():
+    from diloco.worker.states import WorkerState as SessionState
+    assert WorkerState is SessionState  # one vocabulary: worker, simulator, plots
+    assert [s.value for s in WorkerState] == ["joining", "training", "waiting", "paused", "stopping", "stopped",
+                                              "frozen", "dead"]
     assert set(STATE_COLOURS) == set(WorkerState)
-    assert len(set(STATE_COLOURS.values())) == 5
-    assert W.PAUSED.colour == STATE_COLOURS[W.PAUSED] and W("dead") is W.DEAD
+    assert len(set(STATE_COLOURS.values())) == len(WorkerState)
+    assert W("dead") is W.DEAD
 
 
 def test_recorder_builds_closed_intervals():

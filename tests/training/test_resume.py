@@ -85,7 +85,7 @@ def test_save_and_stop_then_resume_loses_nothing(tmp_path, a_stops):
         run.start(a, gated_batches(SEEDS["a"], 7, reached, go, 0.1 if mid_round else 0.0), max_steps=STEPS)
         run.start(b, batches(SEEDS["b"]), max_steps=STEPS)
         assert reached.wait(20.0)
-        wait_for(lambda: b.state == "syncing" and b.inner_step == 10, 10.0, "B waiting at round 1")
+        wait_for(lambda: b.state == "waiting" and b.inner_step == 10, 10.0, "B waiting at round 1")
         assert run.admin("shutdown", kind="save_and_stop").ok
         if mid_round:
             time.sleep(0.6)

@@ -117,7 +117,7 @@ def test_rejoin_onto_a_parked_contribution_waits_for_its_result():
     script.handle("b", Join("b", PROTOCOL_VERSION, spec, {}))
 
     def scenario():
-        assert w.state == "syncing" and c.status()["fragments"][0]["contributed"] == ["a"]
+        assert w.state == "waiting" and c.status()["fragments"][0]["contributed"] == ["a"]
         script.partitioned = True
         while c.fsm.is_member("a"):
             clock.advance(0.2)
@@ -130,7 +130,7 @@ def test_rejoin_onto_a_parked_contribution_waits_for_its_result():
             yield
         (welcome,) = [m for m in script.delivered if type(m).__name__ == "Welcome"][1:]
         assert welcome.parked == ((0, 0),)
-        assert w.state == "syncing" and w._waiting == {0: 0}, "the re-joined worker must wait on its parked round"
+        assert w.state == "waiting" and w.session.waiting == {0: 0}, "the re-joined worker must wait on its parked round"
         script.handle("b", Submit("b", 0, 0, pseudo_gradient(0.1)))
         yield
 
@@ -171,7 +171,7 @@ def test_held_limit_is_retried_after_an_interval():
 
 def test_coordinator_silence_stops_the_worker_with_its_checkpoint(tmp_path):
     clock, c, script, w, states, spec = setup(min_workers=2, heartbeat_timeout_s=1.0)
-    w.coordinator_timeout_s = 5.0
+    w.session.coordinator_timeout_s = 5.0
     from diloco.worker.checkpoint import checkpoint_path
     w.checkpoint_path = checkpoint_path(tmp_path, "a")
     w.join()
@@ -203,7 +203,7 @@ def test_refused_submission_rejoins_and_takes_the_welcome(code):
         script.handle("admin", AdminRequest("kick", {"worker_id": "a"}))
         script.handle("b", Submit("b", 0, 0, pseudo_gradient(0.1)))   # round 0 applies with B alone
     else:
-        w._round_ids[0] = 5  # a worker that believes round 5 is open
+        w.session.round_ids[0] = 5  # a worker that believes round 5 is open
     assert train_step(w, 0) is True
     w.inner_optimizer.zero_grad()
     mse_loss(w.model, batch_at(0, 1)).backward()
@@ -220,11 +220,11 @@ def test_refused_submission_rejoins_and_takes_the_welcome(code):
         # Nothing applied: round 0 is still open and A's local progress is still valid from
         # its base, so A keeps it, and is placed back on the run's schedule (round 0 closes
         # at schedule step 2, counted from the Welcome): two more steps, then it submits.
-        assert w.round_ids == (0,) and w._waiting == {}
+        assert w.round_ids == (0,) and w.session.waiting == {}
         assert all(torch.equal(p, local[n]) for n, p in w.model.named_parameters())
 
         def b_contributes():
-            while w._waiting != {0: 0}:
+            while w.session.waiting != {0: 0}:
                 yield
             assert w.inner_step == 4 and c.status()["fragments"][0]["contributed"] == ["a"]
             script.handle("b", Submit("b", 0, 0, pseudo_gradient(0.1)))
