@@ -5,3 +5,13 @@ contributors. See SPEC.md.
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # ``diloco.Worker`` loads torch and the worker on first use, so ``diloco --help`` stays fast.
+    if name == "Worker":
+        from diloco.worker.api import Worker
+
+        globals()["Worker"] = Worker
+        return Worker
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
