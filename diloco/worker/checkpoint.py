@@ -150,3 +150,38 @@ def _typed(meta: dict, key: str, kind: type):
     if isinstance(value, bool) or not isinstance(value, kind):
         raise CheckpointError(f"field {key!r} is {value!r}; expected {kind.__name__}")
     return value
+
+
+def restore_worker(path: pathlib.Path, worker_id: str, sync_every: int, model: torch.nn.Module,
+                   optimizer: torch.optim.Optimizer) -> WorkerCheckpoint:
+    """Load ``path`` into ``model`` and ``optimizer`` after checking it is this worker's and fits.
+
+    Returns the checkpoint (its schedule and global copy are the caller's to take);
+    raises ``DilocoWorkerError`` with code ``bad_checkpoint`` naming what does not fit.
+    """
+    from diloco.worker.errors import DilocoWorkerError
+
+    try:
+        ckpt = load_worker_checkpoint(path)
+    except CheckpointError as exc:
+        raise DilocoWorkerError(str(exc), "bad_checkpoint") from None
+    if ckpt.worker_id != worker_id:
+        raise DilocoWorkerError(f"{path} belongs to worker {ckpt.worker_id!r}, not {worker_id!r}", "bad_checkpoint")
+    if ckpt.sync_every != sync_every:
+        raise DilocoWorkerError(f"{path} was saved with sync_every={ckpt.sync_every}; this worker has "
+                                f"sync_every={sync_every}", "bad_checkpoint")
+    params = dict(model.named_parameters())
+    for n, t in ckpt.global_params.items():
+        p = params.get(n)
+        if p is None or tuple(p.shape) != tuple(t.shape):
+            raise DilocoWorkerError(f"{path}: global copy of {n!r} does not fit this model", "bad_checkpoint")
+    try:
+        model.load_state_dict(ckpt.model_state)
+    except (RuntimeError, KeyError, ValueError) as exc:
+        raise DilocoWorkerError(f"{path}: the model state does not fit this model: {exc}", "bad_checkpoint") from None
+    try:
+        optimizer.load_state_dict(ckpt.optimizer_state)
+    except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+        raise DilocoWorkerError(f"{path}: the inner optimizer state does not fit this optimizer: {exc}",
+                                "bad_checkpoint") from None
+    return ckpt

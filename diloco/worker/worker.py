@@ -66,9 +66,8 @@ from typing import Callable
 
 import torch
 
-from diloco.tensorfile import CheckpointError
-from diloco.transport.base import AuthRefused, TransportError, WorkerEndpoint
-from diloco.transport.messages import PROTOCOL_VERSION, Join, Message, Submit, TensorSpec, Tensors
+from diloco.transport.base import WorkerEndpoint
+from diloco.transport.messages import PROTOCOL_VERSION, Join, Submit, TensorSpec, Tensors
 from diloco.worker.actions import (
     MODEL_ACTIONS,
     Action,
@@ -82,12 +81,9 @@ from diloco.worker.actions import (
     Stop,
     SubmitFragment,
 )
-from diloco.worker.checkpoint import (
-    WorkerCheckpoint,
-    checkpoint_path,
-    load_worker_checkpoint,
-    save_worker_checkpoint,
-)
+from diloco.worker.checkpoint import WorkerCheckpoint, checkpoint_path, restore_worker, save_worker_checkpoint
+from diloco.worker.errors import DilocoWorkerError
+from diloco.worker.link import Link
 from diloco.worker.session import DEFAULT_COORDINATOR_TIMEOUT_S, WorkerSession
 from diloco.worker.states import WorkerState
 
@@ -95,19 +91,9 @@ log = logging.getLogger("diloco.worker")
 
 S = WorkerState
 
-#: How often the communication thread looks for something to send while nothing arrives.
-COMM_POLL_S = 0.01
 _LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
 
 __all__ = ["DEFAULT_COORDINATOR_TIMEOUT_S", "DilocoWorker", "DilocoWorkerError"]
-
-
-class DilocoWorkerError(Exception):
-    """The run refused this worker, or the worker cannot continue; ``code`` says why."""
-
-    def __init__(self, message: str, code: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class DilocoWorker:
@@ -139,11 +125,10 @@ class DilocoWorker:
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.endpoint = endpoint
+        self.link = Link(endpoint, worker_id, threaded=(clock is None) if comm_thread is None else bool(comm_thread))
         self.worker_id = worker_id
         self.sync_every = sync_every
         self.poll_interval_s = float(poll_interval_s)
-        # A fake clock cannot pace a real thread's waits: with one, the training thread pumps.
-        self.uses_comm_thread = (clock is None) if comm_thread is None else bool(comm_thread)
         self._clock = clock or time.monotonic
         self._on_state = on_state
         self._on_outage = on_outage
@@ -156,15 +141,13 @@ class DilocoWorker:
         self.last_update_norm = math.nan
         self._global: Tensors = {}                    # fp32 copy of the global params
 
-        self._lock = threading.RLock()                # guards the session and the queues
+        self._lock = threading.RLock()                # guards the session and the model queue
         self._wake = threading.Condition(self._lock)
+        #: What the communication thread's events ask of the model, for the training thread.
         self._model_queue: collections.deque[Action] = collections.deque()
-        self._outbox: collections.deque[Message] = collections.deque()
         self._error: DilocoWorkerError | None = None
         self._stop_request: bool | None = None        # save? (set by request_stop, any thread or a signal)
         self._training_thread: int | None = None
-        self._comm: threading.Thread | None = None
-        self._closing = threading.Event()
         self._left = False
 
         self.checkpoint_path = checkpoint_path(checkpoint_dir, worker_id) if checkpoint_dir is not None else None
@@ -243,6 +226,11 @@ class DilocoWorker:
     def stopped(self) -> bool:
         return self.session.stopped
 
+    @property
+    def uses_comm_thread(self) -> bool:
+        """True when a communication thread owns the endpoint (the default with the real clock)."""
+        return self.link.threaded
+
     # ------------------------------------------------------------------ public
 
     def request_stop(self, save: bool = False) -> None:
@@ -264,9 +252,8 @@ class DilocoWorker:
                 raise DilocoWorkerError(f"worker {self.worker_id!r} is stopped ({self.stop_reason}); make a new one")
             raise DilocoWorkerError(f"worker {self.worker_id!r} has already joined")
         self._training_thread = threading.get_ident()
-        if self.uses_comm_thread:
-            self._comm = threading.Thread(target=self._comm_loop, name=f"diloco-comm-{self.worker_id}", daemon=True)
-            self._comm.start()
+        # A fake clock cannot pace a real thread's waits: with one, the training thread pumps.
+        self.link.start(self._pump, lambda: self.session.state is S.STOPPED, self._comm_failed)
         try:
             with self._lock:
                 actions = self.session.start(self._clock())
@@ -304,21 +291,13 @@ class DilocoWorker:
         if self._left:
             return
         self._left = True
-        self._stop_comm_thread()
+        self.link.stop()
         with self._lock:
             actions = self.session.leave(self._clock())
-        for message in self._take_outbox() + [a.message for a in actions if isinstance(a, Send)]:
-            try:
-                self.endpoint.send(message)
-            except TransportError:
-                pass
+        self.link.close([a.message for a in actions if isinstance(a, Send)])
         for a in actions:
             if isinstance(a, StateChanged):
                 self._state_changed(a.state)
-        try:
-            self.endpoint.close()
-        except TransportError:
-            pass
 
     def save_checkpoint(self) -> None:
         """Write ``<checkpoint_dir>/worker-<id>.ckpt`` now (atomic)."""
@@ -376,87 +355,32 @@ class DilocoWorker:
 
     # ------------------------------------------------------------------ the endpoint
 
-    def _comm_loop(self) -> None:
-        """The communication thread: send what is queued, receive, tick the session."""
-        try:
-            while not self._closing.is_set():
-                for message in self._take_outbox():
-                    self._send(message)
-                self._pump(COMM_POLL_S)
-                if self.uses_comm_thread and self._stop_request is not None:
-                    with self._lock:
-                        self._wake.notify_all()
-                if self.session.state is S.STOPPED:
-                    for message in self._take_outbox():
-                        self._send(message)
-                    return
-        except DilocoWorkerError as exc:
-            with self._lock:
-                self._error = self._error or exc
-                self._wake.notify_all()
-        except Exception as exc:  # a bug here must reach the training thread, not die silently
-            log.exception("worker %s: communication thread failed", self.worker_id)
-            with self._lock:
-                self._error = self._error or DilocoWorkerError(f"communication thread failed: {exc!r}", "internal")
-                self._wake.notify_all()
-
     def _pump(self, timeout_s: float, only_if_expected: bool = False) -> None:
-        """Receive what arrived (waiting up to ``timeout_s``) and tick the session."""
+        """Receive what arrived (waiting up to ``timeout_s``) and tick the session.
+
+        The communication thread's turn; without that thread, the training thread's.
+        """
+        if self.link.on_comm_thread and self._stop_request is not None:
+            with self._lock:
+                self._wake.notify_all()  # the training thread takes the stop
         if not only_if_expected or self.session.awaiting_replies:
-            msg = self._recv(timeout_s)
+            msg = self.link.recv(timeout_s)
             while msg is not None:
                 with self._lock:
                     actions = self.session.on_message(msg, self._clock())
                 self._run(actions)
-                msg = self._recv(0.0)
+                msg = self.link.recv(0.0)
         with self._lock:
-            actions = self.session.tick(self._clock(), self._transport_silence())
+            actions = self.session.tick(self._clock(), self.link.transport_silence())
         self._run(actions)
 
-    def _transport_silence(self) -> float | None:
-        probe = getattr(self.endpoint, "silence_s", None)
-        if not callable(probe):
-            return None
-        try:
-            return float(probe())
-        except Exception:  # a transport's probe must never break training
-            return None
-
-    def _send(self, message: Message) -> None:
-        try:
-            self.endpoint.send(message)
-        except AuthRefused as exc:
-            raise DilocoWorkerError(f"worker {self.worker_id!r}: {exc}", "auth_refused") from exc
-        except TransportError as exc:
-            raise DilocoWorkerError(f"worker {self.worker_id!r}: cannot send {type(message).__name__}: {exc}",
-                                    "transport") from exc
-
-    def _recv(self, timeout_s: float) -> Message | None:
-        try:
-            return self.endpoint.recv(timeout_s)
-        except AuthRefused as exc:
-            raise DilocoWorkerError(f"worker {self.worker_id!r}: {exc}", "auth_refused") from exc
-        except TransportError as exc:
-            raise DilocoWorkerError(f"worker {self.worker_id!r}: cannot receive: {exc}", "transport") from exc
-
-    def _post(self, message: Message) -> None:
-        """Send from the training thread: through the communication thread when there is one."""
-        if self.uses_comm_thread and self._comm is not None and self._comm.is_alive():
-            with self._lock:
-                self._outbox.append(message)
-        else:
-            self._send(message)
-
-    def _take_outbox(self) -> list[Message]:
+    def _comm_failed(self, exc: BaseException) -> None:
+        if not isinstance(exc, DilocoWorkerError):
+            log.error("worker %s: communication thread failed", self.worker_id, exc_info=exc)
+            exc = DilocoWorkerError(f"communication thread failed: {exc!r}", "internal")
         with self._lock:
-            out = list(self._outbox)
-            self._outbox.clear()
-        return out
-
-    def _stop_comm_thread(self) -> None:
-        self._closing.set()
-        if self._comm is not None and self._comm is not threading.current_thread():
-            self._comm.join(timeout=5.0)
+            self._error = self._error or exc
+            self._wake.notify_all()
 
     # ------------------------------------------------------------------ actions
 
@@ -474,9 +398,9 @@ class DilocoWorker:
                 continue
             if isinstance(action, Send):
                 if on_training_thread:
-                    self._post(action.message)
+                    self.link.post(action.message)
                 else:
-                    self._send(action.message)
+                    self.link.send(action.message)
             elif isinstance(action, StateChanged):
                 self._state_changed(action.state)
             elif isinstance(action, InstallParams):
@@ -485,7 +409,7 @@ class DilocoWorker:
                 self._submit(action)
             elif isinstance(action, SendJoinWithParams):
                 params = {n: p.detach().to("cpu", torch.float32).clone() for n, p in self._params.items()}
-                self._post(Join(self.worker_id, PROTOCOL_VERSION, self.session.spec, params))
+                self.link.post(Join(self.worker_id, PROTOCOL_VERSION, self.session.spec, params))
                 self.bytes_sent += _nbytes(params)
             elif isinstance(action, Stop):
                 self._stop(action)
@@ -526,7 +450,7 @@ class DilocoWorker:
         tensors = {n: self._global[n] - self._params[n].detach().to("cpu", torch.float32)
                    for n in self.session.fragments[action.fragment_id]}
         self.last_update_norm = math.sqrt(sum(float(torch.linalg.vector_norm(t)) ** 2 for t in tensors.values()))
-        self._post(Submit(self.worker_id, action.fragment_id, action.round_id, tensors))
+        self.link.post(Submit(self.worker_id, action.fragment_id, action.round_id, tensors))
         self.bytes_sent += _nbytes(tensors)
 
     def _stop(self, action: Stop) -> None:
@@ -580,37 +504,14 @@ class DilocoWorker:
     # ------------------------------------------------------------------ restore
 
     def _restore(self) -> None:
-        path = self.checkpoint_path
-        try:
-            ckpt = load_worker_checkpoint(path)
-        except CheckpointError as exc:
-            raise DilocoWorkerError(str(exc), "bad_checkpoint") from None
-        if ckpt.worker_id != self.worker_id:
-            raise DilocoWorkerError(f"{path} belongs to worker {ckpt.worker_id!r}, not {self.worker_id!r}",
-                                    "bad_checkpoint")
-        if ckpt.sync_every != self.sync_every:
-            raise DilocoWorkerError(f"{path} was saved with sync_every={ckpt.sync_every}; this worker has "
-                                    f"sync_every={self.sync_every}", "bad_checkpoint")
-        try:
-            self.model.load_state_dict(ckpt.model_state)
-        except (RuntimeError, KeyError, ValueError) as exc:
-            raise DilocoWorkerError(f"{path}: the model state does not fit this model: {exc}",
-                                    "bad_checkpoint") from None
-        try:
-            self.inner_optimizer.load_state_dict(ckpt.optimizer_state)
-        except (RuntimeError, KeyError, ValueError, TypeError) as exc:
-            raise DilocoWorkerError(f"{path}: the inner optimizer state does not fit this optimizer: {exc}",
-                                    "bad_checkpoint") from None
-        for n, t in ckpt.global_params.items():
-            p = self._params.get(n)
-            if p is None or tuple(p.shape) != tuple(t.shape):
-                raise DilocoWorkerError(f"{path}: global copy of {n!r} does not fit this model", "bad_checkpoint")
+        ckpt = restore_worker(self.checkpoint_path, self.worker_id, self.sync_every, self.model,
+                              self.inner_optimizer)
         self._global = {n: t.to(torch.float32).clone() for n, t in ckpt.global_params.items()}
         self.session.restore(fragments=ckpt.fragments, round_ids=ckpt.round_ids, next_close=ckpt.next_close,
                              sched_step=ckpt.sched_step, inner_step=ckpt.inner_step,
                              rounds_synced=ckpt.rounds_synced, mode=ckpt.mode)
-        log.info("worker %s: restored from %s (inner step %d, round ids %s)", self.worker_id, path,
-                 ckpt.inner_step, ckpt.round_ids)
+        log.info("worker %s: restored from %s (inner step %d, round ids %s)", self.worker_id,
+                 self.checkpoint_path, ckpt.inner_step, ckpt.round_ids)
 
 
 def _nbytes(tensors: Tensors) -> int:
