@@ -76,9 +76,11 @@ class FSMConfig:
         if not isinstance(d, dict):
             raise ConfigError("config", d, "a dict of FSMConfig fields")
         known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(d) - known)
+        # repr-sorted: keys from a corrupt snapshot may be of mixed, unorderable types.
+        unknown = sorted((k for k in d if not (isinstance(k, str) and k in known)), key=repr)
         if unknown:
-            raise ConfigError(unknown[0], d[unknown[0]], f"one of the fields {sorted(known)}")
+            raise ConfigError(repr(unknown[0]) if not isinstance(unknown[0], str) else unknown[0],
+                              d[unknown[0]], f"one of the fields {sorted(known)}")
         return cls(**d)
 
 

@@ -42,5 +42,15 @@ class UnknownEventError(DriverError):
     """``step`` was given something that is not one of the core's events."""
 
 
+class InvalidEventError(UnknownEventError):
+    """An event of a known type with a field only a driver bug could produce.
+
+    ``Ticked(nan)``, ``Ticked(inf)``, ``WorkerLeft(cause="x")``, ``ShutdownRequested(kind="x")``:
+    the driver builds these fields itself, unlike ids and round numbers, which a remote peer
+    chose and which get a ``Reject`` instead (SPEC.md R2, R3). A subclass of
+    ``UnknownEventError`` so that code catching that keeps working.
+    """
+
+
 class SnapshotError(DilocoCoreError, ValueError):
     """A snapshot is corrupt, from an unknown format version, or inconsistent."""

@@ -34,6 +34,7 @@ Rule numbers (R1..R13, P1..P4) refer to SPEC.md.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -54,6 +55,7 @@ from diloco.core.effects import (
 from diloco.core.errors import (
     ClockWentBackwardsError,
     ConfigError,
+    InvalidEventError,
     MachineStoppedError,
     UnknownEventError,
 )
@@ -71,6 +73,7 @@ from diloco.core.phases import Phase, PhaseModel
 from diloco.core.quorum import QuorumDecision, quorum_decision
 from diloco.core.reasons import (
     DiscardReason,
+    LeaveCause,
     RejectReason,
     ReleaseOutcome,
     ShutdownKind,
@@ -119,6 +122,8 @@ class RoundFSM:
         """Feed one event; return the effects to execute, in order (SPEC.md section 5)."""
         handler = self._handlers.get(type(event))
         if handler is None:
+            handler = self._handler_for_subclass(event)
+        if handler is None:
             raise UnknownEventError(
                 f"step() takes one of the events in diloco.core.events, got {type(event).__name__}"
             )
@@ -129,6 +134,14 @@ class RoundFSM:
         effects: list[Effect] = []
         handler(event, effects)
         return effects
+
+    def _handler_for_subclass(self, event: object):
+        """An instance of a subclass of an event is that event (the exact-class lookup is the fast path)."""
+        for cls in type(event).__mro__[1:]:
+            handler = self._handlers.get(cls)
+            if handler is not None:
+                return handler
+        return None
 
     @property
     def phase(self) -> Phase:
@@ -258,8 +271,10 @@ class RoundFSM:
 
     def _on_tick(self, event: Ticked, effects: list[Effect]) -> None:
         now = event.now_s
-        if isinstance(now, bool) or not isinstance(now, (int, float)) or now != now:
-            raise ClockWentBackwardsError(f"Ticked.now_s must be a number of seconds, got {now!r}")
+        if isinstance(now, bool) or not isinstance(now, (int, float)) or not -math.inf < now < math.inf:
+            # Not a clock reading at all (NaN, infinity, a string): after Ticked(inf) no
+            # deadline could ever pass again, so it is refused like any malformed event.
+            raise InvalidEventError(f"Ticked.now_s must be a finite number of seconds, got {now!r}")
         if now < self._now_s:
             raise ClockWentBackwardsError(
                 f"Ticked(now_s={now!r}) is earlier than the machine's clock {self._now_s!r} (SPEC.md R9)"
@@ -321,7 +336,9 @@ class RoundFSM:
             for fid, lane in enumerate(self._lanes):
                 base = lane.held.get(wid)
                 if base is not None:
-                    lane.last_base[wid] = base
+                    # P3: it waits on its held contribution, and bases up to the version
+                    # before the one it joined at belong to earlier incarnations.
+                    lane.last_base[wid] = max(base, lane.version - 1)
                     parked.append((fid, base))
                 else:
                     # P3/R4: the joiner was given version ``lane.version``; a base older
@@ -331,6 +348,10 @@ class RoundFSM:
         self._after_membership_change(effects)
 
     def _on_leave(self, event: WorkerLeft, effects: list[Effect]) -> None:
+        try:
+            LeaveCause(event.cause)
+        except ValueError:
+            raise InvalidEventError(f"WorkerLeft.cause={event.cause!r} is not a LeaveCause") from None
         wid = event.worker_id
         # R3: a non-string (maybe unhashable) id is unknown, not a TypeError.
         if not isinstance(wid, str) or wid not in self._members:
@@ -425,7 +446,7 @@ class RoundFSM:
         try:
             kind = ShutdownKind(event.kind)
         except ValueError:
-            raise UnknownEventError(f"ShutdownRequested.kind={event.kind!r} is not a ShutdownKind") from None
+            raise InvalidEventError(f"ShutdownRequested.kind={event.kind!r} is not a ShutdownKind") from None
         if kind is ShutdownKind.DRAIN:
             if self._phase.state is Phase.DRAINING:
                 effects.append(Reject("", RejectReason.SHUTTING_DOWN, "the run is already draining"))

@@ -125,6 +125,7 @@ def load(snap: object) -> Parsed:
             last_base: dict[str, int] = {}
             for j, item in enumerate(_list(f.get("last_base"), f"{path}.last_base")):
                 wid, base = _pair(item, f"{path}.last_base[{j}]")
+                _wid(wid, f"{path}.last_base[{j}][0]", config)
                 if wid not in members:
                     raise SnapshotError(f"{path}.last_base[{j}]={wid!r}: not a member")
                 last_base[wid] = _int(base, f"{path}.last_base[{j}][1]", -1, version)  # -1: joined at version 0

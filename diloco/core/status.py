@@ -43,11 +43,18 @@ class StatusView:
 
     @property
     def parked_workers(self) -> tuple[str, ...]:
-        """Workers waiting on an accepted contribution, over all fragments, without repeats."""
+        """Members waiting on an accepted contribution, over all fragments, without repeats.
+
+        Parked means a live member at the barrier (SPEC.md section 4): a contributor that
+        has left is still listed in ``contributed`` / ``held`` (its work stays, P1) but
+        nobody waits on it, so it is not parked.
+        """
+        live = {m.worker_id for m in self.members}
         seen: dict[str, None] = {}
         for f in self.fragments:
             for wid in f.contributed + f.held:
-                seen[wid] = None
+                if wid in live:
+                    seen[wid] = None
         return tuple(seen)
 
     def to_dict(self) -> dict:

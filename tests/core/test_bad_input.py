@@ -18,6 +18,7 @@ import math
 import pytest
 
 from diloco.core import (
+    InvalidEventError,
     ClockWentBackwardsError,
     ConfigError,
     ContributionSubmitted,
@@ -260,10 +261,34 @@ def test_clock_going_backwards_raises_with_both_times():
     fsm = machine(J("A"), Ticked(5.0))
     _assert_raises_unchanged(fsm, Ticked(4.5), ClockWentBackwardsError,
                              r"^Ticked\(now_s=4\.5\) is earlier than the machine's clock 5\.0 \(SPEC\.md R9\)$")
-    for bad in (math.nan, "6", None, True):
-        _assert_raises_unchanged(fsm, Ticked(bad), ClockWentBackwardsError,
-                                 r"^Ticked\.now_s must be a number of seconds, got ")
     assert fsm.step(Ticked(5.0)) == []  # the same time is not backwards
+
+
+def test_a_tick_that_is_no_clock_reading_is_an_invalid_event_not_a_clock_going_back():
+    """NaN, a string, None, a bool: not time at all. Infinity: after it no deadline could
+    ever pass again (nobody could expire). All raise InvalidEventError, the state unchanged."""
+    fsm = machine(J("A"), Ticked(5.0))
+    for bad in (math.nan, math.inf, -math.inf, "6", None, True):
+        _assert_raises_unchanged(fsm, Ticked(bad), InvalidEventError,
+                                 r"^Ticked\.now_s must be a finite number of seconds, got ")
+    fsm.step(Ticked(1e12))  # a finite time, however large, is a clock reading: A expires
+    assert fsm.live_workers == 0
+
+
+def test_a_leave_with_a_cause_that_is_no_leave_cause_is_an_invalid_event():
+    fsm = machine(J("A"))
+    _assert_raises_unchanged(fsm, WorkerLeft("A", "evaporated"), InvalidEventError,
+                             r"^WorkerLeft\.cause='evaporated' is not a LeaveCause$")
+    assert fsm.is_member("A")
+
+
+def test_a_subclassed_event_is_that_event():
+    class MyJoin(WorkerJoined):
+        __slots__ = ()
+
+    fsm = machine()
+    effects = fsm.step(MyJoin("A"))
+    assert fsm.is_member("A") and any(type(e).__name__ == "AcceptJoin" for e in effects)
 
 
 def test_unknown_events_raise_naming_the_type():

@@ -277,7 +277,7 @@ def test_departed_contributor_counts_but_is_not_released():
     assert run.crash("A") == []  # 2 live >= 2: no quorum change; the round waits for B and C
     st = run.fsm.status()
     assert st.fragments[0].contributed == ("A",) and st.fragments[0].awaited == ("B", "C")
-    assert st.parked_workers == ("A",)
+    assert st.parked_workers == ()  # its work stays (P1), but a departed worker is parked nowhere
     run.submit("B", 0)
     assert run.submit("C", 0) == [
         AcceptContribution("C", 0, 0),
@@ -295,7 +295,8 @@ def test_departed_contributor_does_not_count_towards_quorum():
     run.crash("A")  # PAUSED: 1 live < 2
     assert run.submit("B", 0) == [AcceptContribution("B", 0, 0)]
     assert run.fsm.phase is Phase.PAUSED and run.fsm.rounds_applied == 0
-    assert set(run.parked) == {"A", "B"}
+    assert run.parked == ("B",)  # A's work stays pending (P1) but A is no member: parked is B alone
+    assert run.fsm.status().fragments[0].contributed == ("A", "B")
 
 
 def test_rejoin_of_a_departed_contributor_parks_it_and_can_complete_the_round():
@@ -521,3 +522,27 @@ def test_max_worker_id_len_limit():
     assert run.join("ABCD")[0] == AcceptJoin("ABCD", (0,))  # exactly at the limit: fine
     effects = run.join("ABCDE")
     assert effects[0].reason is RejectReason.INVALID_WORKER_ID and "at most 4 characters" in effects[0].detail
+
+
+def test_async_rejoin_onto_a_held_contribution_refuses_the_dead_incarnations_bases():
+    """P3: a worker re-joining while its old contribution (base 1) is still held is given
+    version 3; bases between the held one and the version before it joined at (here 2)
+    could only come from the dead incarnation and are refused. Found by an independent
+    checker written from SPEC.md: the last base used to be set to the held base (1)."""
+    fsm = RoundFSM(FSMConfig(min_workers=2, mode=Mode.ASYNC, max_staleness=3))
+    for w in "ABC":
+        fsm.step(WorkerJoined(w))
+    for base in (0, 1, 2):
+        fsm.step(ContributionSubmitted("B", 0, base))
+    assert fsm.open_round_ids() == (3,)
+    fsm.step(WorkerLeft("C", LeaveCause.CRASHED))
+    fsm.step(WorkerLeft("B", LeaveCause.CRASHED))               # below quorum: A's work is held
+    assert fsm.step(ContributionSubmitted("A", 0, 1)) == [AcceptContribution("A", 0, 1)]
+    fsm.step(WorkerLeft("A", LeaveCause.CRASHED))
+    assert fsm.step(WorkerJoined("A"))[0] == AcceptJoin("A", (3,), ((0, 1),))   # parked on base 1
+    effects = fsm.step(WorkerJoined("B"))                        # quorum: the held base 1 applies
+    assert ApplyRound(0, 3, ("A",)) in effects and fsm.open_round_ids() == (4,)
+    reject = fsm.step(ContributionSubmitted("A", 0, 2))
+    assert [type(e) for e in reject] == [Reject] and reject[0].reason is RejectReason.DUPLICATE
+    assert fsm.step(ContributionSubmitted("A", 0, 3)) == [AcceptContribution("A", 0, 3), ApplyRound(0, 4, ("A",)),
+                                                         ReleaseWorker("A", 0, 3, APPLIED)]

@@ -481,7 +481,8 @@ class Tracker:
                 assert set(f.awaited) == set(self.live) - set(f.contributed), (
                     f"P2: fragment {f.fragment_id} awaits {f.awaited}; members {sorted(self.live)}, "
                     f"contributed {f.contributed}")
-        assert set(st.parked_workers) == {k[0] for k in self.pending}
+        # Parked = a live member waiting on its accepted work; a departed contributor is not.
+        assert set(st.parked_workers) == {k[0] for k in self.pending if k[0] in self.live}
         assert self.accepted_count == self.applied_count + self.discarded_count + len(self.pending), (
             f"I4: accepted {self.accepted_count} != applied {self.applied_count} + discarded "
             f"{self.discarded_count} + pending {len(self.pending)}")

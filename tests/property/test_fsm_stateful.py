@@ -26,6 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from diloco.core import (
     ClockWentBackwardsError,
+    InvalidEventError,
     ContributionSubmitted,
     DriverError,
     FSMConfig,
@@ -200,7 +201,7 @@ class FSMStateMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.running)
     @rule(
-        misuse=st.sampled_from(("backwards", "nan", "str", "bool", "object", "tuple", "none", "kind")),
+        misuse=st.sampled_from(("backwards", "nan", "str", "bool", "inf", "object", "tuple", "none", "kind")),
         back=st.sampled_from((1e-6, 1.0, 1e9)),
     )
     def driver_misuse(self, misuse, back):
@@ -209,9 +210,9 @@ class FSMStateMachine(RuleBasedStateMachine):
             if self.tracker.now_s == 0:
                 return
             self.expect_raise(Ticked(self.tracker.now_s - back), ClockWentBackwardsError)
-        elif misuse in ("nan", "str", "bool"):
-            value = {"nan": float("nan"), "str": "5", "bool": True}[misuse]
-            self.expect_raise(Ticked(value), ClockWentBackwardsError)
+        elif misuse in ("nan", "str", "bool", "inf"):
+            value = {"nan": float("nan"), "str": "5", "bool": True, "inf": float("inf")}[misuse]
+            self.expect_raise(Ticked(value), InvalidEventError)
         else:
             event = {"object": object(), "tuple": ("join", "A"), "none": None,
                      "kind": ShutdownRequested("bogus")}[misuse]

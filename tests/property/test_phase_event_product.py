@@ -5,9 +5,10 @@ or held, so the step has something to settle or discard). From there, every
 payload of every event type either
 
 * raises exactly the documented ``DriverError`` subclass -- ``UnknownEventError``
-  for something that is not an event (or an unknown shutdown kind),
-  ``MachineStoppedError`` for any event into STOPPED (R12),
-  ``ClockWentBackwardsError`` for a tick earlier than the clock or not a number
+  for something that is not an event, ``InvalidEventError`` for an event whose
+  driver-built field is impossible (an unknown shutdown kind or leave cause, a
+  tick that is not a finite number), ``MachineStoppedError`` for any event into
+  STOPPED (R12), ``ClockWentBackwardsError`` for a tick earlier than the clock
   (R9) -- and leaves the snapshot unchanged; or
 * returns effects that the tracking model accepts, lands in a phase of the
   graph with the invariants intact (I1-I7, I11, I12), and if it is a
@@ -27,6 +28,7 @@ from hypothesis import strategies as st
 
 from diloco.core import (
     ClockWentBackwardsError,
+    InvalidEventError,
     ContributionSubmitted,
     DriverError,
     FSMConfig,
@@ -90,9 +92,9 @@ def payloads(fsm: RoundFSM) -> dict[str, list]:
             S("A", 0, open_id - 1), S("Z", 0, 0), S("A", 9, open_id), S("A", -1, open_id),
             S("A", True, open_id), S("A", 0, "1"), S("A", 0, 1.0), S("A", 0, None), S(("A",), 0, 0),
         ],
-        "WorkerLeft": [L("A"), L("B", LeaveCause.KICKED), L("C", CRASH), L("Z"), L(3)],
+        "WorkerLeft": [L("A"), L("B", LeaveCause.KICKED), L("C", CRASH), L("Z"), L(3), L("A", "evaporated")],
         "Ticked": [Ticked(now), Ticked(now + 1.0), Ticked(now + 100.0), Ticked(now - 1.0),
-                   Ticked(math.nan), Ticked("1"), Ticked(True)],
+                   Ticked(math.nan), Ticked(math.inf), Ticked("1"), Ticked(True)],
         "MinWorkersChanged": [MinWorkersChanged(n) for n in (1, 2, 3, 0, -1, 10**9, "1", True, 1.5)],
         "ShutdownRequested": [ShutdownRequested(k) for k in ShutdownKind] + [ShutdownRequested("bogus")],
         "not-an-event": [NotAnEvent(), None, ("WorkerJoined", "A"), "heartbeat"],
@@ -107,10 +109,14 @@ def expected_error(fsm: RoundFSM, event: object) -> type | None:
         return MachineStoppedError
     if isinstance(event, Ticked):
         t = event.now_s
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or t != t or t < fsm.now_s:
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not -math.inf < t < math.inf:
+            return InvalidEventError
+        if t < fsm.now_s:
             return ClockWentBackwardsError
     if isinstance(event, ShutdownRequested) and event.kind not in {k.value for k in ShutdownKind}:
-        return UnknownEventError
+        return InvalidEventError
+    if isinstance(event, L) and event.cause not in {c.value for c in LeaveCause}:
+        return InvalidEventError
     return None
 
 

@@ -25,6 +25,7 @@ from diloco.core import (
     AcceptJoin,
     ApplyRound,
     ClockWentBackwardsError,
+    InvalidEventError,
     ContributionSubmitted,
     DeclareDead,
     DiscardContribution,
@@ -132,7 +133,9 @@ class Reference:
                 for fid, version in enumerate(self.open):
                     self.last_base[(wid, fid)] = version - 1
                 for fid, base in parked:
-                    self.last_base[(wid, fid)] = base
+                    # Its held contribution's base may be newer than that (held at the
+                    # current version): never lower the bar below either.
+                    self.last_base[(wid, fid)] = max(base, self.open[fid] - 1)
             out.append(AcceptJoin(wid, tuple(self.open), tuple(parked)))
             self.membership_changed(out, was_below, announce=False)
 
@@ -143,6 +146,8 @@ class Reference:
             out.append(self.unknown(ev.worker_id))
 
     def on_leave(self, ev, out, was_below):
+        if ev.cause not in {c.value for c in LeaveCause}:
+            raise InvalidEventError(repr(ev.cause))
         if not self.is_member(ev.worker_id):
             out.append(self.unknown(ev.worker_id))
             return
@@ -151,7 +156,9 @@ class Reference:
 
     def on_tick(self, ev, out, was_below):
         now = ev.now_s
-        if isinstance(now, bool) or not isinstance(now, (int, float)) or now != now or now < self.now:
+        if isinstance(now, bool) or not isinstance(now, (int, float)) or now != now or abs(now) == float("inf"):
+            raise InvalidEventError(repr(now))
+        if now < self.now:
             raise ClockWentBackwardsError(repr(now))
         self.now = float(now)
         # R9, literally: silence longer than the timeout means dead; in last-seen order.
@@ -176,7 +183,7 @@ class Reference:
         try:
             kind = ShutdownKind(ev.kind)
         except ValueError:
-            raise UnknownEventError(repr(ev.kind)) from None
+            raise InvalidEventError(repr(ev.kind)) from None
         if kind is ShutdownKind.DRAIN and self.phase is Phase.DRAINING:
             out.append(Reject("", RejectReason.SHUTTING_DOWN, ""))
         elif kind is ShutdownKind.DRAIN and self.sync and not self.below():
