@@ -150,6 +150,7 @@ class WorkerSession:
         self.welcomed = False
         self.restored = False
         self._unacked: deque[int] = deque()          # fragments of Submits not yet answered, in order
+        self._last_submit: tuple[int, int] | None = None  # (fragment, round) of the latest Submit
         self._hb_outstanding = 0
         # Replies due to heartbeats sent before the current wait began say nothing about the
         # quorum *at* the sync point, so they never pause the worker (W6).
@@ -256,10 +257,18 @@ class WorkerSession:
         elif isinstance(msg, HeartbeatReply):
             self._on_heartbeat_reply(msg)
         elif isinstance(msg, Result):
-            self._on_result(msg)
+            self._on_result(msg, now)
         elif isinstance(msg, Accepted):
             if msg.fragment_id in self._unacked:
                 self._unacked.remove(msg.fragment_id)
+            if (msg.fragment_id, msg.round_id) == self._last_submit:
+                # The latest Submit's answer. On this FIFO connection every heartbeat sent before
+                # that Submit has been answered by now or was lost with the link: replies still
+                # counted stale will never come (W6 would ignore as many fresh ones, in every wait
+                # to come), and Submits still unanswered lost their answers.
+                self._hb_outstanding -= self._stale_replies
+                self._stale_replies = 0
+                self._unacked.clear()
         elif isinstance(msg, Error):
             self._on_error(msg, now)
         else:
@@ -446,6 +455,8 @@ class WorkerSession:
         self.min_workers = msg.min_workers
         command = command_of(msg.command)
         if self.state is S.STOPPING:
+            if self._ask_deadline is None:
+                return  # the stop's kind is settled and its Stop emitted: a second Stop would repeat it
             # The reply to the heartbeat that asked what kind of stop this is (W12).
             reason = self._stop_cmd[0] if self._stop_cmd else "stop"
             if command is Command.SAVE_AND_STOP:
@@ -463,12 +474,16 @@ class WorkerSession:
         elif command is Command.SAVE_AND_STOP:
             self._stop_cmd = ("save_and_stop", True)
 
-    def _on_result(self, msg: Result) -> None:
+    def _on_result(self, msg: Result, now: float) -> None:
         fid = msg.fragment_id
         if self.waiting.get(fid) != msg.round_id:
             self._note("debug", f"ignoring a stale Result for fragment {fid} round {msg.round_id}")
             return
         outcome = msg.outcome.value if hasattr(msg.outcome, "value") else str(msg.outcome)
+        if outcome in ("applied", "applied_final", "stop") and fid in self._unacked:
+            # The Result answers its Submit too (its Accepted was lost): a later Error must not
+            # be taken for this fragment's (W8: a retry while TRAINING would break W5).
+            self._unacked.remove(fid)
         if outcome in ("applied", "applied_final"):
             del self.waiting[fid]
             self._out.append(InstallParams(fid, self.fragments[fid], msg.params, False, "Result"))
@@ -488,7 +503,7 @@ class WorkerSession:
             if self._stop_cmd is None:
                 self._stop_cmd = ("stop", None)  # ask: was it save-and-stop?
         else:
-            self._fail("bad_message", f"Result with unknown outcome {outcome!r}", None)
+            self._fail("bad_message", f"Result with unknown outcome {outcome!r}", now)  # ends a pause
 
     def _on_error(self, msg: Error, now: float) -> None:
         code = error_code(msg.code)
@@ -562,6 +577,7 @@ class WorkerSession:
         self._out.append(SubmitFragment(fid, rid))
         self.waiting[fid] = rid
         self._unacked.append(fid)
+        self._last_submit = (fid, rid)
         # Learn the quorum now rather than an interval later (a pause shows at once);
         # until that reply, what earlier replies said does not pause the worker (W6).
         self._stale_replies = self._hb_outstanding
