@@ -2,38 +2,34 @@
 
 A command module exposes ``register(subparsers)``, which adds its parser and
 sets ``handler`` (a callable taking the parsed args and returning an exit
-code). This file only wires them together and owns the exit-code contract:
-
-    0  success
-    1  the command ran and found a problem (failed check, invariant violated)
-    2  bad usage (argparse) or bad input (unreadable file, invalid value)
-    3  could not reach the coordinator within the timeout (admin commands: --timeout;
-       ``diloco worker``: gave up after --coordinator-timeout, checkpoint written)
-    4  the coordinator refused this client's key (authentication)
-    130 interrupted (Ctrl-C)
+code). This file only wires them together; the exit codes and ``UsageError``
+live in ``diloco.exits``, which the subcommands import. The command modules
+are light (they import torch, zmq and the rest inside their handlers), so
+``diloco --help`` starts fast.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
 
 from diloco import __version__
+from diloco.demo import command as demo_command
+from diloco.deploy import commands as deploy_commands
+from diloco.exits import (  # noqa: F401  (re-exported: the exit-code contract, for callers of main)
+    EXIT_AUTH_REFUSED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_PROBLEM,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    UsageError,
+)
+from diloco.sim import command as sim_command
 
 #: Modules that register subcommands, in the order ``--help`` lists them.
-COMMAND_MODULES: tuple[str, ...] = (
-    "diloco.demo.command",
-    "diloco.deploy.commands",
-    "diloco.sim.command",
-)
-
-EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_AUTH_REFUSED, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
-
-
-class UsageError(Exception):
-    """Bad input found after parsing (a file that is not there, an invalid combination)."""
+COMMAND_MODULES = (demo_command, deploy_commands, sim_command)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"diloco {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages to stderr")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
+    for module in COMMAND_MODULES:
+        module.register(sub)
     return parser
 
 

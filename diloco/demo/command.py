@@ -89,7 +89,7 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from diloco.baselines import TrainSettings
-    from diloco.cli import UsageError
+    from diloco.exits import UsageError
     from diloco.data import CorpusError
     from diloco.demo.run import DemoConfig, DemoError, run_demo
 

@@ -1,6 +1,6 @@
 """CLI commands for ZeroMQ deployments: server, worker, status, shutdown, set-min-workers, kick.
 
-Exit codes follow ``diloco.cli``: 0 ok; 1 the command ran and the
+Exit codes follow ``diloco.exits``: 0 ok; 1 the command ran and the
 coordinator refused it (or a worker failed); 2 bad usage or input; 3 the
 coordinator did not answer within ``--timeout``; 130 interrupted.
 """
@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from diloco.cli import EXIT_AUTH_REFUSED, EXIT_OK, EXIT_PROBLEM, EXIT_UNREACHABLE, UsageError
+from diloco.exits import EXIT_AUTH_REFUSED, EXIT_OK, EXIT_PROBLEM, EXIT_UNREACHABLE, UsageError
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 

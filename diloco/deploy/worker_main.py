@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from diloco.cli import EXIT_AUTH_REFUSED, EXIT_OK, EXIT_PROBLEM, EXIT_UNREACHABLE, UsageError
+from diloco.exits import EXIT_AUTH_REFUSED, EXIT_OK, EXIT_PROBLEM, EXIT_UNREACHABLE, UsageError
 
 DEFAULT_ENTRY = "diloco.deploy.default_entry:make_setup"
 

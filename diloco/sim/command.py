@@ -95,7 +95,7 @@ _OVERRIDES = ("workers", "rounds", "faults", "mode", "fragments", "shutdown")
 
 
 def _usage(msg: str):
-    from diloco.cli import UsageError
+    from diloco.exits import UsageError
 
     return UsageError(msg)
 
