@@ -15,7 +15,7 @@ from diloco.core.reasons import LeaveCause, ShutdownKind
 
 @dataclass(frozen=True, slots=True)
 class WorkerJoined:
-    """A worker asked to join the run (a re-join of a live member restarts it, SPEC.md R6)."""
+    """A worker asked to join the run (the id of a live member is refused, `already_member`, SPEC.md R6)."""
 
     worker_id: str
 

@@ -210,7 +210,7 @@ class RoundFSM:
         )
 
     def snapshot(self) -> dict:
-        """Plain msgpack-serialisable state with a format version (SPEC.md section 8)."""
+        """Plain msgpack-serialisable state with a format version (SPEC.md section 10)."""
         return _snapshot.dump(
             config=self.config.to_dict(),
             phase=self.phase,
@@ -409,7 +409,7 @@ class RoundFSM:
             effects.append(Reject(
                 wid, RejectReason.STALE_ROUND,
                 f"fragment {fid}: base version {base} is {lane.version - base} versions old; "
-                f"max_staleness={self.config.max_staleness} (R10)",
+                f"max_staleness={self.config.max_staleness} (P3)",
             ))
             return
         if wid in lane.held or base <= lane.last_base.get(wid, -1):
@@ -545,7 +545,7 @@ class RoundFSM:
         else:
             for fid in fragment_ids:
                 lane = self._lanes[fid]
-                # R10: held contributions apply one by one, in arrival order.
+                # P3: held contributions apply one by one, in arrival order.
                 while lane.held:
                     wid = next(iter(lane.held))
                     base = lane.held.pop(wid)

@@ -101,7 +101,7 @@ class Tracker:
     next_round: list[int] = field(default_factory=list)
     #: accepted, not yet applied or discarded (I4), in acceptance order.
     pending: dict[Key, None] = field(default_factory=dict)
-    #: async: (worker, fragment) -> base of its last accepted contribution, this incarnation (R10).
+    #: async: (worker, fragment) -> base of its last accepted contribution, this incarnation (P3).
     last_base: dict[tuple[str, int], int] = field(default_factory=dict)
     #: (worker, fragment, round) of every contribution ever applied (sync round / async version), I2.
     applied: set[tuple[str, int, int]] = field(default_factory=set)
