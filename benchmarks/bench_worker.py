@@ -147,6 +147,9 @@ class RecordingWorkerEndpoint:
     def close(self) -> None:
         self._inner.close()
 
+    def wake(self) -> None:
+        self._inner.wake()  # the worker's communication thread is woken to send a queued Submit
+
 
 class RecordingCoordinatorEndpoint:
     """Forwards to the coordinator's endpoint; records when each Heartbeat arrives, by peer."""

@@ -43,6 +43,10 @@ class WorkerEndpoint(Protocol):
     def send(self, message: Message) -> None: ...
 
     def recv(self, timeout_s: float) -> Message | None:
-        """The next message from the coordinator, or None after ``timeout_s``."""
+        """The next message from the coordinator, or None after ``timeout_s``.
+
+        Both transports also offer ``wake()`` (optional: the worker checks for it), which
+        ends a ``recv`` blocked in another thread at once, returning None.
+        """
 
     def close(self) -> None: ...

@@ -72,6 +72,9 @@ class Link:
         if self._thread is not None and self._thread.is_alive() and not self._closing.is_set():
             with self._outbox_lock:
                 self._outbox.append(message)
+            wake = getattr(self.endpoint, "wake", None)
+            if callable(wake):
+                wake()  # the thread sends it now, not at the end of its poll
         else:
             self.send(message)
 

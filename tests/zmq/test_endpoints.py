@@ -300,3 +300,39 @@ def test_worker_endpoint_is_safe_to_share_between_threads(coordinator):
             stop.set()
             th.join(3)
         assert len(got) == 50
+
+
+@pytest.mark.parametrize("transport", ["zmq", "inproc"])
+def test_wake_ends_a_blocked_recv_at_once_and_messages_still_flow(coordinator, transport):
+    """What the worker's communication thread relies on to send a queued Submit without
+    waiting out its poll: ``wake()`` from another thread returns a blocked ``recv`` (None)."""
+    from diloco.transport.inproc import InprocNetwork
+
+    if transport == "zmq":
+        ep = ZmqWorkerEndpoint(coordinator.address)
+    else:
+        ep = InprocNetwork().connect("w")
+    try:
+        got: list = []
+        started = time.monotonic()
+        t = threading.Thread(target=lambda: got.append((ep.recv(5.0), time.monotonic() - started)))
+        t.start()
+        time.sleep(0.1)
+        ep.wake()
+        t.join(2.0)
+        assert not t.is_alive() and got[0][0] is None and got[0][1] < 1.0, got
+        ep.wake()
+        ep.wake()  # extra wake-ups only make a recv return None early, never a message
+        assert ep.recv(0.0) is None
+        if transport == "zmq":
+            ep.send(Heartbeat("w"))
+            peer, msg = coordinator.recv(2.0)
+            coordinator.send(peer, HeartbeatReply(False, 1, "running"))
+            deadline = time.monotonic() + 2.0
+            reply = None
+            while reply is None and time.monotonic() < deadline:
+                reply = ep.recv(0.5)
+            assert isinstance(reply, HeartbeatReply)
+    finally:
+        ep.close()
+    ep.wake()  # after close: a no-op, never an error

@@ -109,6 +109,10 @@ class InprocCoordinatorEndpoint:
         self._closed = True
 
 
+#: Put in a worker's inbox by ``wake``: ends a blocked ``recv`` without a message.
+_WAKE = object()
+
+
 class InprocWorkerEndpoint:
     def __init__(self, network: InprocNetwork, peer: str, inbox: queue.Queue) -> None:
         self._net = network
@@ -125,9 +129,18 @@ class InprocWorkerEndpoint:
         if self._closed:
             raise TransportClosed(f"endpoint {self.peer!r} is closed")
         try:
-            return self._inbox.get(timeout=max(0.0, timeout_s))
+            message = self._inbox.get(timeout=max(0.0, timeout_s))
         except queue.Empty:
             return None
+        return None if message is _WAKE else message
+
+    def wake(self) -> None:
+        """End a ``recv`` blocked in another thread now (it returns None). Thread-safe."""
+        if not self._closed:
+            try:
+                self._inbox.put_nowait(_WAKE)
+            except queue.Full:
+                pass  # full of messages: recv returns at once anyway
 
     def close(self) -> None:
         if not self._closed:

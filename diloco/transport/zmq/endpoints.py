@@ -519,6 +519,19 @@ class ZmqWorkerEndpoint:
         except zmq.ZMQError as exc:
             self._close_sockets()
             raise TransportError(f"cannot connect to {connect}: {exc}") from None
+        # A wake-up pipe polled with the DEALER: ``wake()`` (any thread) ends a blocking
+        # ``recv`` at once, so a thread that owns the endpoint sends what another queued
+        # without waiting out its poll.
+        self._wake_lock = threading.Lock()
+        self._wake_rx = self._ctx.socket(zmq.PAIR)
+        self._wake_tx = self._ctx.socket(zmq.PAIR)
+        wake_address = f"inproc://diloco-wake-{id(self)}"
+        self._wake_rx.bind(wake_address)
+        self._wake_tx.connect(wake_address)
+        _set(self._wake_tx, zmq.SNDHWM, 1)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._wake_rx, zmq.POLLIN)
         self._closed = False
         self._seq = 0
         self._assembler = framing.Assembler(o.max_message_bytes, max_partials=1)
@@ -602,7 +615,15 @@ class ZmqWorkerEndpoint:
                 self._check_handshake()
                 remaining = deadline - time.monotonic()
                 wait_ms = max(0, int(min(remaining, self._SLICE_S) * 1000 + 0.999)) if remaining > 0 else 0
-                if self._sock.poll(wait_ms, zmq.POLLIN):
+                ready = dict(self._poller.poll(wait_ms))
+                if self._wake_rx in ready:
+                    while True:
+                        try:
+                            self._wake_rx.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                    return None  # woken: the caller has something to do (see ``wake``)
+                if self._sock in ready:
                     frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     self._last_heard = self._clock()
                     if len(frames) == 1 and len(frames[0].buffer) == 0:
@@ -622,13 +643,26 @@ class ZmqWorkerEndpoint:
             if time.monotonic() >= deadline:
                 return None
 
+    def wake(self) -> None:
+        """End a ``recv`` blocked in another thread now (it returns None). Thread-safe, never blocks."""
+        with self._wake_lock:
+            if self._closed:
+                return
+            try:
+                self._wake_tx.send(b"", zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # a wake-up is already pending
+
     def close(self) -> None:
-        with self._lock:
+        with self._lock, self._wake_lock:
             if not self._closed:
                 self._closed = True
                 self._close_sockets()
 
     def _close_sockets(self) -> None:
+        for wake in (getattr(self, "_wake_tx", None), getattr(self, "_wake_rx", None)):
+            if wake is not None:
+                wake.close(0)
         _close(self._sock, self._monitor, self._ctx)
 
     def __enter__(self) -> "ZmqWorkerEndpoint":
