@@ -13,15 +13,14 @@ import torch
 from diloco.baselines import TrainSettings
 from diloco.data import Corpus, load_stdlib_text
 from diloco.models import ModelConfig
+from diloco.testing import one_torch_thread
 
 
 @pytest.fixture(autouse=True)
 def _one_thread():
     # Determinism and speed on a shared 2-core box; restore whatever was set.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,8 @@ import time
 import pytest
 import torch
 
+from diloco import testing
+
 
 @pytest.fixture(autouse=True)
 def no_thread_leaks():
@@ -25,10 +27,8 @@ def no_thread_leaks():
 @pytest.fixture(autouse=True)
 def one_torch_thread():
     # Several worker threads share 2 cores: intra-op threads would only oversubscribe them.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+    with testing.one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -9,19 +9,10 @@ import pytest
 import torch
 
 import diloco.worker.worker as worker_module
-from diloco.core import FSMConfig
-from diloco.coordinator import Coordinator, CoordinatorConfig
+from diloco.coordinator import Coordinator
+from diloco.testing import join_message, joined, make_coordinator
 from diloco.transport.inproc import InprocNetwork
-from diloco.transport.messages import (
-    PROTOCOL_VERSION,
-    Accepted,
-    Error,
-    ErrorCode,
-    Join,
-    Submit,
-    Welcome,
-    spec_of,
-)
+from diloco.transport.messages import PROTOCOL_VERSION, Accepted, Error, ErrorCode, Submit
 from diloco.worker import DilocoWorker, DilocoWorkerError, run_training
 from training_harness import LoopbackEndpoint, Run, batches, linear, mlp
 
@@ -29,10 +20,7 @@ P0 = {"w": torch.zeros(3, 2), "b": torch.zeros(3)}
 
 
 def coordinator(**fsm) -> Coordinator:
-    c = Coordinator(CoordinatorConfig(FSMConfig(**fsm)))
-    (_, welcome), = c.handle("a", Join("a", PROTOCOL_VERSION, spec_of(P0), P0), 0.0)
-    assert isinstance(welcome, Welcome)
-    return c
+    return joined(make_coordinator(**fsm), P0, "a")
 
 
 def refusal(c: Coordinator, tensors: dict[str, torch.Tensor]) -> Error:
@@ -74,8 +62,8 @@ def test_a_good_submission_after_bad_ones_is_accepted():
 
 
 def test_wrong_protocol_version_is_refused_naming_both_versions():
-    c = Coordinator(CoordinatorConfig())
-    (_, err), = c.handle("a", Join("a", PROTOCOL_VERSION + 98, spec_of(P0), P0), 0.0)
+    c = make_coordinator()
+    (_, err), = c.handle("a", join_message("a", P0, version=PROTOCOL_VERSION + 98), 0.0)
     assert isinstance(err, Error) and err.code is ErrorCode.PROTOCOL_VERSION
     assert str(PROTOCOL_VERSION + 98) in err.detail and f"version {PROTOCOL_VERSION}" in err.detail
     assert c.store is None and c.fsm.live_workers == 0
@@ -84,7 +72,7 @@ def test_wrong_protocol_version_is_refused_naming_both_versions():
 def test_worker_speaking_another_protocol_version_raises_naming_both(monkeypatch):
     monkeypatch.setattr(worker_module, "PROTOCOL_VERSION", PROTOCOL_VERSION + 1)
     model = linear(0)
-    c = Coordinator(CoordinatorConfig(), time.monotonic())
+    c = make_coordinator(time.monotonic())
     w = DilocoWorker(model, torch.optim.SGD(model.parameters(), lr=0.1), LoopbackEndpoint(c, "a"),
                      worker_id="a", sync_every=2)
     with pytest.raises(DilocoWorkerError) as info:
@@ -116,7 +104,7 @@ def test_a_mangled_submission_raises_tensor_mismatch_in_the_worker():
         return msg
 
     model = linear(0)
-    c = Coordinator(CoordinatorConfig(), time.monotonic())
+    c = make_coordinator(time.monotonic())
     w = DilocoWorker(model, torch.optim.SGD(model.parameters(), lr=0.1),
                      LoopbackEndpoint(c, "a", tamper=drop_bias), worker_id="a", sync_every=2)
     with pytest.raises(DilocoWorkerError) as info:
@@ -146,8 +134,8 @@ def test_join_timeout_s_is_a_deprecated_alias_of_coordinator_timeout_s():
 
 
 def test_joining_a_stopped_run_stops_the_worker_cleanly():
-    c = Coordinator(CoordinatorConfig(), time.monotonic())
-    c.handle("x", Join("x", PROTOCOL_VERSION, spec_of(P0), P0), time.monotonic())
+    c = make_coordinator(time.monotonic())
+    c.handle("x", join_message("x", P0), time.monotonic())
     from diloco.transport.messages import AdminRequest
     c.handle("admin", AdminRequest("shutdown", {"kind": "abort"}), time.monotonic())
     model = linear(0)
@@ -207,9 +195,9 @@ def _loss(model, batch):
 def test_first_join_with_non_fp32_params_is_refused_naming_the_tensor():
     """Regression: a bf16 first join used to be welcomed (the store converts to fp32), after
     which every later worker with the same bf16 spec was refused as model_mismatch."""
-    c = Coordinator(CoordinatorConfig())
+    c = make_coordinator()
     bf16 = {"w": torch.zeros(3, 2, dtype=torch.bfloat16), "b": torch.zeros(3)}
-    (_, err), = c.handle("a", Join("a", PROTOCOL_VERSION, spec_of(bf16), bf16), 0.0)
+    (_, err), = c.handle("a", join_message("a", bf16), 0.0)
     assert isinstance(err, Error) and err.code is ErrorCode.BAD_MESSAGE
     assert "'w'" in err.detail and "bfloat16" in err.detail and "float32" in err.detail
     assert c.store is None and c.fsm.live_workers == 0

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from diloco.coordinator import Coordinator, CoordinatorConfig
+from diloco.coordinator import Coordinator
 from diloco.coordinator.audit import AuditLog, Tee
 from diloco.coordinator.checkpoint import (
     FILENAME,
@@ -19,16 +19,16 @@ from diloco.coordinator.checkpoint import (
     save_coordinator,
 )
 from diloco.coordinator.runner import serve
-from diloco.core import FSMConfig
 from diloco.tensorfile import CheckpointError, save_tensorfile
-from diloco.transport.messages import PROTOCOL_VERSION, Error, Join, Result, Submit, spec_of
+from diloco.testing import join_message, make_coordinator
+from diloco.transport.messages import Error, Result, Submit
 
 
 def run_rounds(n: int, c: Coordinator | None = None) -> Coordinator:
-    c = c or Coordinator(CoordinatorConfig(fsm=FSMConfig(min_workers=1)))
+    c = c or make_coordinator(min_workers=1)
     params = {"layer.weight": torch.zeros(2, 3), "layer.bias": torch.zeros(3)}
     if not c.fsm.is_member("w1"):
-        c.handle("p", Join("w1", PROTOCOL_VERSION, spec_of(params), params), 1.0)
+        c.handle("p", join_message("w1", params), 1.0)
     for _ in range(n):
         rid = c.fsm.open_round_ids()[0]
         c.handle("p", Submit("w1", 0, rid, {k: torch.full_like(v, 0.1 * (rid + 1)) for k, v in params.items()}),
@@ -119,10 +119,10 @@ class RecordingEndpoint:
 def test_every_round_is_durable_and_logged_before_its_result_is_sent(tmp_path):
     ck = tmp_path / "ck"
     audit = AuditLog(ck)
-    c = Coordinator(CoordinatorConfig(fsm=FSMConfig(min_workers=1)), 0.0, observer=Tee(audit))
+    c = make_coordinator(observer=Tee(audit), min_workers=1)
     audit.attach(c)
     params = {"w": torch.zeros(4)}
-    items = [("p", Join("w1", PROTOCOL_VERSION, spec_of(params), params))]
+    items = [("p", join_message("w1", params))]
     items += [("p", Submit("w1", 0, r, {"w": torch.ones(4)})) for r in range(4)]
     items += [("p", Submit("w1", 0, 9, {"w": torch.ones(4)}))]  # ahead of the coordinator: reconciled
     endpoint = RecordingEndpoint(items, ck)
@@ -201,10 +201,10 @@ def test_a_failed_write_announces_nothing_and_logs_no_line(tmp_path, monkeypatch
 
     ck = tmp_path / "ck"
     audit = AuditLog(ck)
-    c = Coordinator(CoordinatorConfig(fsm=FSMConfig(min_workers=1)), 0.0, observer=Tee(audit))
+    c = make_coordinator(observer=Tee(audit), min_workers=1)
     audit.attach(c)
     params = {"w": torch.zeros(4)}
-    items = [("p", Join("w1", PROTOCOL_VERSION, spec_of(params), params)),
+    items = [("p", join_message("w1", params)),
              ("p", Submit("w1", 0, 0, {"w": torch.ones(4)}))]
     endpoint = RecordingEndpoint(items, ck)
 

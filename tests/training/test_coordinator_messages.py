@@ -13,17 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from diloco.core import FSMConfig, Mode
-from diloco.coordinator import Coordinator, CoordinatorConfig, OuterConfig
-from diloco.transport.messages import (
-    PROTOCOL_VERSION,
-    AdminRequest,
-    Join,
-    Result,
-    Submit,
-    Welcome,
-    spec_of,
-)
+from diloco.core import Mode
+from diloco.coordinator import Coordinator, OuterConfig
+from diloco.testing import join_message, joined, make_coordinator, only, replies
+from diloco.transport.messages import AdminRequest, Result, Submit, Welcome
 
 P0 = {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([0.5])}
 
@@ -33,18 +26,12 @@ def grad(v: float) -> dict[str, torch.Tensor]:
 
 
 def make(mode: Mode, min_workers: int) -> Coordinator:
-    return Coordinator(CoordinatorConfig(FSMConfig(min_workers=min_workers, mode=mode),
-                                         outer=OuterConfig("sgd", 1.0, 0.0)))
-
-
-def only(out, kind):
-    return [(peer, m) for peer, m in out if isinstance(m, kind)]
+    return make_coordinator(min_workers=min_workers, mode=mode, outer=OuterConfig("sgd", 1.0, 0.0))
 
 
 def test_sync_result_keeps_its_values_after_later_rounds():
-    c = make(Mode.SYNC, 1)
-    c.handle("a", Join("a", PROTOCOL_VERSION, spec_of(P0), P0), 0.0)
-    (_, first), = only(c.handle("a", Submit("a", 0, 0, grad(0.5)), 0.0), Result)
+    c = joined(make(Mode.SYNC, 1), P0, "a")
+    first = only(c.handle("a", Submit("a", 0, 0, grad(0.5)), 0.0), Result)
     kept = {n: t.clone() for n, t in first.params.items()}
     c.handle("a", Submit("a", 0, 1, grad(0.25)), 0.0)   # the driver has not sent `first` yet
     for n in P0:
@@ -54,22 +41,20 @@ def test_sync_result_keeps_its_values_after_later_rounds():
 
 def test_welcome_keeps_its_values_after_later_rounds():
     c = make(Mode.SYNC, 1)
-    (_, welcome), = only(c.handle("a", Join("a", PROTOCOL_VERSION, spec_of(P0), P0), 0.0), Welcome)
+    welcome = only(c.handle("a", join_message("a", P0), 0.0), Welcome)
     c.handle("a", Submit("a", 0, 0, grad(0.5)), 0.0)
     assert torch.equal(welcome.params["w"], P0["w"])
 
 
 def test_async_held_contributions_release_each_worker_at_its_own_version():
-    c = make(Mode.ASYNC, 2)
-    c.handle("a", Join("a", PROTOCOL_VERSION, spec_of(P0), P0), 0.0)
-    c.handle("b", Join("b", PROTOCOL_VERSION, spec_of(P0), P0), 0.0)
+    c = joined(make(Mode.ASYNC, 2), P0, "a", "b")
     # Below quorum: both contributions are held (SPEC.md P3) ...
     c.handle("admin", AdminRequest("set_min_workers", {"min_workers": 3}), 0.0)
-    assert not only(c.handle("a", Submit("a", 0, 0, grad(0.5)), 0.0), Result)
-    assert not only(c.handle("b", Submit("b", 0, 0, grad(0.25)), 0.0), Result)
+    assert not replies(c.handle("a", Submit("a", 0, 0, grad(0.5)), 0.0), Result)
+    assert not replies(c.handle("b", Submit("b", 0, 0, grad(0.25)), 0.0), Result)
     # ... and apply one by one, in arrival order, when the quorum returns.
     out = c.handle("admin", AdminRequest("set_min_workers", {"min_workers": 2}), 0.0)
-    res = dict(only(out, Result))
+    res = dict(replies(out, Result))
     assert (res["a"].next_round_id, res["b"].next_round_id) == (1, 2)
     # Outer SGD lr 1: version 1 = P0 - 0.5, version 2 = P0 - 0.75.
     assert torch.equal(res["a"].params["w"], P0["w"] - 0.5)
@@ -85,10 +70,10 @@ def test_key_bindings_of_departed_ids_are_bounded_oldest_first(monkeypatch):
     from diloco.transport.messages import Leave
 
     monkeypatch.setattr(service, "MAX_BOUND_IDS", 3)
-    c = Coordinator(CoordinatorConfig(fsm=FSMConfig(min_workers=1)))
+    c = make_coordinator(min_workers=1)
     key = SimpleNamespace(public_key="K" * 40, name="k")
     for i in range(6):
-        c.handle(f"p{i}", Join(f"w{i}", PROTOCOL_VERSION, spec_of(P0), P0), float(i), identity=key)
+        c.handle(f"p{i}", join_message(f"w{i}", P0), float(i), identity=key)
         assert c.fsm.is_member(f"w{i}")
         c.handle(f"p{i}", Leave(f"w{i}"), float(i) + 0.5, identity=key)
     assert list(c._keys) == ["w3", "w4", "w5"]

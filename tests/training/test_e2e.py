@@ -8,7 +8,8 @@ import torch
 
 from diloco.core import Mode
 from diloco.coordinator import OuterConfig
-from training_harness import Run, batches, linear, mlp, params_of
+from diloco.testing import params_of
+from training_harness import Run, batches, linear, mlp
 
 
 def test_after_every_sync_round_all_workers_hold_the_coordinators_params_bit_for_bit():

@@ -21,11 +21,11 @@ import weakref
 import pytest
 import torch
 
-from diloco.core import ConfigError, FSMConfig, Mode
+from diloco.core import ConfigError, Mode
 from diloco.coordinator import Coordinator, CoordinatorConfig, OuterConfig
 from diloco.coordinator.params import ParamStore, l2_norm
+from diloco.testing import join_message, joined, make_coordinator, only
 from diloco.transport.messages import (
-    PROTOCOL_VERSION,
     Accepted,
     Error,
     ErrorCode,
@@ -43,29 +43,14 @@ SANE = {"w": torch.tensor([[0.1, -0.2], [0.05, 0.0]]), "b": torch.tensor([0.3, -
 HUGE = 3e38  # finite in fp32 (largest: 3.4028e38); twice it is not
 
 
-def make(*, min_workers: int = 2, mode: Mode = Mode.SYNC, outer: OuterConfig | None = None,
-         max_update_norm: float | None = None, observer=None) -> Coordinator:
-    config = CoordinatorConfig(FSMConfig(min_workers=min_workers, mode=mode),
-                               outer=outer or OuterConfig("nesterov", 0.7, 0.9), max_update_norm=max_update_norm)
-    return Coordinator(config, observer=observer)
+def make(*, min_workers: int = 2, **config) -> Coordinator:
+    """Two workers by default; the outer optimizer is Nesterov 0.7 / 0.9 unless ``outer=`` says otherwise."""
+    return make_coordinator(min_workers=min_workers, **config)
 
 
 def join(c: Coordinator, wid: str, params=None) -> list:
-    params = P0 if params is None else params
-    return c.handle(wid, Join(wid, PROTOCOL_VERSION, spec_of(P0), params), 0.0)
-
-
-def joined(c: Coordinator, *wids: str) -> Coordinator:
-    for wid in wids:
-        out = join(c, wid)
-        assert any(isinstance(m, Welcome) for _, m in out), out
-    return c
-
-
-def only(out: list, typ):
-    found = [(p, m) for p, m in out if isinstance(m, typ)]
-    assert len(found) == 1, out
-    return found[0][1]
+    """``wid`` joins with P0's spec and ``params`` (default P0)."""
+    return c.handle(wid, join_message(wid, P0, params=P0 if params is None else params), 0.0)
 
 
 def full(value: float) -> dict[str, torch.Tensor]:
@@ -113,7 +98,7 @@ def test_a_first_join_with_nan_params_is_refused_naming_the_tensor_then_a_finite
 
 
 def test_a_submission_with_inf_is_non_finite_and_changes_nothing():
-    c = joined(make(), "a", "b")
+    c = joined(make(), P0, "a", "b")
     before, params = c.fsm.snapshot(), params_copy(c)
     (_, err), = c.handle("a", Submit("a", 0, 0, {"w": SANE["w"], "b": torch.tensor([1.0, float("inf")])}), 0.0)
     assert isinstance(err, Error) and err.code is ErrorCode.NON_FINITE and err.in_reply_to == "Submit"
@@ -137,7 +122,7 @@ def test_the_running_sum_of_two_huge_contributions_has_a_finite_mean():
         assert t.dtype == torch.float32 and torch.isfinite(t).all(), (n, t)
         assert torch.equal(t, torch.full_like(P0[n], HUGE))
     # Through the coordinator: plain SGD with lr 0.5 steps to -1.5e38, finite: applied.
-    c = joined(make(outer=OuterConfig("sgd", 0.5, 0.0)), "a", "b")
+    c = joined(make(outer=OuterConfig("sgd", 0.5, 0.0)), P0, "a", "b")
     c.handle("a", Submit("a", 0, 0, full(HUGE)), 0.0)
     out = c.handle("b", Submit("b", 0, 0, full(HUGE)), 0.0)
     assert {m.outcome for _, m in out if isinstance(m, Result)} == {"applied"}
@@ -150,7 +135,7 @@ def test_the_running_sum_of_two_huge_contributions_has_a_finite_mean():
 
 def test_an_outer_step_that_overflows_is_refused_and_undone_exactly():
     events = []
-    c = joined(make(observer=lambda kind, now, info: events.append((kind, info))), "a", "b")
+    c = joined(make(observer=lambda kind, now, info: events.append((kind, info))), P0, "a", "b")
     # Round 0 applies normally, so the optimizer has momentum to restore.
     c.handle("a", Submit("a", 0, 0, SANE), 0.0)
     c.handle("b", Submit("b", 0, 0, SANE), 0.0)
@@ -179,7 +164,7 @@ def test_an_outer_step_that_overflows_is_refused_and_undone_exactly():
     # Round 2 with sane values applies normally: exactly as if round 1 had never been.
     c.handle("a", Submit("a", 0, 2, SANE), 0.0)
     out = c.handle("b", Submit("b", 0, 2, SANE), 0.0)
-    ref = joined(make(), "a", "b")
+    ref = joined(make(), P0, "a", "b")
     for r in (0, 1):
         ref.handle("a", Submit("a", 0, r, SANE), 0.0)
         ref.handle("b", Submit("b", 0, r, SANE), 0.0)
@@ -191,7 +176,7 @@ def test_an_outer_step_that_overflows_is_refused_and_undone_exactly():
 
 def test_an_async_step_that_overflows_is_refused_too():
     c = make(min_workers=1, mode=Mode.ASYNC, outer=OuterConfig("delayed_nesterov", 0.7, 0.9, delay=1))
-    joined(c, "a")
+    joined(c, P0, "a")
     params, state = params_copy(c), opt_state(c)
     out = c.handle("a", Submit("a", 0, 0, full(3.4e38)), 0.0)
     result = only(out, Result)
@@ -222,7 +207,7 @@ def test_the_server_prints_a_refused_step_and_no_applied_line_for_it():
 
 
 def test_a_contribution_over_max_update_norm_is_refused_and_changes_nothing():
-    c = joined(make(max_update_norm=10.0), "a", "b")
+    c = joined(make(max_update_norm=10.0), P0, "a", "b")
     before, params = c.fsm.snapshot(), params_copy(c)
     (_, err), = c.handle("a", Submit("a", 0, 0, full(1e30)), 0.0)
     assert isinstance(err, Error) and err.code is ErrorCode.UPDATE_TOO_LARGE and err.in_reply_to == "Submit"
@@ -272,18 +257,18 @@ def test_server_settings_and_flag_set_max_update_norm():
 
 def test_a_spec_only_first_join_is_answered_params_required():
     c = make(min_workers=1)
-    (_, err), = c.handle("a", Join("a", PROTOCOL_VERSION, spec_of(P0)), 0.0)
+    (_, err), = c.handle("a", join_message("a", spec_of(P0)), 0.0)
     assert isinstance(err, Error) and err.code is ErrorCode.PARAMS_REQUIRED and err.in_reply_to == "Join"
     assert c.store is None and c.fsm.live_workers == 0
     welcome = only(join(c, "a"), Welcome)
     assert_bit_identical(dict(welcome.params), P0)
     # Once the run has params, a spec-only join is welcomed at once.
-    assert isinstance(only(c.handle("b", Join("b", PROTOCOL_VERSION, spec_of(P0)), 0.0), Welcome), Welcome)
+    assert isinstance(only(c.handle("b", join_message("b", spec_of(P0)), 0.0), Welcome), Welcome)
 
 
 def test_a_worker_sends_its_params_only_when_asked_and_trains():
     model = linear(0)
-    c = Coordinator(CoordinatorConfig(FSMConfig(min_workers=1)), time.monotonic())
+    c = make_coordinator(time.monotonic(), min_workers=1)
     ep = LoopbackEndpoint(c, "a")
     w = DilocoWorker(model, torch.optim.SGD(model.parameters(), lr=0.05), ep, worker_id="a", sync_every=2)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -313,10 +298,10 @@ def test_real_workers_over_the_inproc_transport_join_and_train():
 
 
 def test_a_later_join_with_params_is_welcomed_and_its_params_are_not_kept():
-    c = joined(make(), "a")
+    c = joined(make(), P0, "a")
     theirs = {n: torch.full_like(t, 7.0) for n, t in P0.items()}
     refs = [weakref.ref(t) for t in theirs.values()]
-    msg = Join("b", PROTOCOL_VERSION, spec_of(P0), theirs)
+    msg = join_message("b", theirs)
     out = c.handle("b", msg, 0.0)
     welcome = only(out, Welcome)
     assert_bit_identical(dict(welcome.params), P0)  # the run's params, not the joiner's

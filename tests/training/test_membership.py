@@ -8,8 +8,9 @@ import time
 import pytest
 import torch
 
+from diloco.testing import params_of
 from diloco.worker import DilocoWorker
-from training_harness import Run, batch_at, batches, linear, params_of, wait_for
+from training_harness import Run, batch_at, batches, linear, wait_for
 
 
 class Killed(Exception):

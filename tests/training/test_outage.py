@@ -13,9 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diloco.coordinator import Coordinator, CoordinatorConfig
-from diloco.core import FSMConfig
-from diloco.transport.messages import PROTOCOL_VERSION, Heartbeat, Join, Submit
+from diloco.testing import join_message, make_coordinator
+from diloco.transport.messages import Heartbeat, Join, Submit
 from diloco.worker import DilocoWorker
 from diloco.worker.session import OUTAGE_NOTICE_S, OUTAGE_REPORT_EVERY_S
 from test_scripted import FakeClock, Script, ScriptEndpoint, pseudo_gradient, train_step
@@ -37,7 +36,7 @@ class CountingEndpoint(ScriptEndpoint):
 
 def make(tmp_path, *, sync_every: int = 2, **fsm):
     clock = FakeClock(T0)
-    c = Coordinator(CoordinatorConfig(FSMConfig(**fsm)), clock())
+    c = make_coordinator(clock(), **fsm)
     script = Script(c, clock)
     model = linear(0)
     states: list[str] = []
@@ -118,7 +117,7 @@ def test_training_with_heartbeats_unanswered_gives_up_with_its_checkpoint(tmp_pa
 def test_waiting_for_a_result_gives_up_without_resyncing(tmp_path):
     clock, c, script, ep, w, states, outages = make(tmp_path, min_workers=2, heartbeat_timeout_s=1.0)
     w.join()
-    script.handle("b", Join("b", PROTOCOL_VERSION, w.session.spec, {}))
+    script.handle("b", join_message("b", w.session.spec))
 
     def scenario():
         assert w.state == "waiting"
@@ -170,7 +169,7 @@ def test_a_coordinator_restarted_within_the_timeout_is_rejoined_and_the_run_goes
         while clock.t < killed_at + 20:
             clock.advance(0.1)
             yield
-        script.c = Coordinator(CoordinatorConfig(FSMConfig(min_workers=1)), clock())
+        script.c = make_coordinator(clock(), min_workers=1)
         script.partitioned = False
         yield from forever(clock)
 
@@ -192,7 +191,7 @@ def test_a_second_worker_contributing_after_the_outage_releases_the_waiting_one(
     """An outage shorter than the timeout, at the barrier: nothing is lost, the round applies."""
     clock, c, script, ep, w, states, outages = make(tmp_path, min_workers=2, heartbeat_timeout_s=4.0)
     w.join()
-    script.handle("b", Join("b", PROTOCOL_VERSION, w.session.spec, {}))
+    script.handle("b", join_message("b", w.session.spec))
 
     def scenario():
         script.partitioned = True  # between A and the coordinator only: B stays a member

@@ -13,25 +13,23 @@ from __future__ import annotations
 
 import torch
 
-from diloco.core import FSMConfig, Mode
-from diloco.coordinator import Coordinator, CoordinatorConfig, OuterConfig
+from diloco.core import Mode
+from diloco.coordinator import Coordinator, OuterConfig
 from diloco.coordinator.outer import DelayedNesterov
-from diloco.transport.messages import PROTOCOL_VERSION, Accepted, Join, Result, Submit, Welcome, spec_of
+from diloco.testing import join_message, make_coordinator, only
+from diloco.transport.messages import Accepted, Result, Submit, Welcome
 
 LR, MOMENTUM = 0.7, 0.9
 
 
 def make(mode: Mode = Mode.SYNC, *, min_workers: int = 2, num_fragments: int = 1,
          outer: OuterConfig | None = None) -> Coordinator:
-    config = CoordinatorConfig(FSMConfig(min_workers=min_workers, mode=mode, num_fragments=num_fragments),
-                               outer=outer or OuterConfig("nesterov", LR, MOMENTUM))
-    return Coordinator(config)
+    return make_coordinator(min_workers=min_workers, mode=mode, num_fragments=num_fragments,
+                            outer=outer or OuterConfig("nesterov", LR, MOMENTUM))
 
 
 def join(c: Coordinator, wid: str, params: dict[str, torch.Tensor]) -> Welcome:
-    out = c.handle(wid, Join(wid, PROTOCOL_VERSION, spec_of(params), params), 0.0)
-    (welcome,) = [m for _, m in out if isinstance(m, Welcome)]
-    return welcome
+    return only(c.handle(wid, join_message(wid, params), 0.0), Welcome)
 
 
 def submit(c: Coordinator, wid: str, fid: int, rid: int, tensors: dict[str, torch.Tensor]) -> list:

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from diloco.coordinator.checkpoint import load_coordinator
+from diloco.testing import params_of
 from diloco.worker import DilocoWorker
-from training_harness import Run, batch_at, batches, mlp, params_of, wait_for
+from training_harness import Run, batch_at, batches, mlp, wait_for
 
 H, STEPS = 5, 20
 SEEDS = {"a": 1, "b": 2}

@@ -14,10 +14,11 @@ import collections
 import pytest
 import torch
 
-from diloco.core import FSMConfig, Mode
-from diloco.coordinator import Coordinator, CoordinatorConfig
+from diloco.core import Mode
+from diloco.coordinator import Coordinator
+from diloco.testing import join_message, make_coordinator, params_of
 from diloco.transport.base import TransportClosed
-from diloco.transport.messages import PROTOCOL_VERSION, Error, ErrorCode, Heartbeat, Join, Submit, spec_of
+from diloco.transport.messages import Error, ErrorCode, Heartbeat, Submit, spec_of
 from diloco.worker import DilocoWorker
 from training_harness import batch_at, linear, mse_loss
 
@@ -87,7 +88,7 @@ class ScriptEndpoint:
 
 def setup(**fsm):
     clock = FakeClock()
-    c = Coordinator(CoordinatorConfig(FSMConfig(**fsm)), clock())
+    c = make_coordinator(clock(), **fsm)
     script = Script(c, clock)
     model = linear(0)
     states: list[str] = []
@@ -114,7 +115,7 @@ def test_rejoin_onto_a_parked_contribution_waits_for_its_result():
     it must wait for round 0's Result, not train on or resubmit."""
     clock, c, script, w, states, spec = setup(min_workers=2, heartbeat_timeout_s=1.0)
     w.join()
-    script.handle("b", Join("b", PROTOCOL_VERSION, spec, {}))
+    script.handle("b", join_message("b", spec))
 
     def scenario():
         assert w.state == "waiting" and c.status()["fragments"][0]["contributed"] == ["a"]
@@ -149,14 +150,14 @@ def test_held_limit_is_retried_after_an_interval():
     clock, c, script, w, states, spec = setup(min_workers=3, mode=Mode.ASYNC, max_held_per_fragment=1,
                                               heartbeat_timeout_s=10.0)
     w.join()
-    script.handle("b", Join("b", PROTOCOL_VERSION, spec, {}))
+    script.handle("b", join_message("b", spec))
     script.handle("b", Submit("b", 0, 0, pseudo_gradient(0.1)))  # held: 2 < 3 live
 
     def scenario():
         while not any(isinstance(m, Error) and m.code is ErrorCode.HELD_LIMIT
                       for m in script.delivered) or w.state != "paused":
             yield
-        script.handle("c", Join("c", PROTOCOL_VERSION, spec, {}))  # quorum: B's contribution applies
+        script.handle("c", join_message("c", spec))  # quorum: B's contribution applies
         assert c.fsm.open_round_ids() == (1,)
         while True:
             clock.advance(0.5)
@@ -197,7 +198,7 @@ def test_refused_submission_rejoins_and_takes_the_welcome(code):
     Welcome -- its params if the global params moved, its own progress if they did not."""
     clock, c, script, w, states, spec = setup(min_workers=1, heartbeat_timeout_s=10.0)
     w.join()
-    script.handle("b", Join("b", PROTOCOL_VERSION, spec, {}))
+    script.handle("b", join_message("b", spec))
     if code == "unknown_worker":
         from diloco.transport.messages import AdminRequest
         script.handle("admin", AdminRequest("kick", {"worker_id": "a"}))
@@ -208,7 +209,7 @@ def test_refused_submission_rejoins_and_takes_the_welcome(code):
     w.inner_optimizer.zero_grad()
     mse_loss(w.model, batch_at(0, 1)).backward()
     w.inner_optimizer.step()
-    local = {n: p.detach().clone() for n, p in w.model.named_parameters()}
+    local = params_of(w.model)
     assert w.step_done() is True  # the sync point: refused, re-joined, back to training
     assert states.count("joining") == 2 and states[-1] == "training"
     assert c.fsm.is_member("a")
@@ -240,7 +241,7 @@ def test_a_lost_result_is_recovered_by_leaving_and_joining_again():
     dead); A waits unpaused, then leaves and joins again, and the Welcome brings round 1."""
     clock, c, script, w, states, spec = setup(min_workers=2, heartbeat_timeout_s=1.0)
     w.join()
-    script.handle("b", Join("b", PROTOCOL_VERSION, spec, {}))
+    script.handle("b", join_message("b", spec))
 
     def scenario():
         script.partitioned = True

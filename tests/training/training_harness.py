@@ -17,9 +17,10 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from diloco.core import FSMConfig, Mode
-from diloco.coordinator import Coordinator, CoordinatorConfig, OuterConfig
+from diloco.core import Mode
+from diloco.coordinator import Coordinator, OuterConfig
 from diloco.coordinator.runner import CoordinatorThread
+from diloco.testing import make_coordinator
 from diloco.transport.inproc import InprocNetwork
 from diloco.transport.messages import AdminReply, AdminRequest
 from diloco.worker import DilocoWorker, WorkerReport, run_training
@@ -57,10 +58,6 @@ def linear(seed: int) -> torch.nn.Module:
 def mlp(seed: int, hidden: int = 16) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(DIM, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
-
-
-def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
@@ -116,11 +113,9 @@ class Run:
         #: (fragment_id, round_id, params of that fragment right after the outer step)
         self.applied: list[tuple[int, int, dict[str, torch.Tensor]]] = []
         if coordinator is None:
-            config = CoordinatorConfig(
-                FSMConfig(min_workers=min_workers, mode=mode, num_fragments=num_fragments,
-                          heartbeat_timeout_s=heartbeat_timeout_s),
-                outer=outer or OuterConfig())
-            coordinator = Coordinator(config, time.monotonic(), observer=self._observe)
+            coordinator = make_coordinator(time.monotonic(), outer=outer, observer=self._observe,
+                                           min_workers=min_workers, mode=mode, num_fragments=num_fragments,
+                                           heartbeat_timeout_s=heartbeat_timeout_s)
         else:
             coordinator._observer = self._observe
         self.coordinator = coordinator

@@ -1,0 +1,134 @@
+"""Helpers the tests share: build a Join, a sans-IO coordinator, one torch thread.
+
+The tests drive ``Coordinator.handle`` by hand in many files, and each used to
+spell out ``Join(worker_id, PROTOCOL_VERSION, spec_of(params), params)`` and
+``Coordinator(CoordinatorConfig(FSMConfig(...), ...), ...)`` itself. They are
+here once:
+
+* :func:`join_message` -- a ``Join`` from a worker's params (spec and params) or
+  from a spec alone (a spec-only join, ``params={}``);
+* :func:`make_coordinator` -- a ``Coordinator`` from ``FSMConfig`` keywords plus
+  the few ``CoordinatorConfig`` fields tests set;
+* :func:`joined` -- a coordinator with some workers joined and welcomed;
+* :func:`only` / :func:`replies` -- pick messages of one type out of what
+  ``handle`` returned;
+* :func:`params_of` -- detached copies of a model's parameters;
+* :func:`one_torch_thread` -- torch uses one intra-op thread inside the block.
+
+Importing this module is cheap: it imports only the message types (which do not
+load torch); a helper that needs torch or the coordinator imports it when called.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+
+from diloco.transport.messages import PROTOCOL_VERSION, Join, TensorSpec, Welcome, spec_of
+
+if TYPE_CHECKING:
+    import torch
+
+    from diloco.coordinator import Coordinator, OuterConfig
+    from diloco.coordinator.service import Observer
+
+__all__ = [
+    "join_message",
+    "make_coordinator",
+    "joined",
+    "only",
+    "replies",
+    "params_of",
+    "one_torch_thread",
+]
+
+#: What ``Coordinator.handle`` returns: ``(peer, message)`` pairs.
+Outbox = list[tuple[str, Any]]
+
+_FROM_FIRST = object()
+
+
+def join_message(
+    worker_id: str,
+    params_or_spec: Mapping[str, torch.Tensor] | Sequence[TensorSpec],
+    *,
+    params: Any = _FROM_FIRST,
+    version: int = PROTOCOL_VERSION,
+) -> Join:
+    """``Join(worker_id, version, spec, params)``.
+
+    ``params_or_spec`` is either a worker's params (a name -> tensor mapping: the
+    join carries their spec and the tensors) or a spec (a spec-only join,
+    ``params={}``, as a worker sends before the run asks for its params).
+    ``params=`` sends other tensors under that spec (non-finite values, say).
+    """
+    if isinstance(params_or_spec, Mapping):
+        spec, sent = spec_of(params_or_spec), dict(params_or_spec)
+    else:
+        spec, sent = tuple(params_or_spec), {}
+    if params is not _FROM_FIRST:
+        sent = params
+    return Join(worker_id, version, spec, sent)
+
+
+def make_coordinator(
+    now_s: float = 0.0,
+    *,
+    outer: OuterConfig | None = None,
+    max_update_norm: float | None = None,
+    observer: Observer | None = None,
+    **fsm: Any,
+) -> Coordinator:
+    """``Coordinator(CoordinatorConfig(FSMConfig(**fsm), outer=..., max_update_norm=...), now_s, observer=...)``.
+
+    ``outer=None`` is the default outer optimizer (Nesterov, lr 0.7, momentum 0.9).
+    """
+    from diloco.coordinator import Coordinator, CoordinatorConfig, OuterConfig
+    from diloco.core import FSMConfig
+
+    config = CoordinatorConfig(FSMConfig(**fsm), outer=outer if outer is not None else OuterConfig(),
+                               max_update_norm=max_update_norm)
+    return Coordinator(config, now_s, observer=observer)
+
+
+def joined(c: Coordinator, params: Mapping[str, torch.Tensor], *worker_ids: str,
+           now_s: float = 0.0) -> Coordinator:
+    """``c`` after each of ``worker_ids`` joined with ``params`` (each its own peer) and was welcomed."""
+    for wid in worker_ids:
+        out = c.handle(wid, join_message(wid, params), now_s)
+        assert any(isinstance(m, Welcome) for _, m in out), out
+    return c
+
+
+def replies(out: Outbox, kind: type) -> list[tuple[str, Any]]:
+    """The ``(peer, message)`` pairs in ``out`` whose message is a ``kind``."""
+    return [(peer, m) for peer, m in out if isinstance(m, kind)]
+
+
+def only(out: Outbox, kind: type) -> Any:
+    """The one message of type ``kind`` in ``out`` (asserts there is exactly one)."""
+    found = replies(out, kind)
+    assert len(found) == 1, out
+    return found[0][1]
+
+
+def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Detached copies of ``model``'s parameters, by name."""
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Torch uses one intra-op thread inside the block; the previous count is restored after.
+
+    Tests on a shared 2-core machine: one thread is deterministic and does not
+    oversubscribe the cores when several worker threads train at once.
+    """
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
