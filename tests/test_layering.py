@@ -9,6 +9,10 @@ Two independent checks (SPEC.md section 2: the core is pure):
   forbidden module, in every spelling (``import os.path``, ``from os import
   path``, an import inside a function, ``__import__("os")``). It reads the
   source and imports nothing, so it works even when the package is broken.
+  The same scan covers the worker's pure modules (SPEC.md section 14:
+  ``diloco/worker/session.py``, ``schedule.py``, ``actions.py``,
+  ``states.py``), which sit in a package whose driver does use torch and
+  threads, so only those files are scanned.
 
 Each check is also run against a deliberately bad tree, to prove it can fail.
 """
@@ -37,6 +41,13 @@ FORBIDDEN_IN_CORE = frozenset({
     "multiprocessing", "zmq", "torch", "msgpack",
 })
 
+WORKER = REPO / "diloco" / "worker"
+#: The worker's pure modules (SPEC.md section 14); the rest of diloco/worker drives them with torch and threads.
+WORKER_PURE_FILES = ("session.py", "schedule.py", "actions.py", "states.py")
+WORKER_PURE_MODULES = tuple(f"diloco.worker.{f[:-3]}" for f in WORKER_PURE_FILES)
+#: What they must never import: the core's list, and the phase-machine library (the session is plain code).
+FORBIDDEN_IN_WORKER_SESSION = FORBIDDEN_IN_CORE | {"transitions"}
+
 # The console script ``lint-imports`` without relying on PATH: under
 # ``.venv/bin/python -m pytest`` the venv's bin directory need not be on PATH.
 _LINT_IMPORTS = "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
@@ -51,14 +62,16 @@ def run_lint_imports(cwd: Path) -> subprocess.CompletedProcess:
     )
 
 
-def forbidden_imports(root: Path, forbidden: frozenset[str] = FORBIDDEN_IN_CORE) -> list[str]:
-    """Every import of a forbidden top-level module in the .py files under ``root``.
+def forbidden_imports(root: Path, forbidden: frozenset[str] = FORBIDDEN_IN_CORE,
+                      only: tuple[str, ...] | None = None) -> list[str]:
+    """Every import of a forbidden top-level module in the .py files under ``root`` (or just the ``only`` names).
 
     Returns ``"path:line: module"`` strings, sorted. Relative imports
     (``from . import x``) are local and never forbidden.
     """
     found = []
-    for path in sorted(root.rglob("*.py")):
+    paths = sorted(root.rglob("*.py")) if only is None else [root / name for name in only]
+    for path in paths:
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
         for node in ast.walk(tree):
             names: list[str] = []
@@ -116,6 +129,22 @@ def test_ast_list_matches_the_import_linter_contract():
         if c["type"] == "forbidden" and f"{root}.core" in c["source_modules"]:
             external |= {m for m in c["forbidden_modules"] if m != root and not m.startswith(root + ".")}
     assert external == set(FORBIDDEN_IN_CORE)
+
+
+def test_worker_session_imports_nothing_impure():
+    """SPEC.md section 14: the session, its schedule, actions and states are pure like the core."""
+    assert all((WORKER / name).is_file() for name in WORKER_PURE_FILES), f"missing under {WORKER}"
+    assert forbidden_imports(WORKER, FORBIDDEN_IN_WORKER_SESSION, WORKER_PURE_FILES) == []
+
+
+def test_worker_ast_list_matches_the_import_linter_contract():
+    config, contracts = _contracts()
+    root = config["root_package"]
+    (contract,) = [c for c in contracts
+                   if c["type"] == "forbidden" and set(c["source_modules"]) & set(WORKER_PURE_MODULES)]
+    assert set(contract["source_modules"]) == set(WORKER_PURE_MODULES)
+    external = {m for m in contract["forbidden_modules"] if m != root and not m.startswith(root + ".")}
+    assert external == set(FORBIDDEN_IN_WORKER_SESSION)
 
 
 # ------------------------------------------------- the checks can fail at all
@@ -202,3 +231,42 @@ def test_import_linter_contracts_catch_a_violation(tmp_path, source, chain):
     result = run_lint_imports(_probe_tree(tmp_path, source))
     assert result.returncode != 0 and "BROKEN" in result.stdout, result.stdout + result.stderr
     assert chain in result.stdout, result.stdout
+
+
+def _worker_tree(tmp_path: Path, session_source: str) -> Path:
+    """A diloco/worker lookalike: the pure files (session.py as given) and an impure driver beside them."""
+    worker = tmp_path / "worker"
+    worker.mkdir()
+    for name in WORKER_PURE_FILES:
+        (worker / name).write_text("from dataclasses import dataclass\n")
+    (worker / "session.py").write_text(session_source)
+    (worker / "worker.py").write_text("import threading\nimport time\nimport torch\n")   # the driver may
+    return worker
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("import time\n", "1: time"),
+    ("def now():\n    import time\n    return time.monotonic()\n", "2: time"),
+    ("from random import Random\n", "1: random"),
+    ("import torch.nn\n", "1: torch.nn"),
+    ("from transitions import Machine\n", "1: transitions"),
+    ("zmq = __import__('zmq')\n", "1: zmq"),
+])
+def test_worker_session_scan_reports_a_forbidden_import(tmp_path, source, expected):
+    worker = _worker_tree(tmp_path, source)
+    assert forbidden_imports(worker, FORBIDDEN_IN_WORKER_SESSION, WORKER_PURE_FILES) == [f"session.py:{expected}"]
+
+
+def test_worker_session_scan_leaves_the_driver_alone(tmp_path):
+    """Control: the driver beside the pure files may use threads, clocks and torch."""
+    worker = _worker_tree(tmp_path, "from diloco.transport.messages import Join\n")
+    assert forbidden_imports(worker, FORBIDDEN_IN_WORKER_SESSION, WORKER_PURE_FILES) == []
+    assert len(forbidden_imports(worker, FORBIDDEN_IN_WORKER_SESSION)) == 3
+
+
+def test_import_linter_contracts_catch_a_worker_session_violation(tmp_path):
+    probe = _probe_tree(tmp_path, "from dataclasses import dataclass\n")
+    (probe / "layering_probe" / "worker" / "session" / "__init__.py").write_text("import time\n")
+    result = run_lint_imports(probe)
+    assert result.returncode != 0 and "BROKEN" in result.stdout, result.stdout + result.stderr
+    assert "layering_probe.worker.session -> time" in result.stdout, result.stdout
