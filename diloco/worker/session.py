@@ -1,5 +1,9 @@
 """``WorkerSession``: the worker's side of the protocol, pure and deterministic.
 
+(One state machine in one file, as ``diloco/core/round_fsm.py`` is: its rules
+W1-W14 share one small state, and splitting them across files would make a
+reader chase that state; hence over 400 lines.)
+
 The coordinator has ``RoundFSM``; a worker has this. Events come in as data --
 a decoded coordinator message, a clock reading, "finished an inner step", a
 local stop request -- and each call returns the ``actions`` (``diloco.worker.actions``)

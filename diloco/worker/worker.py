@@ -1,5 +1,9 @@
 """``DilocoWorker``: DiLoCo for any PyTorch training loop; the thin driver of a ``WorkerSession``.
 
+(Longer than 400 lines because of its documentation and the read-only view of
+the session -- counters, round ids, state -- that users read; the driving
+itself is the ``_run`` dispatch and a dozen short methods.)
+
 Embedding it::
 
     worker = DilocoWorker(model, torch.optim.AdamW(model.parameters()), endpoint,
