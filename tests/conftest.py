@@ -1,4 +1,4 @@
-"""Shared test setup: Hypothesis profiles and the path to the shared tracking model.
+"""Shared test setup: Hypothesis profiles.
 
 Profiles (select with ``DILOCO_HYPOTHESIS_PROFILE``):
 
@@ -12,15 +12,8 @@ Profiles (select with ``DILOCO_HYPOTHESIS_PROFILE``):
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 from hypothesis import HealthCheck, settings
-
-# tests/property/model.py is the one tracking model; tests/core uses it too.
-_PROPERTY_DIR = str(Path(__file__).parent / "property")
-if _PROPERTY_DIR not in sys.path:
-    sys.path.insert(0, _PROPERTY_DIR)
 
 settings.register_profile(
     "ci",
