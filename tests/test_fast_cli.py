@@ -61,6 +61,21 @@ def test_cli_parser_admin_client_and_admin_messages_import_no_torch():
     assert proc.returncode == 0 and "NO_TORCH_OK" in proc.stdout, proc.stdout + proc.stderr
 
 
+def test_the_shared_test_helpers_import_no_torch():
+    """``diloco.testing`` stays cheap to import: the helpers that need torch import it when called."""
+    code = textwrap.dedent("""
+        import sys
+
+        from diloco.testing import join_message
+        from diloco.transport.messages import PROTOCOL_VERSION, TensorSpec
+
+        msg = join_message("w1", (TensorSpec("w", (2,), "float32"),))
+        assert msg.protocol_version == PROTOCOL_VERSION and msg.params == {} and msg.spec[0].name == "w"
+    """) + _NO_TORCH
+    proc = _run_python(["-c", code])
+    assert proc.returncode == 0 and "NO_TORCH_OK" in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_codec_still_decodes_tensors_after_the_lazy_dtype_table():
     """The other side of the laziness: the first tensor loads torch and round-trips every wire dtype."""
     code = textwrap.dedent("""
