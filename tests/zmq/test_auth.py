@@ -17,18 +17,17 @@ import pytest
 import zmq
 
 from diloco.cli import EXIT_AUTH_REFUSED, EXIT_PROBLEM, main
+from diloco.testing import join_message, params_of
 from diloco.transport import codec
 from diloco.transport.messages import (
-    PROTOCOL_VERSION,
     AdminRequest,
     Error,
     ErrorCode,
     Heartbeat,
     HeartbeatReply,
-    Join,
     Submit,
-    TensorSpec,
     Welcome,
+    spec_of,
 )
 from diloco.transport.zmq import AuthRefused, ZmqCoordinatorEndpoint, ZmqWorkerEndpoint
 from diloco.transport.zmq.auth import AuthError, ClientAuth, Role, ServerAuth, generate_keypair, load_secret_key
@@ -171,8 +170,8 @@ def _tiny_spec():
     from procs import ENTRY  # noqa: F401  (tests/zmq on sys.path)
     from tiny_entry import make_setup
 
-    params = {n: p.detach().clone() for n, p in make_setup("probe").model.named_parameters()}
-    return params, tuple(TensorSpec(n, tuple(t.shape), "float32") for n, t in params.items())
+    params = params_of(make_setup("probe").model)
+    return params, spec_of(params)
 
 
 class RawClient:
@@ -208,7 +207,7 @@ def test_only_keys_in_their_roles_can_act_and_ids_stay_with_their_keys(cluster, 
     rogue = RawClient(addr, ClientAuth.load(cluster.keys["rogue"][1], cluster.server_key))
     with pytest.raises(AuthRefused):
         for _ in range(50):
-            rogue.ask(Join("w9", PROTOCOL_VERSION, spec, params), 0.2)
+            rogue.ask(join_message("w9", params), 0.2)
     rogue.close()
 
     # A worker key runs no admin command but status.
@@ -221,7 +220,7 @@ def test_only_keys_in_their_roles_can_act_and_ids_stay_with_their_keys(cluster, 
     # Another worker key cannot speak for w1: join, submit, heartbeat are all wrong_key.
     k3 = RawClient(addr, ClientAuth.load(cluster.keys["k3"][1], cluster.server_key))
     try:
-        for message in (Join("w1", PROTOCOL_VERSION, spec, {}), Heartbeat("w1"),
+        for message in (join_message("w1", spec), Heartbeat("w1"),
                         Submit("w1", 0, start["fragments"][0]["round_id"], {})):
             reply = k3.ask(message)
             assert isinstance(reply, Error) and reply.code is ErrorCode.WRONG_KEY, (message, reply)

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.coordinator.checkpoint import load_coordinator, save_coordinator
-from diloco.core import FSMConfig, Mode
+from diloco.core import Mode
 from diloco.tensorfile import load_tensorfile, save_tensorfile
-from diloco.transport.messages import PROTOCOL_VERSION, Join, Submit, spec_of
+from diloco.testing import join_message, make_coordinator
+from diloco.transport.messages import Submit
 
 
 def test_tensorfile_round_trips_zero_dim_tensors(tmp_path):
@@ -29,10 +29,9 @@ def test_tensorfile_round_trips_zero_dim_tensors(tmp_path):
 
 
 def test_async_coordinator_checkpoint_with_delayed_nesterov_state(tmp_path):
-    config = CoordinatorConfig(fsm=FSMConfig(min_workers=1, mode=Mode.ASYNC))
-    c = Coordinator(config)
+    c = make_coordinator(min_workers=1, mode=Mode.ASYNC)
     params = {"w": torch.zeros(3)}
-    c.handle("p", Join("w1", PROTOCOL_VERSION, spec_of(params), params), 1.0)
+    c.handle("p", join_message("w1", params), 1.0)
     c.handle("p", Submit("w1", 0, 0, {"w": torch.ones(3)}), 2.0)
     assert c.fsm.rounds_applied == 1
     save_coordinator(c, tmp_path)

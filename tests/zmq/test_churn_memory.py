@@ -31,8 +31,9 @@ from pathlib import Path
 import pytest
 import zmq
 
+from diloco.testing import join_message, params_of
 from diloco.transport import codec
-from diloco.transport.messages import PROTOCOL_VERSION, Heartbeat, Join, TensorSpec, Welcome
+from diloco.transport.messages import Heartbeat, Welcome, spec_of
 from diloco.transport.zmq import framing
 from tiny_entry import make_setup
 
@@ -89,10 +90,10 @@ class _Dealer:
 class _Anchor(threading.Thread):
     """The one real member: joins with the run's initial params, then heartbeats until stopped."""
 
-    def __init__(self, ctx: zmq.Context, address: str, params, spec) -> None:
+    def __init__(self, ctx: zmq.Context, address: str, params) -> None:
         super().__init__(name="anchor", daemon=True)
         self.dealer = _Dealer(ctx, address, "anchor")
-        self.dealer.send(Join("anchor", PROTOCOL_VERSION, spec, params))
+        self.dealer.send(join_message("anchor", params))
         deadline = time.monotonic() + 30
         reply = None
         while reply is None and time.monotonic() < deadline:
@@ -119,7 +120,7 @@ def _churn(ctx: zmq.Context, address: str, spec, first: int, count: int, *, sile
     dealers = [_Dealer(ctx, address, f"churn-{first + i:05d}") for i in range(count)]
     try:
         for d in dealers:
-            d.send(Join(d.worker_id, PROTOCOL_VERSION, spec, {}))
+            d.send(join_message(d.worker_id, spec))
         waiting = {d.worker_id: d for d in dealers}
         deadline = time.monotonic() + 60
         while waiting:
@@ -144,10 +145,10 @@ def _churn(ctx: zmq.Context, address: str, spec, first: int, count: int, *, sile
 def test_join_die_churn_does_not_grow_coordinator_memory(cluster):
     server = cluster.server("--min-workers", "1", heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
     address = cluster.address
-    params = {n: p.detach().clone() for n, p in make_setup("anchor").model.named_parameters()}
-    spec = tuple(TensorSpec.of(n, t) for n, t in params.items())
+    params = params_of(make_setup("anchor").model)
+    spec = spec_of(params)
     ctx = zmq.Context()
-    anchor = _Anchor(ctx, address, params, spec)
+    anchor = _Anchor(ctx, address, params)
     anchor.start()
     t0 = time.monotonic()
     try:
@@ -207,10 +208,10 @@ def test_join_die_churn_leaves_no_per_worker_state_behind():
     coordinator = Coordinator(config, time.monotonic())
     loop = CoordinatorThread(endpoint, coordinator)
     loop.start()
-    params = {n: p.detach().clone() for n, p in make_setup("anchor").model.named_parameters()}
-    spec = tuple(TensorSpec.of(n, t) for n, t in params.items())
+    params = params_of(make_setup("anchor").model)
+    spec = spec_of(params)
     ctx = zmq.Context()
-    anchor = _Anchor(ctx, endpoint.address, params, spec)
+    anchor = _Anchor(ctx, endpoint.address, params)
     anchor.start()
     try:
         def members() -> set[str]:

@@ -13,18 +13,8 @@ import time
 import pytest
 import torch
 
-from diloco.transport.messages import (
-    PROTOCOL_VERSION,
-    Accepted,
-    Error,
-    ErrorCode,
-    Join,
-    Leave,
-    Result,
-    Submit,
-    Welcome,
-    spec_of,
-)
+from diloco.testing import join_message, params_of
+from diloco.transport.messages import Accepted, Error, ErrorCode, Leave, Result, Submit, Welcome, spec_of
 from diloco.transport.zmq import ZmqWorkerEndpoint
 from diloco.transport.zmq.auth import ClientAuth
 
@@ -33,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 def tiny_params() -> dict[str, torch.Tensor]:
     from tiny_entry import make_setup  # tests/zmq is on sys.path
-    return {n: p.detach().clone() for n, p in make_setup("probe").model.named_parameters()}
+    return params_of(make_setup("probe").model)
 
 
 class Attacker:
@@ -53,10 +43,10 @@ class Attacker:
         raise AssertionError(f"{self.worker_id}: no {kinds} within {timeout_s} s")
 
     def join(self, params: dict[str, torch.Tensor]) -> Welcome:
-        self.ep.send(Join(self.worker_id, PROTOCOL_VERSION, spec_of(params), {}))
+        self.ep.send(join_message(self.worker_id, spec_of(params)))
         msg = self.expect((Welcome, Error))
         if isinstance(msg, Error) and msg.code is ErrorCode.PARAMS_REQUIRED:
-            self.ep.send(Join(self.worker_id, PROTOCOL_VERSION, spec_of(params), params))
+            self.ep.send(join_message(self.worker_id, params))
             msg = self.expect((Welcome, Error))
         assert isinstance(msg, Welcome), msg
         return msg
@@ -82,7 +72,7 @@ def test_contributions_that_overflow_the_step_never_reach_a_worker(cluster):
     try:
         # A NaN first join is refused, naming the tensor; the run stays without params.
         nan_params = {n: torch.full_like(t, math.nan) for n, t in params.items()}
-        a1.ep.send(Join("evil1", PROTOCOL_VERSION, spec_of(params), nan_params))
+        a1.ep.send(join_message("evil1", params, params=nan_params))
         refused = a1.expect(Error)
         assert refused.code is ErrorCode.NON_FINITE and next(iter(params)) in refused.detail, refused
         assert cluster.status()["num_params"] == 0

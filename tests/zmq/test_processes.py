@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from diloco.cli import main
-from diloco.transport.messages import PROTOCOL_VERSION, Join, Leave, Welcome, spec_of
+from diloco.testing import join_message, params_of
+from diloco.transport.messages import PROTOCOL_VERSION, Leave, Welcome
 from diloco.transport.zmq import ZmqWorkerEndpoint
 
 
@@ -36,14 +37,14 @@ def cli(*args: str, capsys=None) -> tuple[int, str]:
 
 def tiny_params() -> dict[str, torch.Tensor]:
     from tiny_entry import make_setup  # noqa: E402
-    return {n: p.detach().clone() for n, p in make_setup("probe").model.named_parameters()}
+    return params_of(make_setup("probe").model)
 
 
 def probe_join(address: str, worker_id: str) -> tuple[ZmqWorkerEndpoint, Welcome]:
     """Join as a bare protocol client (no training) to read the run's global params from the Welcome."""
     params = tiny_params()
     ep = ZmqWorkerEndpoint(address, label=worker_id)
-    ep.send(Join(worker_id, PROTOCOL_VERSION, spec_of(params), params))
+    ep.send(join_message(worker_id, params))
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         msg = ep.recv(0.5)
