@@ -1,8 +1,9 @@
 """Deterministic simulation of whole diloco runs (in the manner of TigerBeetle's VOPR and FoundationDB's simulation).
 
 One seed derives every knob (``config.derive_config``); simulated time only;
-the real ``RoundFSM`` and ``Coordinator`` run unchanged while the network,
-the light workers and the faults are simulated (``simulation``); the checker
+the real ``RoundFSM``, ``Coordinator`` and ``WorkerSession`` run unchanged
+while the network, the worker processes and the faults are simulated
+(``simulation``, ``worker``); the checker
 judges SPEC.md's invariants from the trace alone (``checker``); any failure
 replays from its seed, and ``--replay`` proves a trace reproduces byte for byte.
 

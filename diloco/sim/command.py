@@ -21,11 +21,12 @@ Simulate whole diloco runs, deterministically, from one seed (TigerBeetle VOPR s
 
 The seed derives every knob (worker count, min_workers, sync/async, fragments,
 fault rates, timings, the shutdown at the end); flags override single knobs.
-The real RoundFSM and Coordinator run unchanged; time, the network (per-link
-FIFO, delays, partitions), the light workers (real protocol, no training) and
-the faults (crashes, restarts, replacements, freezes, partitions, stragglers,
-coordinator crash/restart from its last snapshot, min_workers changes, kicks)
-are simulated. Hours of simulated time take seconds.
+The real RoundFSM, Coordinator and worker session (WorkerSession) run
+unchanged; time, the network (per-link FIFO, delays, partitions), the worker
+processes around the session (no training) and the faults (crashes,
+restarts, replacements, freezes, partitions, stragglers, coordinator
+crash/restart from its last snapshot, min_workers changes, kicks) are
+simulated. Hours of simulated time take seconds.
 
 A run has a safety phase under faults, then a liveness phase: faults stop,
 everything heals, and every fragment must apply another round within a stated

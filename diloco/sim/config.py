@@ -17,6 +17,8 @@ from __future__ import annotations
 import random
 from dataclasses import asdict, dataclass, field, fields
 
+from diloco.worker.session import JOIN_RESEND_MAX_S, RESYNC_INTERVALS
+
 #: Fault levels ``--faults`` accepts.
 FAULT_LEVELS = ("none", "light", "heavy")
 #: Shutdown kinds a run may end with ("none": the run is cut off after the liveness phase).
@@ -115,29 +117,36 @@ class SimConfig:
         return self.train_s * self.speed_spread * slow
 
     @property
-    def join_timeout_s(self) -> float:
-        """A worker that got no Welcome within this retries on a new connection."""
-        return self.heartbeat_timeout_s
+    def coordinator_timeout_s(self) -> float:
+        """A worker gives up on a coordinator silent this long (``--coordinator-timeout``).
 
-    @property
-    def wait_timeout_s(self) -> float:
-        """A worker waiting this long for its Result (lost to a partition) re-joins."""
-        return 2 * self.heartbeat_timeout_s + self.max_segment_s
+        Short enough that the longer partitions and coordinator outages of a faulty run
+        make workers give up (exit 3; their supervisor restarts them from their checkpoint),
+        which the real default (600 s) never would in a simulated run.
+        """
+        return 6 * self.heartbeat_timeout_s
 
     @property
     def liveness_bound_s(self) -> float:
         """After healing, every fragment must apply another round within this (SPEC.md I7).
 
-        Dead members are declared dead within one heartbeat timeout plus a tick;
-        a worker the coordinator forgot learns it from its next heartbeat reply
-        and re-joins (join timeout); a Result lost before the heal is noticed
-        within the wait timeout; a segment started during a straggle episode
-        may still be running; then every fragment needs one training segment
-        (fragments go in turn). Two heartbeat timeouts of slack on top.
+        The real worker's timers (``diloco.worker.session``) set it. Dead members are
+        declared dead within one heartbeat timeout plus a tick; a worker the coordinator
+        forgot learns it from its next heartbeat reply and joins again; a worker whose
+        Join was lost sends it again after at most ``JOIN_RESEND_MAX_S``; one that gave
+        up just before the heal is restarted within two heartbeat timeouts. A Result lost
+        before the heal is noticed by the resync after ``RESYNC_INTERVALS`` heartbeat
+        intervals of waiting -- doubled after each resync of the same wait, so up to that
+        many intervals more than the wait itself, which waiting for a straggler can make
+        as long as a straggled segment. A segment started during a straggle episode may
+        still be running; then every fragment needs one training step (fragments go in
+        turn). Two heartbeat timeouts of slack on top.
         """
         straggled = self.max_segment_s * self.straggle_max_factor
-        return (4 * self.heartbeat_timeout_s + self.join_timeout_s + self.wait_timeout_s
-                + straggled + (self.num_fragments + 1) * self.max_segment_s + 10.0)
+        rejoin = 3 * self.heartbeat_timeout_s + JOIN_RESEND_MAX_S
+        resync = RESYNC_INTERVALS * self.heartbeat_interval_s + straggled + self.heartbeat_timeout_s
+        return (4 * self.heartbeat_timeout_s + rejoin + resync + straggled
+                + (self.num_fragments + 1) * self.max_segment_s + 10.0)
 
     @property
     def linger_s(self) -> float:

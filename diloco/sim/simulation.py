@@ -1,9 +1,12 @@
 """The simulated world around the real ``Coordinator`` and ``RoundFSM``.
 
 Only the environment is fake: time (a heap of events keyed by ``(time, seq)``,
-no sleeps, no clock), the network, the worker processes and the faults. The
-coordinator is ``diloco.coordinator.service.Coordinator``, unchanged, driven
-exactly as the real runner drives it (``handle`` per delivered message,
+no sleeps, no clock), the network, the worker processes and the faults. Each
+worker process runs the real ``diloco.worker.session.WorkerSession``
+(``worker.py``); a supervisor restarts one that exits on a silent coordinator
+(from its checkpoint) or on a refused join. The coordinator is
+``diloco.coordinator.service.Coordinator``, unchanged, driven exactly as the
+real runner drives it (``handle`` per delivered message,
 ``tick`` when idle, ``peer_lost`` when the transport sees a peer go), and
 crashed/restarted with ``coordinator_state``/``restore_coordinator``.
 
@@ -160,6 +163,7 @@ class Simulation:
         cfg = self.cfg
         self.emit({"k": "config", "t": 0.0, "format": TRACE_FORMAT, "version": TRACE_VERSION,
                    **cfg.to_dict(), "liveness_bound_s": cfg.liveness_bound_s,
+                   "coordinator_timeout_s": cfg.coordinator_timeout_s,
                    "params": {n: t.tolist() for n, t in self.initial_params.items()}})
         self._start_initial_workers()
         self.schedule(cfg.tick_interval_s, self._coord_tick)
@@ -208,7 +212,7 @@ class Simulation:
         self._next_index += 1
         return wid
 
-    def _start_worker(self, wid: str) -> None:
+    def _start_worker(self, wid: str, checkpoint: dict | None = None) -> None:
         if self._done:
             return
         cfg = self.cfg
@@ -218,9 +222,30 @@ class Simulation:
         speed = self.rng.uniform(1.0, cfg.speed_spread)
         if self.rng.random() < cfg.straggler_fraction:
             speed *= cfg.straggler_factor
-        w = SimWorker(self, wid, inc, delay, speed)
+        w = SimWorker(self, wid, inc, delay, speed, checkpoint)
         self.workers[wid] = w
         w.start()
+
+    def worker_exited(self, w: SimWorker, why: str) -> None:
+        """A worker process exited with a status its supervisor restarts it on.
+
+        ``coordinator_unreachable`` (``diloco worker`` exits 3: it gave up on a silent
+        coordinator, checkpoint written) or a refused join (the run is full). The
+        supervisor starts it again, with the same id, from its checkpoint if it wrote one.
+        """
+        if self.phase == "shutdown" or self._done:
+            return
+        delay = self.rng.uniform(0.2, 2.0) * self.cfg.heartbeat_timeout_s
+        self.schedule(self.now + delay, self._supervisor_restart, (w.wid, why, w.checkpoint))
+
+    def _supervisor_restart(self, arg: tuple[str, str, dict | None]) -> None:
+        wid, why, checkpoint = arg
+        if self.phase == "shutdown" or self.workers[wid].alive:
+            return
+        self._count("supervisor_restart")
+        self.emit({"k": "fault", "t": self.now, "what": "restart", "w": wid, "why": why,
+                   "resume": checkpoint is not None})
+        self._start_worker(wid, checkpoint)
 
     def segment_time(self, w: SimWorker) -> float:
         return self.cfg.train_s * w.speed * w.straggle * self.rng.uniform(0.9, 1.1)
@@ -231,10 +256,8 @@ class Simulation:
     # ---------------------------------------------------------------- network
 
     def open_connection(self, w: SimWorker) -> None:
-        if w.peer:
-            self.close_connection(w, notice=True)
-        w.conn += 1
-        w.peer = f"{w.wid}/{w.inc}.{w.conn}"
+        """A worker process connects (once: every incarnation keeps its connection for life)."""
+        w.peer = f"{w.wid}/{w.inc}"
         self.peers[w.peer] = w
         self._peer_wid[w.peer] = w.wid
         self._peer_delay[w.peer] = w.link_delay_s
@@ -637,7 +660,7 @@ class Simulation:
 
     def _fault_leave(self) -> None:
         w = self._pick_alive()
-        if w is None or w.frozen or w.state == "joining":
+        if w is None or w.frozen:
             return
         self._count("leave")
         self.emit({"k": "fault", "t": self.now, "what": "leave", "w": w.wid})

@@ -18,9 +18,11 @@ Record kinds (every record has ``k``, the kind, and ``t``, simulated seconds):
 ``obs``     an event from the coordinator's observer (``what``: join, dead, left, quorum,
             phase, apply, stop), in the order it fired; ``apply`` carries the fragment's
             params after the step (``p``) and their hash.
-``worker``  a worker's state changed (joining, training, waiting, paused, frozen, dead,
-            stopped); ``adopt``: a worker installed params for a fragment (``h``).
-``fault``   a fault injected or healed, a snapshot, a coordinator crash or restart.
+``worker``  a worker's state changed (``diloco.worker.states``: joining, training, waiting,
+            paused, stopping, stopped; frozen and dead as observed); ``adopt``: a worker
+            installed params for a fragment (``h``).
+``fault``   a fault injected or healed, a snapshot, a coordinator crash or restart, a
+            supervisor restarting a worker that exited (``why``, ``resume``).
 ``phase``   the simulation moved on: heal (with the liveness bound), liveness_ok,
             shutdown, end.
 
@@ -38,7 +40,7 @@ from typing import IO, Callable, Iterable, Iterator
 import torch
 
 TRACE_FORMAT = "diloco.sim.trace"
-TRACE_VERSION = 1
+TRACE_VERSION = 2
 
 _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True, check_circular=False,
                           allow_nan=False).encode

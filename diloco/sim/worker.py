@@ -1,36 +1,39 @@
-"""A light worker: the real wire protocol, no training.
+"""A light worker: the real ``WorkerSession`` in a simulated process.
 
-Its "model" is a handful of small float32 tensors. A training segment is a
-timer; the pseudo-gradient it submits for (fragment, round) is a seeded
-function of (seed, worker id, fragment, round), so a run's numbers depend on
-the seed alone. Everything else follows the worker's contract:
+Each incarnation of a worker process owns a ``diloco.worker.session.WorkerSession``,
+the same pure machine ``DilocoWorker`` drives, and does no protocol logic of its
+own: this class is only the environment around it. It turns simulated time into
+the session's events and carries out the actions the session returns, in order:
 
-* joins with ``Join`` (its initial params, used only by a run that has none);
-  a missing ``Welcome`` is retried on a new connection after ``join_timeout_s``;
-* heartbeats every ``heartbeat_interval_s`` (a background thread in the real
-  worker, so it keeps going while training or waiting) and obeys the reply's
-  command: ``stop``/``save_and_stop`` stop, ``rejoin`` re-joins;
-* trains one fragment per segment (sync: always the fragment whose open round
-  comes first in the streaming order ``(round, fragment)``, which is the order
-  every member goes through, so no two members can wait on each other; async:
-  fragments in turn), then reaches its *sync point* and submits, as
-  ``diloco.worker`` does;
-* waits there for the ``Result`` of every contribution it has pending
-  (including the ones ``Welcome.parked`` names, SPEC.md P2) before training
-  again, *paused* while heartbeat replies say ``below_min_workers`` (SPEC.md
-  R10); ``applied`` installs the fragment's new params, ``applied_final``
-  installs them and stops, ``stop`` stops;
-* ``duplicate`` means its contribution is already pending: it keeps waiting;
-  ``held_limit`` (async, below quorum): it submits again a heartbeat interval
-  later; ``stale_round``, ``future_round``, ``unknown_worker``: it re-joins on
-  a new connection, which fetches fresh params;
-* a wait longer than ``wait_timeout_s`` (its ``Result`` was lost to a
-  partition) makes it ``Leave`` and join again on the same connection, like
-  ``diloco.worker``'s resync: the Welcome parks it on a contribution still
-  pending (P1) or brings the new params.
+* the "model" is a handful of small float32 tensors and never trains: an inner
+  step is a timer of ``Simulation.segment_time``. The session runs with
+  ``sync_every`` = the number of fragments, so each inner step closes the next
+  fragment in turn (schedule offsets 1..F). ``step_done`` after each step; the
+  next one starts while ``session.may_train``;
+* ``tick`` on a timer: at each heartbeat's due time while a member (heartbeats
+  go out on time), every ``TICK_S`` while joining or stopping (join resends,
+  the stop's save question);
+* ``Send`` goes on the simulated network; ``SendJoinWithParams`` sends a Join
+  carrying ``Simulation.initial_params``; ``SubmitFragment`` sends
+  ``seeded_update``, a seeded function of (seed, worker id, fragment, round), so
+  a run's numbers depend on the seed alone; ``InstallParams`` copies the params
+  in (the sim worker never trains, so its params *are* its global copy and
+  ``keep_if_same`` changes nothing) and traces an ``adopt``; ``StateChanged``
+  traces the state (``diloco.worker.states``);
+* ``Stop`` ends the process: ``stopped_done``, then ``leave`` as
+  ``run_training`` does on its way out. A worker that gave up on a silent
+  coordinator (``coordinator_unreachable``: ``diloco worker`` exits 3) is
+  restarted by its supervisor from the checkpoint it wrote;
+* ``Fail`` ends it too. A refused join (``RESTARTABLE_FAILS``: the run is full)
+  is an ordinary exit its supervisor retries; any other means a worker got
+  something it could not use, and the run fails (``SimWorkerFailure``).
 
-Frozen workers (a SIGSTOP'd process) neither send nor handle anything; what
-arrives meanwhile is handled, in order, when they thaw.
+A process keeps one connection for its life, as the real worker keeps one
+ZeroMQ DEALER socket with a fixed routing id: re-joins, resyncs and a
+restarted coordinator all use it. Only a new incarnation (a restart) connects
+anew. Frozen workers (a SIGSTOP'd process) neither send nor handle anything;
+what arrives meanwhile, and the timers that fired, are handled in order when
+they thaw.
 """
 
 from __future__ import annotations
@@ -41,28 +44,39 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from diloco.transport.messages import (
-    PROTOCOL_VERSION,
-    Accepted,
-    Command,
-    Error,
-    Heartbeat,
-    HeartbeatReply,
-    Join,
-    Leave,
-    Result,
-    Submit,
-    Welcome,
-)
 from diloco.sim.trace import hash_values
+from diloco.transport.messages import PROTOCOL_VERSION, Heartbeat, Join, Submit
+from diloco.worker.actions import (
+    Fail,
+    InstallParams,
+    Send,
+    SendJoinWithParams,
+    StateChanged,
+    Stop,
+    SubmitFragment,
+)
+from diloco.worker.session import WorkerSession
+from diloco.worker.states import WorkerState
 
 if TYPE_CHECKING:  # pragma: no cover
     from diloco.sim.simulation import Simulation
 
 # Timer kinds (indexes into SimWorker.tokens).
-HB, TRAIN, JOIN, WAIT = 0, 1, 2, 3
+TICK, TRAIN = 0, 1
+#: Tick period while joining or stopping (join resends come after 2.5 s or more; the
+#: save question of a stop waits at most 1 s).
+TICK_S = 0.5
+#: A heartbeat tick comes this much after the due time, so ``now - last >= interval`` holds
+#: despite rounding.
+_HB_SLACK_S = 1e-6
+#: Fail codes of a refused join a real worker exits on and its supervisor retries.
+RESTARTABLE_FAILS = frozenset({"too_many_workers", "already_member"})
 
-_STOP_COMMANDS = (Command.STOP, Command.SAVE_AND_STOP)
+_MEMBER = (WorkerState.TRAINING, WorkerState.WAITING, WorkerState.PAUSED)
+
+
+class SimWorkerFailure(RuntimeError):
+    """The session failed on something it got (a ``Fail`` a healthy run never causes)."""
 
 
 def seeded_update(seed: int, worker_id: str, fragment_id: int, round_id: int,
@@ -85,33 +99,34 @@ class SimWorker:
     """One incarnation of a worker process (a restart is a new incarnation with the same id)."""
 
     def __init__(self, sim: "Simulation", worker_id: str, incarnation: int, link_delay_s: float,
-                 speed: float) -> None:
+                 speed: float, checkpoint: dict | None = None) -> None:
         self.sim = sim
         self.wid = worker_id
         self.inc = incarnation
         self.link_delay_s = link_delay_s
         self.speed = speed
         self.straggle = 1.0
-        self.conn = 0
         self.peer = ""
         self.alive = True
         self.frozen = False
+        #: The state last traced (the session's, or "frozen" / "dead").
         self.state = ""
-        self._state_before_freeze = ""
         self._buffer: list = []
         self._deferred: list = []
-        self.tokens = [0, 0, 0, 0]
+        self.tokens = [0, 0]
+        self.session = WorkerSession(worker_id, sim.cfg.num_fragments, sim.param_spec,
+                                     coordinator_timeout_s=sim.cfg.coordinator_timeout_s)
         self.params: dict[str, torch.Tensor] = {}
-        self.fragments: tuple[tuple[str, ...], ...] = ()
-        self.rounds: list[int] = []
-        self.below = True
-        self.hb_interval_s = sim.cfg.heartbeat_interval_s
-        #: (fragment_id, round_id) -> True: contributions whose Result we wait for.
-        self.waits: dict[tuple[int, int], bool] = {}
-        #: The segment being trained or held at the sync point: (fragment_id, round_id).
-        self.current: tuple[int, int] | None = None
-        self.next_fragment = 0
-        self.segments = 0
+        if checkpoint is not None:
+            self.session.restore(**checkpoint["session"])
+            self.params = dict(checkpoint["params"])
+        #: What the process wrote when it stopped with ``save`` (a supervisor restart resumes from it).
+        self.checkpoint: dict | None = None
+        self._stepping = False
+        self._hb_due = 0.0
+        self._mid = 0          # the message being handled: adopt records name it
+        self._stop: Stop | None = None
+        self._fail: Fail | None = None
 
     # ------------------------------------------------------------ plumbing
 
@@ -126,15 +141,16 @@ class SimWorker:
         self.tokens[kind] += 1
         self.sim.schedule(self.sim.now + delay_s, self._timer, (kind, self.tokens[kind]))
 
-    def cancel(self, kind: int) -> None:
-        self.tokens[kind] += 1
-
-    def _cancel_all(self) -> None:
-        t = self.tokens
-        t[0] += 1
-        t[1] += 1
-        t[2] += 1
-        t[3] += 1
+    def _arm_tick(self) -> None:
+        s = self.session
+        now = self.sim.now
+        if s.state in _MEMBER:
+            due = self._hb_due
+            if due <= now:  # (a heartbeat the session did not send when due: ask again an interval on)
+                due = now + s.heartbeat_interval_s + _HB_SLACK_S
+        else:
+            due = now + TICK_S
+        self.arm(TICK, due - now)
 
     def _timer(self, arg: tuple[int, int]) -> None:
         if not self.alive:
@@ -145,73 +161,125 @@ class SimWorker:
         kind, token = arg
         if token != self.tokens[kind]:
             return
-        if kind == HB:
-            self.sim.send_from_worker(self, Heartbeat(self.wid))
-            self.arm(HB, self.hb_interval_s)
-        elif kind == TRAIN:
-            self._sync_point()
-        elif kind == JOIN:
-            if self.state == "joining":
-                self.rejoin(new_connection=True)
-        elif kind == WAIT:
-            if self.waits:
-                # A lost Result: leave and join again (diloco.worker's resync).
-                self.sim.send_from_worker(self, Leave(self.wid))
-                self.rejoin(new_connection=False)
+        now = self.sim.now
+        if kind == TICK:
+            self._run(self.session.tick(now))
+            if self.alive:
+                self._arm_tick()
+        else:
+            self._stepping = False
+            self._run(self.session.step_done(now))
 
-    # ------------------------------------------------------------ lifecycle
+    # ------------------------------------------------------------ the session's actions
 
-    def start(self) -> None:
-        self.sim.open_connection(self)
-        self._send_join()
+    def _run(self, actions: list) -> None:
+        sim = self.sim
+        for a in actions:
+            typ = type(a)
+            if typ is Send:
+                msg = a.message
+                if type(msg) is Heartbeat:
+                    self._hb_due = sim.now + self.session.heartbeat_interval_s + _HB_SLACK_S
+                sim.send_from_worker(self, msg)
+            elif typ is StateChanged:
+                self.set_state(a.state.value)
+                if a.state not in _MEMBER:
+                    if self.alive:
+                        self._arm_tick()  # joining or stopping: tick at the finer period now
+                elif a.previous is WorkerState.JOINING:
+                    # A Welcome restarts the heartbeat clock (W3).
+                    self._hb_due = sim.now + self.session.heartbeat_interval_s + _HB_SLACK_S
+                    self._arm_tick()
+            elif typ is SubmitFragment:
+                fid, rid = a.fragment_id, a.round_id
+                tensors = seeded_update(sim.cfg.seed, self.wid, fid, rid, self.session.fragments[fid],
+                                        sim.param_sizes)
+                sim.send_from_worker(self, Submit(self.wid, fid, rid, tensors))
+            elif typ is InstallParams:
+                self._install(a)
+            elif typ is SendJoinWithParams:
+                sim.send_from_worker(self, Join(self.wid, PROTOCOL_VERSION, sim.param_spec, sim.initial_params))
+            elif typ is Stop:
+                self._stop = a
+            elif typ is Fail:
+                self._fail = a
+            # OutageReport and Note: log lines; nothing to do.
+        if self._stop is not None:
+            self._stopped()
+        elif self._fail is not None:
+            self._failed()
+        elif self.alive and not self._stepping and self.session.may_train:
+            self._stepping = True
+            self.arm(TRAIN, sim.segment_time(self))
 
-    def _send_join(self) -> None:
-        self._cancel_all()
-        self.waits = {}
-        self.current = None
-        self.set_state("joining")
-        # Light workers always send their (tiny) params, so no params_required round trip:
-        # the coordinator uses the first join's and drops the rest on arrival (SPEC.md
-        # section 11, "Joining"); the checker reads the run's params off the first Join.
-        init = self.sim.initial_params
-        self.sim.send_from_worker(self, Join(self.wid, PROTOCOL_VERSION, self.sim.param_spec, init))
-        self.arm(JOIN, self.sim.cfg.join_timeout_s)
+    def _install(self, a: InstallParams) -> None:
+        params = a.params
+        names = a.names
+        for n in names:
+            self.params[n] = params[n]
+        h = hash_values((n, params[n].tolist()) for n in names)
+        now, mid, fid = self.sim.now, self._mid, a.fragment_id
+        self.sim.emit({"k": "adopt", "t": now, "w": self.wid, "m": mid, "f": fid, "h": h},
+                      f'{{"k":"adopt","t":{now!r},"w":"{self.wid}","m":{mid},"f":{fid},"h":"{h}"}}')
 
-    def rejoin(self, new_connection: bool) -> None:
-        if new_connection:
-            self.sim.open_connection(self)
-        self._send_join()
+    def _stopped(self) -> None:
+        stop, self._stop = self._stop, None
+        s = self.session
+        now = self.sim.now
+        if stop.save:
+            self.checkpoint = {
+                "session": dict(fragments=s.fragments, round_ids=list(s.round_ids), next_close=list(s.next_close),
+                                sched_step=s.sched_step, inner_step=s.inner_step, rounds_synced=s.rounds_synced,
+                                mode=s.mode),
+                "params": dict(self.params),
+            }
+        self._run(s.stopped_done(now))
+        self._run(s.leave(now))  # as run_training does on its way out: Leave, unless the run ended it
+        self._exit(notice=False)
+        if stop.reason == "coordinator_unreachable":
+            self.sim.worker_exited(self, "coordinator_unreachable")
 
-    def stop(self) -> None:
-        self._cancel_all()
-        self.waits = {}
-        self.set_state("stopped")
-        self.alive = False
-        self.sim.close_connection(self, notice=False)
+    def _failed(self) -> None:
+        fail, self._fail = self._fail, None
+        self._exit(notice=False)
+        if fail.code not in RESTARTABLE_FAILS:
+            raise SimWorkerFailure(f"{self.wid} failed ({fail.code}): {fail.detail}")
+        self.sim.worker_exited(self, fail.code)
 
-    def crash(self) -> None:
-        self._cancel_all()
-        self.set_state("dead")
+    def _exit(self, *, notice: bool) -> None:
+        self.tokens[TICK] += 1
+        self.tokens[TRAIN] += 1
         self.alive = False
         self.frozen = False
         self._buffer = []
         self._deferred = []
-        self.sim.close_connection(self, notice=True)
+        self.sim.close_connection(self, notice=notice)
+
+    # ------------------------------------------------------------ lifecycle (the simulation's calls)
+
+    def start(self) -> None:
+        self.sim.open_connection(self)
+        self._run(self.session.start(self.sim.now))
+        if self.alive:
+            self._arm_tick()
+
+    def crash(self) -> None:
+        self.set_state(WorkerState.DEAD.value)
+        self._exit(notice=True)
 
     def leave(self) -> None:
-        self.sim.send_from_worker(self, Leave(self.wid))
-        self.stop()
+        """The process is asked to stop (SIGTERM): the session stops, and leaves on the way out."""
+        self._run(self.session.request_stop(self.sim.now))
 
     def freeze(self) -> None:
         self.frozen = True
-        self._state_before_freeze = self.state
-        self.set_state("frozen")
+        self.set_state(WorkerState.FROZEN.value)
 
     def thaw(self) -> None:
         if not self.frozen:
             return
         self.frozen = False
-        self.set_state(self._state_before_freeze)
+        self.set_state(self.session.state.value)
         buffered, self._buffer = self._buffer, []
         deferred, self._deferred = self._deferred, []
         for mid, peer, src, message in buffered:
@@ -226,137 +294,6 @@ class SimWorker:
     def buffer(self, mid: int, peer: str, src: str, message) -> None:
         self._buffer.append((mid, peer, src, message))
 
-    # ------------------------------------------------------------ the protocol
-
     def on_message(self, mid: int, msg) -> None:
-        typ = type(msg)
-        if typ is HeartbeatReply:
-            self._on_heartbeat_reply(msg)
-        elif typ is Result:
-            self._on_result(mid, msg)
-        elif typ is Accepted:
-            if (msg.fragment_id, msg.round_id) in self.waits:
-                self.arm(WAIT, self.sim.cfg.wait_timeout_s)
-        elif typ is Welcome:
-            self._on_welcome(mid, msg)
-        elif typ is Error:
-            self._on_error(msg)
-
-    def _on_welcome(self, mid: int, msg: Welcome) -> None:
-        if self.state != "joining":
-            return
-        self.cancel(JOIN)
-        self.fragments = msg.fragments
-        self.params = dict(msg.params)
-        self.rounds = list(msg.round_ids)
-        self.below = msg.below_min_workers
-        self.hb_interval_s = msg.heartbeat_interval_s
-        for fid in range(len(self.fragments)):
-            self._adopted(mid, fid)
-        self.arm(HB, self.hb_interval_s)
-        self.waits = {(f, r): True for f, r in msg.parked}
-        if self.waits:
-            self.set_state("paused" if self.below else "waiting")
-            self.arm(WAIT, self.sim.cfg.wait_timeout_s)
-        else:
-            self._begin_segment()
-
-    def _adopted(self, mid: int, fid: int) -> None:
-        params = self.params
-        names = self.fragments[fid]
-        h = hash_values((n, params[n].tolist()) for n in names)
-        now = self.sim.now
-        self.sim.emit({"k": "adopt", "t": now, "w": self.wid, "m": mid, "f": fid, "h": h},
-                      f'{{"k":"adopt","t":{now!r},"w":"{self.wid}","m":{mid},"f":{fid},"h":"{h}"}}')
-
-    def _begin_segment(self) -> None:
-        nfrag = len(self.fragments)
-        if self.sim.sync:
-            rounds = self.rounds
-            fid = 0
-            for f in range(1, nfrag):
-                if rounds[f] < rounds[fid]:
-                    fid = f
-        else:
-            fid = self.next_fragment % nfrag
-            self.next_fragment = fid + 1
-        self.current = (fid, self.rounds[fid])
-        self.segments += 1
-        self.set_state("training")
-        self.arm(TRAIN, self.sim.segment_time(self))
-
-    def _sync_point(self) -> None:
-        self._submit()
-
-    def _submit(self) -> None:
-        assert self.current is not None
-        fid, rid = self.current
-        names = self.fragments[fid]
-        tensors = seeded_update(self.sim.cfg.seed, self.wid, fid, rid, names, self.sim.param_sizes)
-        self.sim.send_from_worker(self, Submit(self.wid, fid, rid, tensors))
-        self.waits[(fid, rid)] = True
-        self.set_state("paused" if self.below else "waiting")
-        self.arm(WAIT, self.sim.cfg.wait_timeout_s)
-
-    def _on_result(self, mid: int, msg: Result) -> None:
-        key = (msg.fragment_id, msg.round_id)
-        if key not in self.waits:
-            return
-        del self.waits[key]
-        outcome = msg.outcome
-        if outcome == "stop":
-            self.stop()
-            return
-        fid = msg.fragment_id
-        for name, t in msg.params.items():
-            self.params[name] = t
-        self.rounds[fid] = msg.next_round_id
-        self._adopted(mid, fid)
-        if outcome == "applied_final":
-            self.stop()
-        elif not self.waits:
-            self.cancel(WAIT)
-            self._begin_segment()
-
-    def _on_heartbeat_reply(self, msg: HeartbeatReply) -> None:
-        if self.state == "joining":
-            return
-        command = msg.command
-        if command in _STOP_COMMANDS:
-            self.stop()
-            return
-        if command is Command.REJOIN:
-            # The coordinator forgot us (declared dead, kicked, or it restarted).
-            self.rejoin(new_connection=False)
-            return
-        self.below = msg.below_min_workers
-        if self.waits:
-            # SPEC.md R10: idle at the sync point while below quorum, polling for a stop.
-            self.set_state("paused" if self.below else "waiting")
-
-    def _on_error(self, msg: Error) -> None:
-        code = msg.code.value if hasattr(msg.code, "value") else str(msg.code)
-        if code == "stopped":
-            self.stop()
-            return
-        what = msg.in_reply_to
-        if what == "Join":
-            if self.state != "joining":
-                return
-            if code == "shutting_down":
-                self.stop()
-            elif code == "already_member":
-                self.rejoin(new_connection=True)
-            # too_many_workers and the rest: the join timer retries.
-        elif what == "Submit":
-            if not self.waits or self.state == "joining":
-                return
-            if code == "duplicate":
-                return  # it is already pending: keep waiting for its Result
-            if code == "held_limit" and self.current is not None:
-                # Async, below quorum, the fragment holds max_held_per_fragment: submit again later.
-                self.waits.pop(self.current, None)
-                self.cancel(WAIT)
-                self.arm(TRAIN, self.hb_interval_s)
-                return
-            self.rejoin(new_connection=True)
+        self._mid = mid
+        self._run(self.session.on_message(msg, self.sim.now))

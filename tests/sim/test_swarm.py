@@ -1,9 +1,10 @@
 """The CI swarm: a fixed range of seeds, every invariant must hold in every one.
 
-Sized for CI: 57 s measured with two processes while the machine was loaded (load average 8.5
-on 2 cores; about 25 s of CPU):
-``SWARM_SEEDS`` seeds with two processes. Failing seeds are printed with the
-command that re-runs them. A deeper soak: ``diloco sim --swarm 2000 --jobs 2``.
+Sized for CI: ``SWARM_SEEDS`` seeds with two processes, about 48 s of CPU since the simulated
+workers run the real ``WorkerSession`` (41 s with the simplified worker before; 2.46 million
+events), so about 25 s of wall time on 2 idle cores and 55-97 s on 2 cores shared with other
+jobs (load average 3-5). Failing seeds are printed with the command that re-runs them. A
+deeper soak: ``diloco sim --swarm 2000 --jobs 2``.
 """
 
 from __future__ import annotations
