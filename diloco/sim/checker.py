@@ -46,6 +46,17 @@ fragment's round and params, the outer optimizer's state -- and checks:
 * **net** the environment keeps its promise: on each connection, messages are
   delivered in the order they were sent (ZeroMQ over TCP); message ids grow
   in send order, so each link's delivered ids must grow.
+* **W5, W6, W8** the workers keep their rules too (SPEC.md section 14; the
+  simulator runs ``WorkerSession`` with one fragment closing per inner step):
+  W5, a worker trains only while none of its contributions is pending; W6, a
+  waiting worker pauses when the reply to a heartbeat it sent after its last
+  ``Submit`` says ``below_min_workers`` -- judged once the worker got that
+  Submit's ``Accepted`` (or a ``Welcome``): heartbeats carry no id, so before
+  that fence a worker whose link lost messages cannot tell a fresh reply from
+  a stale one; W8, a ``Submit`` answered ``held_limit`` is sent again one
+  heartbeat interval later -- not sooner (no busy retry), and within two
+  intervals unless the worker joined again, stopped, died or froze meanwhile.
+  A ``worker`` record names one of ``WORKER_STATES``, the worker's vocabulary.
 """
 
 from __future__ import annotations
@@ -59,6 +70,19 @@ from typing import Iterable
 
 RTOL = 1e-4
 ATOL = 1e-5
+
+#: The states a ``worker`` record may name: ``diloco.worker.states.WorkerState``'s values (the
+#: checker imports nothing from diloco; tests/sim/test_trace.py keeps the two equal).
+WORKER_STATES = ("joining", "training", "waiting", "paused", "stopping", "stopped", "frozen", "dead")
+#: States in which a worker has left whatever it was waiting for (a held_limit retry is off).
+_LEFT_THE_WAIT = frozenset({"joining", "stopping", "stopped", "frozen", "dead"})
+#: Seconds a worker's retry may take beyond its due time to show in the trace: the tick that
+#: sends it (at most one heartbeat interval later) is counted separately; this covers link
+#: delays (capped at 0.25 s) with room to spare.
+_RETRY_SLACK_S = 1.0
+#: A worker's message shows in the trace (delivered or dropped) within this of its sending:
+#: the simulator caps link delays at 0.25 s.
+_LINK_S = 0.3
 
 ALLOWED_PHASE_MOVES = {
     ("forming", "running"), ("paused", "running"), ("running", "paused"), ("running", "draining"),
@@ -144,6 +168,26 @@ class TraceChecker:
         #: (src, dst) -> the last message id delivered on that link (per-connection FIFO).
         self.link_last: dict[tuple[str, str], int] = {}
         self.wstate: dict[str, str] = {}
+        #: peer -> id of the last Submit it sent (delivered or dropped), and its (fragment, round).
+        self.last_submit_m: dict[str, int] = {}
+        self.last_submit: dict[str, tuple[int, int]] = {}
+        #: peers whose worker got the Accepted of its last Submit, or a Welcome since it: replies
+        #: after that fence are known fresh to it, whatever the link lost before.
+        self.fenced: set[str] = set()
+        #: HeartbeatReply message id -> the id of the Heartbeat it answers (replies saying
+        #: below_min_workers with command continue, until delivered or dropped).
+        self.below_reply_to: dict[int, int] = {}
+        #: (worker id, peer, heartbeat id, when) whose state must not stay "waiting" after the
+        #: record just fed: a below-quorum reply to that heartbeat reached it then.
+        self._expect_pause: tuple[str, str, int, float] | None = None
+        #: The same, still waiting after that reply, until the trace shows whether the worker sent
+        #: a Submit between the heartbeat and the reply (then the reply was stale to it).
+        self._pause_suspects: list[tuple[str, str, int, float]] = []
+        #: Error(held_limit) message id -> (peer, fragment) of the Submit it refused.
+        self.held_errors: dict[int, tuple[str, int]] = {}
+        #: peer -> (fragment, when the worker got the held_limit, worker id): a retry is due.
+        self.retry_due: dict[str, tuple[int, float, str]] = {}
+        self.hb_interval_s = 0.0
         self._step: _Step | None = None
         self._step_id = None
         self._last_recv: dict | None = None
@@ -167,6 +211,12 @@ class TraceChecker:
         self.t = rec["t"]
         s = rec.get("s")
         k = rec["k"]
+        if self._expect_pause is not None:
+            self._check_pause(rec)
+        if self._pause_suspects and self.t > self._pause_suspects[0][3] + _LINK_S:
+            self._judge_pauses()
+        if self.retry_due:
+            self._check_retries()
         if s is None:
             if k == "drop":
                 self._on_drop(rec)
@@ -192,6 +242,8 @@ class TraceChecker:
                 wid = rec.get("worker_id")
                 if wid is not None:
                     self.peer_wid[rec["src"]] = wid
+                if rec["type"] == "Submit":
+                    self._worker_submitted(rec)
             self._step = _Step(rec, msg)
         self._step.recs.append(rec)
         if k == "send":
@@ -204,6 +256,10 @@ class TraceChecker:
     def finish(self) -> list[Violation]:
         if self._step is not None:
             self._finish_step()
+        if self._expect_pause is not None:
+            self._check_pause(None)
+        self.t = float("inf")
+        self._judge_pauses()
         if self.crash_error:
             self._violate("crash", f"the simulation raised: {self.crash_error}")
         if self.heal_t is not None:
@@ -219,7 +275,7 @@ class TraceChecker:
             # A worker still joining (say, retrying after too_many_workers) is not a member and
             # holds nothing: not parked. One training, waiting or paused missed the stop.
             for wid, state in sorted(self.wstate.items()):
-                if state in ("training", "waiting", "paused", "frozen"):
+                if state in ("training", "waiting", "paused", "stopping", "frozen"):
                     self._violate("I5", f"{wid} is still {state} at the end of the run, after the stop")
         self.counts["pending_at_end"] = sum(len(p) for p in self.pending)
         return self.violations
@@ -238,6 +294,7 @@ class TraceChecker:
 
     def _on_config(self, rec: dict) -> None:
         self.cfg = rec
+        self.hb_interval_s = rec["heartbeat_interval_s"]
         self.min_workers = rec["min_workers"]
         self.pending = [{} for _ in range(rec["num_fragments"])]
 
@@ -259,16 +316,99 @@ class TraceChecker:
 
     def _on_recv(self, rec: dict) -> None:  # delivered to a worker
         self._fifo(rec)
-        self._last_recv = self.msgs.pop(rec["m"], None)
+        m = rec["m"]
+        self._last_recv = self.msgs.pop(m, None)
         if self._last_recv is None:
-            self._violate("trace", f"message {rec['m']} delivered but never sent")
+            self._violate("trace", f"message {m} delivered but never sent")
+        peer = rec["dst"]
+        if self.below_reply_to:
+            hb = self.below_reply_to.pop(m, None)
+            if hb is not None and peer in self.fenced and hb > self.last_submit_m.get(peer, 0):
+                wid = self.peer_wid.get(peer)
+                if wid is not None and self.wstate.get(wid) == "waiting":
+                    self._expect_pause = (wid, peer, hb, rec["t"])
+        sent = self._last_recv
+        if sent is not None:
+            typ = sent["type"]
+            if typ == "Welcome" or (typ == "Accepted" and self.last_submit.get(peer)
+                                    == (sent["fragment_id"], sent["round_id"])):
+                self.fenced.add(peer)
+        if self.held_errors:
+            held = self.held_errors.pop(m, None)
+            if held is not None:
+                self.retry_due[peer] = (held[1], rec["t"], self.peer_wid.get(peer, "?"))
 
     def _on_drop(self, rec: dict) -> None:
         self.counts["drops"] += 1
-        self.msgs.pop(rec["m"], None)
+        m = rec["m"]
+        self.msgs.pop(m, None)
+        self.below_reply_to.pop(m, None)
+        self.held_errors.pop(m, None)
+        if rec.get("type") == "Submit" and "worker_id" in rec:
+            self._worker_submitted(rec)
 
     def _on_worker(self, rec: dict) -> None:
-        self.wstate[rec["w"]] = rec["state"]
+        wid, state = rec["w"], rec["state"]
+        if state not in WORKER_STATES:
+            self._violate("trace", f"{wid} is in state {state!r}, which is not a worker state {WORKER_STATES}")
+        self.wstate[wid] = state
+        if state == "training":
+            pending = [f for f, pend in enumerate(self.pending) if wid in pend]
+            if pending:
+                self._violate("W5", f"{wid} trains while its contribution to fragment(s) {pending} is "
+                                    f"pending (round {self.pending[pending[0]][wid][0]})")
+        elif state in _LEFT_THE_WAIT:
+            self.retry_due.pop(rec["p"], None)
+
+    # ------------------------------------------------------------ the workers' rules
+
+    def _worker_submitted(self, rec: dict) -> None:
+        """A worker's Submit, seen delivered or dropped (``ts``: when the worker sent it)."""
+        peer, f = rec["src"], rec["fragment_id"]
+        if rec["m"] > self.last_submit_m.get(peer, 0):
+            self.last_submit_m[peer] = rec["m"]
+            self.last_submit[peer] = (f, rec["round_id"])
+            self.fenced.discard(peer)
+        if self._pause_suspects:
+            # Sent after the heartbeat and before the reply arrived: the reply was stale to it.
+            m, ts = rec["m"], rec["ts"]
+            self._pause_suspects = [x for x in self._pause_suspects
+                                    if not (x[1] == peer and x[2] < m and ts <= x[3])]
+        due = self.retry_due.get(peer)
+        if due is not None and due[0] == f:
+            del self.retry_due[peer]
+            waited = rec["ts"] - due[1]
+            if waited < self.hb_interval_s - 1e-6:
+                self._violate("W8", f"{due[2]} sent fragment {f} again {waited:.3f}s after its held_limit; "
+                                    f"a retry waits one heartbeat interval ({self.hb_interval_s:.3f}s)")
+
+    def _check_retries(self) -> None:
+        late = 2 * self.hb_interval_s + _RETRY_SLACK_S
+        for peer, (f, t, wid) in list(self.retry_due.items()):
+            if self.t > t + late:
+                del self.retry_due[peer]
+                self._violate("W8", f"{wid} got held_limit for fragment {f} at t={t:.3f}s and has not sent "
+                                    f"it again {late:.3f}s later (still {self.wstate.get(wid)})")
+
+    def _check_pause(self, rec: dict | None) -> None:
+        """The record after a below-quorum heartbeat reply reached a waiting worker."""
+        expect, self._expect_pause = self._expect_pause, None
+        if rec is not None and rec["k"] == "worker" and rec["w"] == expect[0]:
+            return  # it changed state: paused (or joined again, or stopped)
+        if self.wstate.get(expect[0]) == "waiting":
+            self._pause_suspects.append(expect)
+
+    def _judge_pauses(self) -> None:
+        """Suspects whose worker sent no Submit between the heartbeat and the reply: it had to pause."""
+        keep = []
+        for x in self._pause_suspects:
+            if self.t <= x[3] + _LINK_S:
+                keep.append(x)
+                continue
+            self._violate("W6", f"{x[0]} still waits after a heartbeat reply said below_min_workers at "
+                                f"t={x[3]:.3f}s (the reply to a heartbeat sent after its last Submit): it "
+                                f"must pause")
+        self._pause_suspects = keep
 
     def _on_adopt(self, rec: dict) -> None:
         sent = self._last_recv
@@ -667,6 +807,8 @@ class TraceChecker:
                                             f"round {rec['next_round_id']}")
         elif typ == "HeartbeatReply":
             msg = step.msg
+            if rec["below_min_workers"] and rec["command"] == "continue" and msg is not None:
+                self.below_reply_to[rec["m"]] = msg["m"]
             if self.stopped:
                 want = "save_and_stop" if self.stop_kind == "save_and_stop" else "stop"
                 if rec["command"] != want:
@@ -685,6 +827,9 @@ class TraceChecker:
         elif typ == "Error":
             if rec["code"] == "stopped" and not self.stopped:
                 self._violate("R12", "an Error says stopped but the run has not stopped")
+            msg = step.msg
+            if rec["code"] == "held_limit" and msg is not None and msg["type"] == "Submit":
+                self.held_errors[rec["m"]] = (rec["dst"], msg["fragment_id"])
         elif typ == "AdminReply":
             header = step.header
             if header.get("command") == "set_min_workers" and rec["ok"]:

@@ -32,8 +32,9 @@ A run has a safety phase under faults, then a liveness phase: faults stop,
 everything heals, and every fragment must apply another round within a stated
 bound. A checker reads only the trace and verifies SPEC.md's invariants (I1
 quorum safety, I2, I3, I4, I5, I6, I7, I11, I12), every outer step against an
-independent Nesterov / Delayed Nesterov computation, and every worker's
-params against the coordinator's.
+independent Nesterov / Delayed Nesterov computation, every worker's params
+against the coordinator's, and the workers' own rules (W5 train only with
+nothing pending, W6 pause below quorum, W8 retry held_limit a heartbeat later).
 
 The seed is printed first, and again with the exact re-run command on any
 failure. The last line is machine-readable:
@@ -192,7 +193,7 @@ def format_summary(r: RunResult) -> list[str]:
     if r.divergence is not None:
         rows.append(("replay", "DIVERGED"))
     verdict = "all hold" if r.violation_count == 0 else f"{r.violation_count} VIOLATION(S)"
-    rows.append(("invariants", f"{verdict} (I1 I2 I3 I4 I5 I6 I7 I11 I12, outer steps, params)"))
+    rows.append(("invariants", f"{verdict} (I1 I2 I3 I4 I5 I6 I7 I11 I12, W5 W6 W8, outer steps, params)"))
     if r.plot_path:
         rows.append(("plot", r.plot_path))
     width = max(len(k) for k, _ in rows)

@@ -6,10 +6,9 @@ dotted lines at applied rounds, dashed lines where the run lost or regained
 its quorum. On top, this module shades the spans where the coordinator was
 down and marks the heal (the start of the liveness phase) and the stop.
 
-Worker states in the trace map onto the plot's states: ``training`` ->
-training, ``waiting`` -> waiting at the barrier, ``paused`` -> paused below
-quorum, ``dead`` and ``frozen`` (an unresponsive, SIGSTOP'd process) -> dead,
-``stopped`` -> stopped, ``joining`` -> not drawn (not a member yet).
+Worker states in the trace are the worker's own vocabulary
+(``diloco.worker.states.WorkerState``: joining, training, waiting, paused,
+stopping, stopped, and the observed-only frozen and dead), drawn as they are.
 
 A worker that crashed or left is drawn dead/stopped until the coordinator
 forgets it (its death or leave is reported, or the coordinator crashes):
@@ -24,17 +23,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from diloco.plots.timeline import TimelineRecorder, WorkerState, draw_membership_timeline
+from diloco.plots.timeline import TimelineRecorder, draw_membership_timeline
+from diloco.worker.states import WorkerState
 
-_STATE_MAP = {
-    "training": WorkerState.TRAINING,
-    "waiting": WorkerState.WAITING,
-    "paused": WorkerState.PAUSED,
-    "dead": WorkerState.DEAD,
-    "frozen": WorkerState.DEAD,
-    "stopped": WorkerState.STOPPED,
-    "joining": None,
-}
+_STATES = {s.value: s for s in WorkerState}
 
 
 class TimelineBuilder:
@@ -60,7 +52,7 @@ class TimelineBuilder:
         if k == "worker":
             wid, state = r["w"], r["state"]
             self.raw[wid] = state
-            self.rec.set_state(wid, _STATE_MAP.get(state), t)
+            self.rec.set_state(wid, _STATES.get(state), t)
             if state in ("dead", "stopped") and wid not in self.members and self.stop_t is None:
                 self.rec.set_state(wid, None, t)  # nobody counts it any more
         elif k == "obs":

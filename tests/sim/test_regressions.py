@@ -23,6 +23,11 @@ PINNED = {
     155: "async heavy: same",
     # A save_and_stop while paused: the checkpoint record split the coordinator step.
     33: "save_and_stop while paused: parked workers released with stop, checkpoint in the step",
+    # WorkerSession: heartbeats lost in a short partition left the stale-reply count inflated,
+    # so a waiting worker ignored a fresh below-quorum reply (the checker's W6).
+    # Fixed in WorkerSession (the Accepted of the latest Submit); tests/sim/test_worker_session.py.
+    55: "async: a heartbeat lost at t=12 s; at t=67 s a fresh below-quorum reply must pause the worker",
+    69: "sync heavy: same",
 }
 
 

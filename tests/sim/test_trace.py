@@ -51,3 +51,11 @@ def test_the_checker_imports_nothing_from_diloco():
     modules = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     modules += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     assert [m for m in modules if m and m.split(".")[0] in ("diloco", "torch")] == []
+
+
+def test_the_checker_knows_the_worker_states():
+    """The checker names the states itself (it imports nothing); they are the worker's vocabulary."""
+    from diloco.sim.checker import WORKER_STATES
+    from diloco.worker.states import WorkerState
+
+    assert WORKER_STATES == tuple(s.value for s in WorkerState)
