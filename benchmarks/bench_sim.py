@@ -5,9 +5,10 @@ What it measures
 1. **The big run**: 1,000 workers x 100 outer rounds, sync, one fragment, no
    faults, seed 8 (``diloco sim --seed 8 --workers 1000 --rounds 100 --faults
    none --mode sync --fragments 1 --shutdown none``): the real ``Coordinator``
-   and ``RoundFSM`` drive 1,000 light workers; every message, observer event
-   and state change is traced (serialised to JSON and hashed, not written to
-   a file) and checked online by the trace checker. Seed 8 has a median ratio
+   and ``RoundFSM`` drive 1,000 simulated workers, each running the real
+   ``WorkerSession``; every message, observer event and state change is
+   traced (serialised to JSON and hashed, not written to a file) and checked
+   online by the trace checker. Seed 8 has a median ratio
    of training time to heartbeat interval among seeds (about 9 heartbeats per
    worker per round; a real run with H = 500 steps of 0.15 s and 7.5 s
    heartbeats has about 10), no stragglers and little speed spread.
