@@ -57,7 +57,8 @@ class SimConfig:
     heartbeat_interval_s: float
     #: The coordinator is ticked this often when no message arrives (the runner's recv timeout).
     tick_interval_s: float
-    #: One training segment (H inner steps for one fragment) at speed 1.
+    #: One training segment at speed 1: one inner step of a simulated worker, which closes one
+    #: fragment (its session runs with sync_every = the number of fragments).
     train_s: float
     #: Per-worker speed factors are drawn from [1, speed_spread]; > 1 is slower.
     speed_spread: float

@@ -24,9 +24,10 @@ the session's events and carries out the actions the session returns, in order:
   ``run_training`` does on its way out. A worker that gave up on a silent
   coordinator (``coordinator_unreachable``: ``diloco worker`` exits 3) is
   restarted by its supervisor from the checkpoint it wrote;
-* ``Fail`` ends it too. A refused join (``RESTARTABLE_FAILS``: the run is full)
-  is an ordinary exit its supervisor retries; any other means a worker got
-  something it could not use, and the run fails (``SimWorkerFailure``).
+* ``Fail`` ends it too. A refused join (``RESTARTABLE_FAILS``: the run is
+  full, or the join kept being answered ``already_member``) is an ordinary
+  exit its supervisor retries; any other means a worker got something it
+  could not use, and the run fails (``SimWorkerFailure``).
 
 A process keeps one connection for its life, as the real worker keeps one
 ZeroMQ DEALER socket with a fixed routing id: re-joins, resyncs and a
