@@ -9,8 +9,9 @@ first use (PEP 562), so the pure modules never pull in torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from diloco.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from diloco.worker.loop import TrainingSetup, WorkerReport, run_training
@@ -25,17 +26,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _LAZY)
 
 
 __all__ = ["DilocoWorker", "DilocoWorkerError", "TrainingSetup", "WorkerReport", "WorkerSession", "WorkerState",
