@@ -41,16 +41,26 @@ def test_first_record_is_the_config():
 
 
 def test_the_checker_imports_nothing_from_diloco():
-    """It judges the trace alone: no core, no coordinator, no simulator objects."""
+    """It judges the trace alone: no core, no coordinator, no simulator objects.
+
+    ``checker.py`` and its families of invariants (``diloco.sim.checks``) import each other only.
+    """
     import ast
     import pathlib
 
     import diloco.sim.checker as checker
+    import diloco.sim.checks as checks
 
-    tree = ast.parse(pathlib.Path(checker.__file__).read_text())
-    modules = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
-    modules += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
-    assert [m for m in modules if m and m.split(".")[0] in ("diloco", "torch")] == []
+    files = [pathlib.Path(checker.__file__), *sorted(pathlib.Path(checks.__file__).parent.glob("*.py"))]
+    assert len(files) > 2
+    for path in files:
+        tree = ast.parse(path.read_text())
+        modules = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0]
+        modules += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        outside = [m for m in modules if m and m.split(".")[0] in ("diloco", "torch")
+                   and not m.startswith("diloco.sim.checks.")]
+        assert outside == [], path.name
+        assert not [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level], path.name
 
 
 def test_the_checker_knows_the_worker_states():
