@@ -130,8 +130,14 @@ def load(snap: object) -> Parsed:
                     raise SnapshotError(f"{path}.last_base[{j}]={wid!r}: not a member")
                 last_base[wid] = _int(base, f"{path}.last_base[{j}][1]", -1, version)  # -1: joined at version 0
             for wid, base in held.items():
-                if wid in members and last_base.get(wid) != base:
+                # P3: a member's last base is at least its held contribution's base (more when
+                # it re-joined onto that contribution: then the version before its join).
+                if wid in members and last_base.get(wid, -1) < base:
                     raise SnapshotError(f"{path}: held contribution of {wid!r} disagrees with last_base")
+            for wid in members:
+                # P3: every member has a last base (from its join on); without it old work could count twice.
+                if wid not in last_base:
+                    raise SnapshotError(f"{path}.last_base: member {wid!r} has none (P3)")
             lanes.append(AsyncLane(version, held, last_base))
     below = len(members) < min_workers
     # I12: RUNNING and DRAINING imply quorum (a drain that loses it stops, P4); FORMING and PAUSED imply none.

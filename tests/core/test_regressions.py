@@ -546,3 +546,23 @@ def test_async_rejoin_onto_a_held_contribution_refuses_the_dead_incarnations_bas
     assert [type(e) for e in reject] == [Reject] and reject[0].reason is RejectReason.DUPLICATE
     assert fsm.step(ContributionSubmitted("A", 0, 3)) == [AcceptContribution("A", 0, 3), ApplyRound(0, 4, ("A",)),
                                                          ReleaseWorker("A", 0, 3, APPLIED)]
+
+
+def test_a_snapshot_after_an_async_rejoin_onto_held_work_restores():
+    """I9 with P3: after a re-join onto a held contribution (base 1) at version 3 the last base
+    is 2, above the held base; the snapshot of that state restores and behaves the same."""
+    fsm = RoundFSM(FSMConfig(min_workers=2, mode=Mode.ASYNC, max_staleness=3))
+    for w in "ABC":
+        fsm.step(WorkerJoined(w))
+    for base in (0, 1, 2):
+        fsm.step(ContributionSubmitted("B", 0, base))
+    fsm.step(WorkerLeft("C", LeaveCause.CRASHED))
+    fsm.step(WorkerLeft("B", LeaveCause.CRASHED))
+    fsm.step(ContributionSubmitted("A", 0, 1))
+    fsm.step(WorkerLeft("A", LeaveCause.CRASHED))
+    fsm.step(WorkerJoined("A"))
+    back = RoundFSM.restore(fsm.snapshot())
+    assert back.snapshot() == fsm.snapshot()
+    for machine in (fsm, back):
+        machine.step(WorkerJoined("B"))
+    assert back.step(ContributionSubmitted("A", 0, 2)) == fsm.step(ContributionSubmitted("A", 0, 2))
