@@ -17,8 +17,11 @@ from diloco.transport.base import AuthRefused, TransportError, WorkerEndpoint
 from diloco.transport.messages import Message
 from diloco.worker.errors import DilocoWorkerError
 
-#: How often the communication thread looks for something to send while nothing arrives.
-COMM_POLL_S = 0.01
+#: How long the communication thread waits for a message before it ticks the session.
+#: Sends do not wait for it (``post`` wakes the thread), so this only paces the ticks
+#: (heartbeats are seconds apart): 50 ms costs ~0.5% of a core per idle worker
+#: (benchmarks/bench_worker.py; 10 ms cost ~1.7%).
+COMM_POLL_S = 0.05
 
 
 class Link:
