@@ -9,11 +9,13 @@ from diloco.core import (
     AcceptJoin,
     ApplyRound,
     ContributionSubmitted,
+    DeclareDead,
     DiscardContribution,
     DiscardReason,
     FSMConfig,
     HeartbeatSeen,
     LeaveCause,
+    MinWorkersChanged,
     Mode,
     Phase,
     PhaseChanged,
@@ -26,8 +28,10 @@ from diloco.core import (
     ShutdownKind,
     ShutdownRequested,
     StopRun,
+    Ticked,
     WorkerJoined,
     WorkerLeft,
+    quorum_decision,
 )
 
 J, S, L = WorkerJoined, ContributionSubmitted, WorkerLeft
@@ -148,3 +152,47 @@ def test_a_heartbeat_from_a_non_member_is_unknown_worker_and_changes_nothing():
     before = fsm.snapshot()
     assert reason(fsm.step(HeartbeatSeen("Z"))) is R.UNKNOWN_WORKER
     assert fsm.snapshot() == before
+
+
+def test_a_drain_goes_on_when_a_death_by_tick_completes_no_round_and_quorum_holds():
+    """P4 with R9: min_workers=2; A, B, C; A submits; drain; B's heartbeat times out. C is
+    still awaited and 2 live members keep the quorum: only DeclareDead, the drain goes on."""
+    fsm = machine(J("A"), J("B"), J("C"), Ticked(5.0), HeartbeatSeen("C"), S("A", 0, 0),
+                  ShutdownRequested(ShutdownKind.DRAIN), min_workers=2, heartbeat_timeout_s=10.0)
+    assert fsm.phase is Phase.DRAINING
+    effects = fsm.step(Ticked(12.0))
+    assert effects == [DeclareDead("B", 0.0)]
+    assert fsm.phase is Phase.DRAINING and not fsm.below_min_workers
+    assert fsm.status().fragments[0].contributed == ("A",)
+    effects = fsm.step(S("C", 0, 0))
+    assert effects[:3] == [AcceptContribution("C", 0, 0), ApplyRound(0, 0, ("A", "C")),
+                           ReleaseWorker("A", 0, 0, ReleaseOutcome.APPLIED_FINAL)]
+    assert effects[-1] == StopRun(ShutdownKind.DRAIN) and fsm.phase is Phase.STOPPED
+
+
+def test_a_drain_goes_on_when_min_workers_changes_but_completes_no_round_and_quorum_holds():
+    """P4 with R8: raising min_workers to the live count, or lowering it, only announces the
+    quorum (QuorumChanged is always emitted); the drain keeps waiting for B."""
+    fsm = machine(J("A"), J("B"), J("C"), S("A", 0, 0), S("C", 0, 0),
+                  ShutdownRequested(ShutdownKind.DRAIN), min_workers=2)
+    for n in (3, 1):
+        effects = fsm.step(MinWorkersChanged(n))
+        assert effects == [QuorumChanged(False, 3, n, quorum_decision(3, n).reason)]
+        assert fsm.phase is Phase.DRAINING and fsm.min_workers == n
+        assert fsm.status().fragments[0].contributed == ("A", "C")
+    effects = fsm.step(S("B", 0, 0))
+    assert ApplyRound(0, 0, ("A", "C", "B")) in effects and fsm.phase is Phase.STOPPED
+    assert [e.outcome for e in effects if isinstance(e, ReleaseWorker)] == [ReleaseOutcome.APPLIED_FINAL] * 3
+
+
+def test_a_drain_stops_at_once_when_min_workers_rises_above_the_live_members():
+    """P4: a drain that loses quorum stops now; the accepted work is discarded, its makers stopped."""
+    fsm = machine(J("A"), J("B"), S("A", 0, 0), ShutdownRequested(ShutdownKind.DRAIN), min_workers=1)
+    effects = fsm.step(MinWorkersChanged(3))
+    assert effects == [
+        QuorumChanged(True, 2, 3, quorum_decision(2, 3).reason),
+        DiscardContribution("A", 0, 0, DiscardReason.SHUTDOWN),
+        ReleaseWorker("A", 0, 0, ReleaseOutcome.STOP),
+        PhaseChanged(Phase.DRAINING, Phase.STOPPED),
+        StopRun(ShutdownKind.DRAIN),
+    ]
