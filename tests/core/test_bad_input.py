@@ -238,12 +238,27 @@ def test_config_from_dict_refuses_unknown_and_non_dicts():
         min_workers=3, mode=Mode.ASYNC)
 
 
+def test_config_from_dict_says_what_is_allowed_and_names_a_non_string_key_by_its_repr():
+    """Section 2: a bad value raises ConfigError naming the field, the value and what is allowed."""
+    with pytest.raises(ConfigError) as info:
+        FSMConfig.from_dict(["min_workers", 2])
+    assert (info.value.field, info.value.value, info.value.allowed) == (
+        "config", ["min_workers", 2], "a dict of FSMConfig fields")
+    for key, name in ((7, "7"), (b"x", "b'x'"), (None, "None")):
+        with pytest.raises(ConfigError) as info:
+            FSMConfig.from_dict({"min_workers": 1, key: 3})
+        assert info.value.field == name and info.value.value == 3
+        assert str(info.value).startswith(f"{name}=3 is invalid: expected one of the fields [")
+
+
 def test_machine_constructor_checks_its_arguments():
     with pytest.raises(ConfigError, match=r"^config=\{'min_workers': 2\} is invalid: expected an FSMConfig"):
         RoundFSM({"min_workers": 2})
     for bad in ("0", None, math.nan, True):
-        with pytest.raises(ConfigError, match=r"^now_s="):
+        with pytest.raises(ConfigError, match=r"^now_s=") as info:
             RoundFSM(FSMConfig(), now_s=bad)
+        assert info.value.field == "now_s" and info.value.allowed == "a number of seconds"
+        assert info.value.value is bad
 
 
 # ------------------------------------------------------------ driver misuse

@@ -32,6 +32,9 @@ def test_quorum_decision_matches_the_oracle(live, min_workers):
 def test_singular_and_plural():
     assert quorum_decision(1, 1).reason == "quorum met: 1 live worker >= min_workers 1"
     assert quorum_decision(0, 2).reason.startswith("paused: 0 live workers < min_workers 2")
+    assert quorum_decision(1, 3).reason == (
+        "paused: 1 live worker < min_workers 3; waiting for 2 more (start a replacement, or lower min_workers)")
+    assert quorum_decision(2, 2).reason == "quorum met: 2 live workers >= min_workers 2"
 
 
 def test_phase_table_is_exactly_the_graph_the_tests_check_against():
