@@ -48,7 +48,7 @@ from diloco.coordinator.audit import AuditLog, Tee  # noqa: E402
 from diloco.coordinator.checkpoint import save_coordinator  # noqa: E402
 from diloco.core import FSMConfig  # noqa: E402
 from diloco.deploy.tuning import keep_freed_memory  # noqa: E402
-from diloco.transport.messages import PROTOCOL_VERSION, Join, Submit, spec_of  # noqa: E402
+from diloco.wire.messages import PROTOCOL_VERSION, Join, Submit, spec_of  # noqa: E402
 
 
 def make_params(num_params: int) -> dict[str, torch.Tensor]:

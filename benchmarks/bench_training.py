@@ -68,7 +68,7 @@ from diloco.core import FSMConfig
 from diloco.data import Corpus, derive_seed
 from diloco.models import build_model, evaluate_loss, param_bytes
 from diloco.transport.inproc import InprocNetwork
-from diloco.transport.messages import AdminRequest
+from diloco.wire.messages import AdminRequest
 from diloco.worker import DilocoWorker
 
 # Goals (see benchmarks/README.md).

@@ -83,7 +83,7 @@ def diloco_coordinator(addr_q, stop_ev, n_workers: int, chunk_bytes: int, auth_d
     from diloco.coordinator.runner import serve
     from diloco.core import FSMConfig
     from diloco.deploy.server import warm_up
-    from diloco.transport.zmq import ZmqCoordinatorEndpoint, ZmqOptions
+    from diloco.wire.zmq import ZmqCoordinatorEndpoint, ZmqOptions
 
     config = CoordinatorConfig(fsm=FSMConfig(min_workers=n_workers, heartbeat_timeout_s=3600.0))
     warm_up(config)
@@ -106,8 +106,8 @@ def diloco_worker(i: int, addr: str, shapes, rounds: int, barrier, out_q, chunk_
     _tune()
     import torch
     torch.set_num_threads(1)
-    from diloco.transport.messages import PROTOCOL_VERSION, Join, Result, Submit, Welcome, spec_of
-    from diloco.transport.zmq import ZmqOptions, ZmqWorkerEndpoint
+    from diloco.wire.messages import PROTOCOL_VERSION, Join, Result, Submit, Welcome, spec_of
+    from diloco.wire.zmq import ZmqOptions, ZmqWorkerEndpoint
 
     wid = f"bench{i}"
     params = make_params(shapes, 0.0)
@@ -222,9 +222,9 @@ def hb_client(i: int, addr: str, n_sockets: int, interval_s: float, duration_s: 
     _tune()
     import torch
     import zmq
-    from diloco.transport import codec
-    from diloco.transport.messages import PROTOCOL_VERSION, Heartbeat, HeartbeatReply, Join, Welcome, spec_of
-    from diloco.transport.zmq import make_routing_id
+    from diloco.wire import codec
+    from diloco.wire.messages import PROTOCOL_VERSION, Heartbeat, HeartbeatReply, Join, Welcome, spec_of
+    from diloco.wire.zmq import make_routing_id
     from diloco.transport.zmq.framing import parts
 
     def send(sock, message) -> None:  # protocol 2: one [tag, frame] part per codec frame
@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.reps, args.rounds, args.hb_seconds = 1, 2, 5.0
     skip = set(filter(None, args.skip.split(",")))
-    from diloco.transport.codec import CHUNK_BYTES
+    from diloco.wire.codec import CHUNK_BYTES
     chunk = CHUNK_BYTES if args.chunk_mb is None else int(args.chunk_mb * (1 << 20))
     raw_chunk = int(args.raw_chunk_mb * (1 << 20))
     shapes = shapes_for(args.params)

@@ -68,7 +68,7 @@ from diloco.coordinator import Coordinator, CoordinatorConfig, OuterConfig
 from diloco.coordinator.runner import CoordinatorThread
 from diloco.core import FSMConfig
 from diloco.transport.inproc import InprocNetwork
-from diloco.transport.messages import AdminRequest, Heartbeat, Result, Submit
+from diloco.wire.messages import AdminRequest, Heartbeat, Result, Submit
 from diloco.worker import DilocoWorker
 import diloco.worker.link as link
 from diloco.worker.link import COMM_POLL_S

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
-from diloco.transport.messages import PROTOCOL_VERSION, Join, TensorSpec, Welcome, spec_of
+from diloco.wire.messages import PROTOCOL_VERSION, Join, TensorSpec, Welcome, spec_of
 
 if TYPE_CHECKING:
     import torch

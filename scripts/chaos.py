@@ -43,7 +43,6 @@ import json
 import math
 import os
 import random
-import re
 import signal
 import socket
 import subprocess

@@ -48,9 +48,9 @@ def test_cli_parser_admin_client_and_admin_messages_import_no_torch():
             assert parser.parse_args(argv).handler is not None, argv
 
         import diloco.deploy.admin
-        import diloco.transport.zmq
-        from diloco.transport import codec
-        from diloco.transport.messages import AdminReply, AdminRequest
+        import diloco.wire.zmq
+        from diloco.wire import codec
+        from diloco.wire.messages import AdminReply, AdminRequest
 
         req = AdminRequest("set_min_workers", {"min_workers": 2})
         assert codec.decode(codec.encode(req)) == req
@@ -67,7 +67,7 @@ def test_the_shared_test_helpers_import_no_torch():
         import sys
 
         from diloco.testing import join_message
-        from diloco.transport.messages import PROTOCOL_VERSION, TensorSpec
+        from diloco.wire.messages import PROTOCOL_VERSION, TensorSpec
 
         msg = join_message("w1", (TensorSpec("w", (2,), "float32"),))
         assert msg.protocol_version == PROTOCOL_VERSION and msg.params == {} and msg.spec[0].name == "w"
@@ -81,8 +81,8 @@ def test_codec_still_decodes_tensors_after_the_lazy_dtype_table():
     code = textwrap.dedent("""
         import sys
 
-        from diloco.transport import codec
-        from diloco.transport.messages import Join, TensorSpec
+        from diloco.wire import codec
+        from diloco.wire.messages import Join, TensorSpec
         assert "torch" not in sys.modules
 
         import torch

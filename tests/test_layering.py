@@ -1,5 +1,9 @@
 """The layering rules hold: the core is pure, transport knows nothing about rounds.
 
+The layers (pyproject.toml): cli > deploy, demo, sim > coordinator, worker >
+wire > transport > core; the coordinator and the worker never import each
+other; transport imports neither the wire format nor the core.
+
 Two independent checks (SPEC.md section 2: the core is pure):
 
 * import-linter runs the contracts in pyproject.toml. It follows indirect
@@ -20,6 +24,7 @@ Each check is also run against a deliberately bad tree, to prove it can fail.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import textwrap
@@ -192,8 +197,17 @@ def _probe_tree(tmp_path: Path, core_source: str) -> Path:
     def rename(module: str) -> str:
         return probe + module[len(root):] if module == root or module.startswith(root + ".") else module
 
-    internal = {rename(m) for c in contracts for key in ("source_modules", "forbidden_modules")
-                for m in c.get(key, []) if rename(m) != m}
+    def modules_of(contract: dict) -> list[str]:
+        """Every module a contract names (a layer may hold several, separated by "|" or ":")."""
+        names = [m for key in ("source_modules", "forbidden_modules", "modules") for m in contract.get(key, [])]
+        for layer in contract.get("layers", []):
+            names += [m for m in layer.replace("|", " ").replace(":", " ").split()]
+        return names
+
+    def rename_all(value: str) -> str:
+        return " ".join(rename(word) for word in value.split(" "))
+
+    internal = {rename(m) for c in contracts for m in modules_of(c) if rename(m) != m}
     for module in internal | {probe, f"{probe}.core"}:
         pkg = tmp_path.joinpath(*module.split("."))
         pkg.mkdir(parents=True, exist_ok=True)
@@ -209,7 +223,7 @@ def _probe_tree(tmp_path: Path, core_source: str) -> Path:
                 continue
             if isinstance(value, list):
                 lines.append(f"{key} =")
-                lines += [f"    {rename(v)}" for v in value]
+                lines += [f"    {rename_all(v)}" for v in value]
             else:
                 lines.append(f"{key} = {value}")
         lines.append("")
@@ -231,6 +245,35 @@ def test_import_linter_contracts_catch_a_violation(tmp_path, source, chain):
     result = run_lint_imports(_probe_tree(tmp_path, source))
     assert result.returncode != 0 and "BROKEN" in result.stdout, result.stdout + result.stderr
     assert chain in result.stdout, result.stdout
+
+
+def _verdict(report: str, contract: str) -> str:
+    """KEPT or BROKEN, as import-linter's summary says for the contract whose name starts with ``contract``."""
+    flat = " ".join(report.split())  # the summary wraps long names over lines
+    summary = flat[flat.index("Contracts ---------"):]
+    match = re.search(re.escape(contract) + r".*? (KEPT|BROKEN)", summary)
+    assert match, f"no verdict for {contract!r} in {report}"
+    return match.group(1)
+
+
+@pytest.mark.parametrize("importer, imported, contract", [
+    # transport must not know the wire format (messages carry rounds): the forbidden contract and the layers
+    ("transport", "wire", "transport knows no rounds"),
+    # a lower layer must not reach up
+    ("wire", "coordinator", "layers:"),
+    ("coordinator", "deploy", "layers:"),
+    # siblings in one layer stay apart
+    ("worker", "coordinator", "the coordinator and the worker are independent"),
+    ("deploy", "sim", "layers:"),
+])
+def test_import_linter_layer_contracts_catch_a_violation(tmp_path, importer, imported, contract):
+    probe = _probe_tree(tmp_path, "from dataclasses import dataclass\n")
+    (probe / "layering_probe" / imported / "thing.py").write_text("X = 1\n")
+    (probe / "layering_probe" / importer / "bad.py").write_text(f"from layering_probe.{imported}.thing import X\n")
+    result = run_lint_imports(probe)
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert _verdict(result.stdout, contract) == "BROKEN", result.stdout
+    assert f"layering_probe.{importer}.bad -> layering_probe.{imported}.thing" in result.stdout, result.stdout
 
 
 def _worker_tree(tmp_path: Path, session_source: str) -> Path:
@@ -259,7 +302,7 @@ def test_worker_session_scan_reports_a_forbidden_import(tmp_path, source, expect
 
 def test_worker_session_scan_leaves_the_driver_alone(tmp_path):
     """Control: the driver beside the pure files may use threads, clocks and torch."""
-    worker = _worker_tree(tmp_path, "from diloco.transport.messages import Join\n")
+    worker = _worker_tree(tmp_path, "from diloco.wire.messages import Join\n")
     assert forbidden_imports(worker, FORBIDDEN_IN_WORKER_SESSION, WORKER_PURE_FILES) == []
     assert len(forbidden_imports(worker, FORBIDDEN_IN_WORKER_SESSION)) == 3
 

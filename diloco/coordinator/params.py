@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from diloco.transport.messages import TensorSpec, Tensors, spec_of
+from diloco.wire.messages import TensorSpec, Tensors, spec_of
 
 
 #: Running sums hold contributions times this power of two (see ``ParamStore.accumulate``).

@@ -21,7 +21,7 @@ from diloco.core import ShutdownKind
 from diloco.coordinator.audit import AuditLog
 from diloco.coordinator.checkpoint import DEFAULT_KEEP, save_coordinator
 from diloco.coordinator.service import Coordinator
-from diloco.transport.base import CoordinatorEndpoint
+from diloco.wire.endpoints import CoordinatorEndpoint
 
 log = logging.getLogger("diloco.coordinator")
 

@@ -43,7 +43,7 @@ from diloco.data import Corpus, derive_seed
 from diloco.models import build_model, evaluate_loss, param_bytes
 from diloco.plots.timeline import TimelineRecorder, WorkerState
 from diloco.transport.inproc import InprocNetwork
-from diloco.transport.messages import AdminRequest
+from diloco.wire.messages import AdminRequest
 from diloco.worker import DilocoWorker
 
 class DemoError(Exception):

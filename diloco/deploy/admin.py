@@ -11,8 +11,8 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from diloco.transport.messages import AdminReply, AdminRequest
-from diloco.transport.zmq import CoordinatorUnreachable, admin_request
+from diloco.wire.messages import AdminReply, AdminRequest
+from diloco.wire.zmq import CoordinatorUnreachable, admin_request
 
 __all__ = ["request", "render_status", "CoordinatorUnreachable"]
 

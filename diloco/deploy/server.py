@@ -26,8 +26,8 @@ from diloco.coordinator.checkpoint import DEFAULT_KEEP, find_newest, list_checkp
 from diloco.coordinator.runner import serve
 from diloco.core import ConfigError, Mode
 from diloco.tensorfile import CheckpointError
-from diloco.transport.messages import AdminReply, AdminRequest, Message
-from diloco.transport.zmq import ZmqCoordinatorEndpoint, ZmqOptions
+from diloco.wire.messages import AdminReply, AdminRequest, Message
+from diloco.wire.zmq import ZmqCoordinatorEndpoint, ZmqOptions
 
 
 class ServerError(Exception):

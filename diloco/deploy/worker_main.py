@@ -141,7 +141,7 @@ class _Printer:
 def run_worker_command(args) -> int:
     import torch
 
-    from diloco.transport.zmq import ZmqWorkerEndpoint
+    from diloco.wire.zmq import ZmqWorkerEndpoint
     from diloco.worker import DilocoWorker, run_training
     from diloco.worker.worker import DilocoWorkerError
 

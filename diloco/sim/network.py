@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from diloco.sim.config import MAX_LINK_DELAY_S
 from diloco.sim.trace import hash_values
-from diloco.transport.messages import (
+from diloco.wire.messages import (
     Accepted,
     AdminReply,
     AdminRequest,

@@ -29,7 +29,7 @@ from diloco.coordinator.checkpoint import coordinator_state, restore_coordinator
 from diloco.coordinator.config import CoordinatorConfig
 from diloco.coordinator.outer import OuterConfig
 from diloco.coordinator.service import Coordinator
-from diloco.transport.messages import AdminReply, AdminRequest, HeartbeatReply, spec_of
+from diloco.wire.messages import AdminReply, AdminRequest, HeartbeatReply, spec_of
 from diloco.sim.config import SimConfig
 from diloco.sim.faults import FaultInjector
 from diloco.sim.network import ADMIN, COORDINATOR, Network, _encode

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from diloco.sim.trace import hash_values
-from diloco.transport.messages import PROTOCOL_VERSION, Heartbeat, Join, Submit
+from diloco.wire.messages import PROTOCOL_VERSION, Heartbeat, Join, Submit
 from diloco.worker.actions import (
     Fail,
     InstallParams,

@@ -1,6 +1,8 @@
-"""Moving messages between the coordinator and workers. Knows nothing about rounds.
+"""Moving bytes between the coordinator and workers. Knows nothing about rounds or messages.
 
-``messages`` defines what crosses the wire; ``base`` the interface both
-transports implement (``inproc`` for threads of one process, ``zmq`` for
-processes and machines). The coordinator and the worker only ever see these.
+``base`` holds the errors every transport raises, ``limits`` how big a
+message and a frame may be. ``zmq`` moves frames between processes and
+machines (a ROUTER for the coordinator, DEALERs for workers, with parts,
+limits, reconnects and CURVE keys); ``inproc`` hands objects between threads
+of one process. ``diloco.wire`` decides what the frames mean.
 """

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from diloco.transport.messages import Message
+from diloco.wire.messages import Message
 from diloco.worker.states import WorkerState
 
 

@@ -21,7 +21,7 @@ import os
 import socket
 import torch
 
-from diloco.transport.base import WorkerEndpoint
+from diloco.wire.endpoints import WorkerEndpoint
 from diloco.worker.worker import DilocoWorker
 
 
@@ -105,7 +105,7 @@ def _endpoint(connect, worker_id: str, key, server_key) -> WorkerEndpoint:
         return connect
     if not connect.startswith(("tcp://", "ipc://")):
         raise ValueError(f"connect={connect!r}: expected tcp://HOST:PORT (or ipc://PATH)")
-    from diloco.transport.zmq import ZmqWorkerEndpoint
+    from diloco.wire.zmq import ZmqWorkerEndpoint
     from diloco.transport.zmq.auth import ClientAuth
 
     auth = ClientAuth.from_options(None if key is None else os.fspath(key),

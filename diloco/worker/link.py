@@ -13,8 +13,9 @@ import collections
 import threading
 from typing import Callable
 
-from diloco.transport.base import AuthRefused, TransportError, WorkerEndpoint
-from diloco.transport.messages import Message
+from diloco.transport.base import AuthRefused, TransportError
+from diloco.wire.endpoints import WorkerEndpoint
+from diloco.wire.messages import Message
 from diloco.worker.errors import DilocoWorkerError
 
 #: How long the communication thread waits for a message before it ticks the session.

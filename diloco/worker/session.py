@@ -22,7 +22,7 @@ import math
 from collections import deque
 from typing import Sequence
 
-from diloco.transport.messages import (
+from diloco.wire.messages import (
     PROTOCOL_VERSION,
     Accepted,
     Command,

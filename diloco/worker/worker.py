@@ -70,8 +70,8 @@ from typing import Callable
 
 import torch
 
-from diloco.transport.base import WorkerEndpoint
-from diloco.transport.messages import PROTOCOL_VERSION, Join, Submit, TensorSpec, Tensors
+from diloco.wire.endpoints import WorkerEndpoint
+from diloco.wire.messages import PROTOCOL_VERSION, Join, Submit, TensorSpec, Tensors
 from diloco.worker.actions import (
     MODEL_ACTIONS,
     Action,

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Iterable
 
-from diloco.transport.messages import (
+from diloco.wire.messages import (
     Accepted,
     Command,
     Error,

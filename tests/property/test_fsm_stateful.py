@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import msgpack
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from diloco.core import (
     ClockWentBackwardsError,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from diloco.transport.messages import (
+from diloco.wire.messages import (
     PROTOCOL_VERSION,
     Accepted,
     Command,

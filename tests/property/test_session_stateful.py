@@ -28,7 +28,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from diloco.transport.messages import (
+from diloco.wire.messages import (
     Accepted,
     Command,
     Error,

@@ -26,7 +26,7 @@ import pytest
 import diloco.sim.worker as sim_worker
 from diloco.cli import main
 from diloco.sim import run_seed
-from diloco.transport.messages import ErrorCode
+from diloco.wire.messages import ErrorCode
 from diloco.worker.session import WorkerSession, error_code
 from diloco.worker.states import WorkerState
 

@@ -12,20 +12,18 @@ from __future__ import annotations
 
 import torch
 
-from diloco.core import FSMConfig
-from diloco.coordinator.config import CoordinatorConfig
 from diloco.coordinator.service import Coordinator
-from diloco.transport.messages import PROTOCOL_VERSION, Join, Leave, Submit, spec_of
+from diloco.testing import join_message, make_coordinator
+from diloco.wire.messages import Leave, Submit
 
 PARAMS = {"w": torch.zeros(3)}
 
 
 def _coordinator(min_workers: int) -> tuple[Coordinator, list[tuple[str, dict]]]:
     events: list[tuple[str, dict]] = []
-    c = Coordinator(CoordinatorConfig(FSMConfig(min_workers=min_workers)), 0.0,
-                    observer=lambda what, now, info: events.append((what, info)))
+    c = make_coordinator(min_workers=min_workers, observer=lambda what, now, info: events.append((what, info)))
     for i, wid in enumerate(("w1", "w2")):
-        c.handle(f"p{i}", Join(wid, PROTOCOL_VERSION, spec_of(PARAMS), PARAMS), 1.0)
+        c.handle(f"p{i}", join_message(wid, PARAMS), 1.0)
     return c, events
 
 

@@ -15,7 +15,7 @@ that Submit is answered by then, or lost).
 
 from __future__ import annotations
 
-from diloco.transport.messages import Accepted, Command, Heartbeat, HeartbeatReply, TensorSpec, Welcome
+from diloco.wire.messages import Accepted, Command, Heartbeat, HeartbeatReply, TensorSpec, Welcome
 from diloco.worker.actions import Send, SubmitFragment
 from diloco.worker.session import WorkerSession
 from diloco.worker.states import WorkerState

@@ -12,7 +12,7 @@ import diloco.worker.worker as worker_module
 from diloco.coordinator import Coordinator
 from diloco.testing import join_message, joined, make_coordinator
 from diloco.transport.inproc import InprocNetwork
-from diloco.transport.messages import PROTOCOL_VERSION, Accepted, Error, ErrorCode, Submit
+from diloco.wire.messages import PROTOCOL_VERSION, Accepted, Error, ErrorCode, Submit
 from diloco.worker import DilocoWorker, DilocoWorkerError, run_training
 from training_harness import LoopbackEndpoint, Run, batches, linear, mlp
 
@@ -136,7 +136,7 @@ def test_join_timeout_s_is_a_deprecated_alias_of_coordinator_timeout_s():
 def test_joining_a_stopped_run_stops_the_worker_cleanly():
     c = make_coordinator(time.monotonic())
     c.handle("x", join_message("x", P0), time.monotonic())
-    from diloco.transport.messages import AdminRequest
+    from diloco.wire.messages import AdminRequest
     c.handle("admin", AdminRequest("shutdown", {"kind": "abort"}), time.monotonic())
     model = linear(0)
     w = DilocoWorker(model, torch.optim.SGD(model.parameters(), lr=0.1), LoopbackEndpoint(c, "a"),

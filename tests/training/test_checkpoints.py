@@ -21,7 +21,7 @@ from diloco.coordinator.checkpoint import (
 from diloco.coordinator.runner import serve
 from diloco.tensorfile import CheckpointError, save_tensorfile
 from diloco.testing import join_message, make_coordinator
-from diloco.transport.messages import Error, Result, Submit
+from diloco.wire.messages import Error, Result, Submit
 
 
 def run_rounds(n: int, c: Coordinator | None = None) -> Coordinator:

@@ -16,7 +16,7 @@ import torch
 from diloco.core import Mode
 from diloco.coordinator import Coordinator, OuterConfig
 from diloco.testing import join_message, joined, make_coordinator, only, replies
-from diloco.transport.messages import AdminRequest, Result, Submit, Welcome
+from diloco.wire.messages import AdminRequest, Result, Submit, Welcome
 
 P0 = {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([0.5])}
 
@@ -67,7 +67,7 @@ def test_key_bindings_of_departed_ids_are_bounded_oldest_first(monkeypatch):
     from types import SimpleNamespace
 
     import diloco.coordinator.service as service
-    from diloco.transport.messages import Leave
+    from diloco.wire.messages import Leave
 
     monkeypatch.setattr(service, "MAX_BOUND_IDS", 3)
     c = make_coordinator(min_workers=1)

@@ -25,7 +25,7 @@ from diloco.core import ConfigError, Mode
 from diloco.coordinator import Coordinator, CoordinatorConfig, OuterConfig
 from diloco.coordinator.params import ParamStore, l2_norm
 from diloco.testing import join_message, joined, make_coordinator, only
-from diloco.transport.messages import (
+from diloco.wire.messages import (
     Accepted,
     Error,
     ErrorCode,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from diloco.testing import join_message, make_coordinator
-from diloco.transport.messages import Heartbeat, Join, Submit
+from diloco.wire.messages import Heartbeat, Join, Submit
 from diloco.worker import DilocoWorker
 from diloco.worker.session import OUTAGE_NOTICE_S, OUTAGE_REPORT_EVERY_S
 from test_scripted import FakeClock, Script, ScriptEndpoint, pseudo_gradient, train_step

@@ -17,7 +17,7 @@ from diloco.core import Mode
 from diloco.coordinator import Coordinator, OuterConfig
 from diloco.coordinator.outer import DelayedNesterov
 from diloco.testing import join_message, make_coordinator, only
-from diloco.transport.messages import Accepted, Result, Submit, Welcome
+from diloco.wire.messages import Accepted, Result, Submit, Welcome
 
 LR, MOMENTUM = 0.7, 0.9
 

@@ -18,7 +18,7 @@ from diloco.core import Mode
 from diloco.coordinator import Coordinator
 from diloco.testing import join_message, make_coordinator, params_of
 from diloco.transport.base import TransportClosed
-from diloco.transport.messages import Error, ErrorCode, Heartbeat, Submit, spec_of
+from diloco.wire.messages import Error, ErrorCode, Heartbeat, Submit, spec_of
 from diloco.worker import DilocoWorker
 from training_harness import batch_at, linear, mse_loss
 
@@ -200,7 +200,7 @@ def test_refused_submission_rejoins_and_takes_the_welcome(code):
     w.join()
     script.handle("b", join_message("b", spec))
     if code == "unknown_worker":
-        from diloco.transport.messages import AdminRequest
+        from diloco.wire.messages import AdminRequest
         script.handle("admin", AdminRequest("kick", {"worker_id": "a"}))
         script.handle("b", Submit("b", 0, 0, pseudo_gradient(0.1)))   # round 0 applies with B alone
     else:

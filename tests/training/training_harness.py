@@ -22,7 +22,7 @@ from diloco.coordinator import Coordinator, OuterConfig
 from diloco.coordinator.runner import CoordinatorThread
 from diloco.testing import make_coordinator
 from diloco.transport.inproc import InprocNetwork
-from diloco.transport.messages import AdminReply, AdminRequest
+from diloco.wire.messages import AdminReply, AdminRequest
 from diloco.worker import DilocoWorker, WorkerReport, run_training
 
 DIM = 8

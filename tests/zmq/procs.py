@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Callable
 
 
-from diloco.transport.messages import AdminRequest
-from diloco.transport.zmq import CoordinatorUnreachable, admin_request
+from diloco.wire.messages import AdminRequest
+from diloco.wire.zmq import CoordinatorUnreachable, admin_request
 
 REPO = Path(__file__).resolve().parents[2]
 ENTRY = f"{Path(__file__).with_name('tiny_entry.py')}:make_setup"

@@ -14,22 +14,18 @@ import stat
 import time
 
 import pytest
-import zmq
 
 from diloco.cli import EXIT_AUTH_REFUSED, EXIT_PROBLEM, main
 from diloco.testing import join_message, params_of
-from diloco.transport import codec
-from diloco.transport.messages import (
+from diloco.wire.messages import (
     AdminRequest,
     Error,
     ErrorCode,
     Heartbeat,
-    HeartbeatReply,
     Submit,
-    Welcome,
     spec_of,
 )
-from diloco.transport.zmq import AuthRefused, ZmqCoordinatorEndpoint, ZmqWorkerEndpoint
+from diloco.wire.zmq import AuthRefused, ZmqCoordinatorEndpoint, ZmqWorkerEndpoint
 from diloco.transport.zmq.auth import AuthError, ClientAuth, Role, ServerAuth, generate_keypair, load_secret_key
 
 # ------------------------------------------------------------------ key files

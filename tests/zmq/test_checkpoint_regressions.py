@@ -15,7 +15,7 @@ from diloco.coordinator.checkpoint import load_coordinator, save_coordinator
 from diloco.core import Mode
 from diloco.tensorfile import load_tensorfile, save_tensorfile
 from diloco.testing import join_message, make_coordinator
-from diloco.transport.messages import Submit
+from diloco.wire.messages import Submit
 
 
 def test_tensorfile_round_trips_zero_dim_tensors(tmp_path):

@@ -32,8 +32,8 @@ import pytest
 import zmq
 
 from diloco.testing import join_message, params_of
-from diloco.transport import codec
-from diloco.transport.messages import Heartbeat, Welcome, spec_of
+from diloco.wire import codec
+from diloco.wire.messages import Heartbeat, Welcome, spec_of
 from diloco.transport.zmq import framing
 from tiny_entry import make_setup
 
@@ -199,8 +199,8 @@ def test_join_die_churn_leaves_no_per_worker_state_behind():
     from diloco.coordinator.runner import CoordinatorThread
     from diloco.core import FSMConfig
     from diloco.deploy.server import warm_up
-    from diloco.transport.messages import AdminRequest
-    from diloco.transport.zmq import ZmqCoordinatorEndpoint, admin_request
+    from diloco.wire.messages import AdminRequest
+    from diloco.wire.zmq import ZmqCoordinatorEndpoint, admin_request
 
     config = CoordinatorConfig(fsm=FSMConfig(min_workers=1, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S))
     warm_up(config)  # as the server does: the first outer optimizer's import stall must not age the first join
@@ -237,8 +237,8 @@ def test_join_die_churn_leaves_no_per_worker_state_behind():
         assert not barrier.contributed and barrier.live_contributed == 0
         # The transport remembers the peers it heard from until a probe finds them gone: the
         # anchor, and at most the last admin client (its disconnect may not be probed yet).
-        assert len(endpoint._heard) <= 2, len(endpoint._heard)
-        assert endpoint._assembler.partial_count == 0
+        assert len(endpoint.frames._heard) <= 2, len(endpoint.frames._heard)
+        assert endpoint.frames._assembler.partial_count == 0
     finally:
         anchor.stop_event.set()
         anchor.join(5)

@@ -16,9 +16,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diloco.transport import codec
-from diloco.transport.codec import CodecError, decode, encode
-from diloco.transport.messages import (
+from diloco.wire import codec
+from diloco.wire.codec import CodecError, decode, encode
+from diloco.wire.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     Accepted,

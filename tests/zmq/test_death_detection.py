@@ -13,9 +13,9 @@ import time
 import pytest
 import zmq
 
-from diloco.transport import codec
-from diloco.transport.messages import Heartbeat
-from diloco.transport.zmq import ZmqCoordinatorEndpoint, ZmqOptions
+from diloco.wire import codec
+from diloco.wire.messages import Heartbeat
+from diloco.wire.zmq import ZmqCoordinatorEndpoint, ZmqOptions
 from diloco.transport.zmq.framing import parts
 
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 import zmq
 
-from diloco.transport import codec
+from diloco.wire import codec
 from diloco.transport.base import TransportClosed
-from diloco.transport.messages import (
+from diloco.wire.messages import (
     PROTOCOL_VERSION,
     AdminReply,
     AdminRequest,
@@ -23,7 +23,7 @@ from diloco.transport.messages import (
     Result,
     Submit,
 )
-from diloco.transport.zmq import (
+from diloco.wire.zmq import (
     CoordinatorUnreachable,
     ZmqCoordinatorEndpoint,
     ZmqOptions,
@@ -31,7 +31,7 @@ from diloco.transport.zmq import (
     admin_request,
     peer_name,
 )
-from diloco.transport.zmq.endpoints import routing_id_of
+from diloco.transport.zmq.options import routing_id_of
 
 LOOPBACK = "tcp://127.0.0.1:0"
 

@@ -7,9 +7,9 @@ import time
 import torch
 import zmq
 
-from diloco.transport import codec
-from diloco.transport.messages import Error, ErrorCode, Heartbeat, Submit
-from diloco.transport.zmq import ZmqCoordinatorEndpoint, ZmqOptions
+from diloco.wire import codec
+from diloco.wire.messages import Error, ErrorCode, Heartbeat, Submit
+from diloco.wire.zmq import ZmqCoordinatorEndpoint, ZmqOptions
 from diloco.transport.zmq.framing import Assembler, Complete, Refused, parts, read_tag, tag
 
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from diloco.testing import join_message, params_of
-from diloco.transport.messages import Accepted, Error, ErrorCode, Leave, Result, Submit, Welcome, spec_of
-from diloco.transport.zmq import ZmqWorkerEndpoint
+from diloco.wire.messages import Accepted, Error, ErrorCode, Leave, Result, Submit, Welcome, spec_of
+from diloco.wire.zmq import ZmqWorkerEndpoint
 from diloco.transport.zmq.auth import ClientAuth
 
 pytestmark = pytest.mark.slow

@@ -19,8 +19,8 @@ import torch
 
 from diloco.cli import main
 from diloco.testing import join_message, params_of
-from diloco.transport.messages import PROTOCOL_VERSION, Leave, Welcome
-from diloco.transport.zmq import ZmqWorkerEndpoint
+from diloco.wire.messages import PROTOCOL_VERSION, Leave, Welcome
+from diloco.wire.zmq import ZmqWorkerEndpoint
 
 
 pytestmark = pytest.mark.slow
@@ -239,8 +239,8 @@ def _hostile_frames():
     import msgpack
     from hypothesis import strategies as st
 
-    from diloco.transport import codec
-    from diloco.transport.messages import Heartbeat, Submit
+    from diloco.wire import codec
+    from diloco.wire.messages import Heartbeat, Submit
 
     def packed(d) -> bytes:
         return msgpack.packb(d)
@@ -274,8 +274,8 @@ def test_the_coordinator_survives_hostile_input_and_the_run_goes_on(cluster, aut
     import zmq
     from hypothesis import HealthCheck, given, settings
 
-    from diloco.transport import codec
-    from diloco.transport.messages import Error
+    from diloco.wire import codec
+    from diloco.wire.messages import Error
     from diloco.transport.zmq.auth import ClientAuth
 
     auth_args, attacker_auth = [], None

@@ -1,5 +1,9 @@
 """An in-memory network: one coordinator endpoint, any number of worker endpoints.
 
+It hands message objects over as they are (any dataclass; it never looks
+inside one except to clone the tensors it carries), so it implements
+``diloco.wire.endpoints``' interfaces without encoding anything.
+
 Messages are copied on send (tensors cloned), so a peer can never see a
 tensor change under it after the fact -- the same semantics as bytes on a
 wire. Fault knobs: ``partition(peer)`` drops everything to and from a peer
@@ -11,16 +15,16 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
+from typing import Any
 
 import torch
 
 from diloco.transport.base import TransportClosed, TransportError
-from diloco.transport.messages import Message
 
 COORDINATOR = "coordinator"
 
 
-def _copy(message: Message) -> Message:
+def _copy(message: Any) -> Any:
     """Clone every tensor a message carries (params, tensors fields)."""
     changes = {}
     for f in dataclasses.fields(message):
@@ -63,7 +67,7 @@ class InprocNetwork:
             self._partitioned.discard(peer)
 
     # -- used by endpoints
-    def _to_coordinator(self, peer: str, message: Message) -> None:
+    def _to_coordinator(self, peer: str, message: Any) -> None:
         if peer in self._partitioned:
             return
         try:
@@ -71,7 +75,7 @@ class InprocNetwork:
         except queue.Full:
             raise TransportError(f"coordinator inbox full ({self._max_queue} messages)") from None
 
-    def _to_worker(self, peer: str, message: Message) -> None:
+    def _to_worker(self, peer: str, message: Any) -> None:
         with self._lock:
             inbox = self._worker_inboxes.get(peer)
             if inbox is None or peer in self._partitioned:
@@ -92,7 +96,7 @@ class InprocCoordinatorEndpoint:
         self._net = network
         self._closed = False
 
-    def recv(self, timeout_s: float) -> tuple[str, Message] | None:
+    def recv(self, timeout_s: float) -> tuple[str, Any] | None:
         if self._closed:
             raise TransportClosed("coordinator endpoint is closed")
         try:
@@ -100,7 +104,7 @@ class InprocCoordinatorEndpoint:
         except queue.Empty:
             return None
 
-    def send(self, peer: str, message: Message) -> None:
+    def send(self, peer: str, message: Any) -> None:
         if self._closed:
             raise TransportClosed("coordinator endpoint is closed")
         self._net._to_worker(peer, message)
@@ -120,12 +124,12 @@ class InprocWorkerEndpoint:
         self._inbox = inbox
         self._closed = False
 
-    def send(self, message: Message) -> None:
+    def send(self, message: Any) -> None:
         if self._closed:
             raise TransportClosed(f"endpoint {self.peer!r} is closed")
         self._net._to_coordinator(self.peer, message)
 
-    def recv(self, timeout_s: float) -> Message | None:
+    def recv(self, timeout_s: float) -> Any | None:
         if self._closed:
             raise TransportClosed(f"endpoint {self.peer!r} is closed")
         try:

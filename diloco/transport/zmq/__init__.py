@@ -1,27 +1,21 @@
-"""ZeroMQ transport: ROUTER (coordinator) / DEALER (workers, admin clients) over TCP.
+"""ZeroMQ transport: a ROUTER (coordinator) and DEALERs (workers, admin clients) over TCP, moving frames.
 
-Frames are ``diloco.transport.codec``'s: a msgpack header and raw tensor
-frames, never pickle (SPEC.md section 11).
+``diloco.wire.zmq`` puts messages on top: its endpoints are what the
+coordinator and a worker hold.
 """
 
-from diloco.transport.zmq.endpoints import (
-    AuthRefused,
-    CoordinatorUnreachable,
-    ZmqCoordinatorEndpoint,
-    ZmqOptions,
-    ZmqWorkerEndpoint,
-    admin_request,
-    make_routing_id,
-    peer_name,
-)
+from diloco.transport.base import AuthRefused
+from diloco.transport.zmq.dealer import FrameDealer
+from diloco.transport.zmq.options import ZmqOptions, make_routing_id, peer_name, routing_id_of
+from diloco.transport.zmq.router import Arrival, FrameRouter
 
 __all__ = [
+    "Arrival",
     "AuthRefused",
-    "CoordinatorUnreachable",
-    "ZmqCoordinatorEndpoint",
+    "FrameDealer",
+    "FrameRouter",
     "ZmqOptions",
-    "ZmqWorkerEndpoint",
-    "admin_request",
     "make_routing_id",
     "peer_name",
+    "routing_id_of",
 ]

@@ -3,7 +3,7 @@
 libzmq delivers a multipart message only when its last frame has arrived,
 so a peer could make the coordinator buffer any number of frames (each under
 ``ZMQ_MAXMSGSIZE``) before a single byte of it could be checked. Instead,
-each of a message's codec frames (``diloco.transport.codec``: the msgpack
+each of a message's codec frames (``diloco.wire.codec``: the msgpack
 header, then the tensor frames) goes as its own two-frame ZeroMQ message,
 a *part*::
 
@@ -70,6 +70,11 @@ def nbytes(frame: Any) -> int:
     if buf is not None:
         return buf.nbytes
     return memoryview(frame).nbytes
+
+
+def total_nbytes(frames: Iterator[Any] | Sequence[Any]) -> int:
+    """Bytes in ``frames`` (``zmq.Frame`` objects or buffers)."""
+    return sum(nbytes(f) for f in frames)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The wire codec shared by transports: a message <-> a list of frames. Never pickle.
+"""The wire codec: a message <-> a list of frames, for any transport that moves bytes. Never pickle.
 
 A message becomes one msgpack **header** frame followed by raw **tensor**
 frames (SPEC.md section 11)::
@@ -38,14 +38,13 @@ versions.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import msgpack
 
-from diloco.transport.messages import (
-    MESSAGE_TYPES,
+from diloco.transport.limits import CHUNK_BYTES, MAX_HEADER_BYTES, MAX_MESSAGE_BYTES
+from diloco.wire.messages import (
     PROTOCOL_VERSION,
     Command,
     Error,
@@ -54,25 +53,16 @@ from diloco.transport.messages import (
     TensorSpec,
 )
 
+from diloco.wire.schemas import MAX_STR_LEN, SCHEMAS, TENSOR_FIELD, FieldError, is_int, message_class
+
 if TYPE_CHECKING:
     import torch
 
-#: Tensors larger than this travel as several frames of this size (SPEC.md section 11, "Frames").
-#: 16 MiB, not 4: on loopback 4-16 MiB frames move at about the same rate (1.3-1.6 GB/s
-#: median on a loaded 2-core machine; 40 MiB frames 0.7), and a tensor that fits one frame
-#: is decoded without a copy, where a chunked one is reassembled with one.
-CHUNK_BYTES = 16 << 20
-#: Default limit on a whole message (header + tensor frames).
-MAX_MESSAGE_BYTES = 1 << 30
-#: Limit on the header frame (it holds names and shapes, never tensor data).
-MAX_HEADER_BYTES = 16 << 20
 #: Most dimensions a tensor may have, and the largest single dimension.
 MAX_NDIM = 32
 MAX_DIM = 1 << 40
 #: Most tensors in one message.
 MAX_TENSORS = 1 << 20
-#: Longest string field (worker ids, names, details) the decoder accepts.
-MAX_STR_LEN = 1 << 16
 
 #: dtypes allowed on the wire: name on the wire (the torch dtype's name without
 #: "torch.") -> bytes per element. Plain data: the torch dtypes are looked up on the
@@ -119,137 +109,6 @@ class CodecError(ValueError):
         self.in_reply_to = in_reply_to
 
 
-# ------------------------------------------------------------------ field schemas
-#
-# One checker per field kind: takes the decoded msgpack value and returns the
-# Python value for the dataclass, or raises _FieldError(what was expected).
-
-class _FieldError(Exception):
-    pass
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _str(v: Any) -> str:
-    if not isinstance(v, str):
-        raise _FieldError("a string")
-    if len(v) > MAX_STR_LEN:
-        raise _FieldError(f"a string of at most {MAX_STR_LEN} characters")
-    return v
-
-
-def _int(v: Any) -> int:
-    if not _is_int(v):
-        raise _FieldError("an integer")
-    return v
-
-
-def _bool(v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise _FieldError("a boolean")
-    return v
-
-
-def _float(v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise _FieldError("a finite number")
-    return float(v)
-
-
-def _int_tuple(v: Any) -> tuple[int, ...]:
-    if not isinstance(v, list) or not all(_is_int(x) for x in v):
-        raise _FieldError("a list of integers")
-    return tuple(v)
-
-
-def _pair_tuple(v: Any) -> tuple[tuple[int, int], ...]:
-    if not isinstance(v, list) or not all(
-            isinstance(p, list) and len(p) == 2 and _is_int(p[0]) and _is_int(p[1]) for p in v):
-        raise _FieldError("a list of [fragment_id, round_id] integer pairs")
-    return tuple((p[0], p[1]) for p in v)
-
-
-def _names_tuple(v: Any) -> tuple[tuple[str, ...], ...]:
-    if not isinstance(v, list) or not all(
-            isinstance(g, list) and all(isinstance(n, str) for n in g) for g in v):
-        raise _FieldError("a list of lists of tensor names (strings)")
-    return tuple(tuple(g) for g in v)
-
-
-def _spec(v: Any) -> tuple[TensorSpec, ...]:
-    expected = "a list of [name, shape, dtype] entries (string, list of integers >= 0, string)"
-    if not isinstance(v, list):
-        raise _FieldError(expected)
-    out = []
-    for entry in v:
-        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
-                and isinstance(entry[1], list) and all(_is_int(d) and d >= 0 for d in entry[1])
-                and isinstance(entry[2], str)):
-            raise _FieldError(expected)
-        out.append(TensorSpec(entry[0], tuple(entry[1]), entry[2]))
-    return tuple(out)
-
-
-def _enum(enum_type: type) -> Callable[[Any], Any]:
-    values = [m.value for m in enum_type]
-
-    def check(v: Any):
-        try:
-            return enum_type(v)
-        except ValueError:
-            raise _FieldError(f"one of {values}") from None
-    return check
-
-
-def _plain(v: Any, depth: int = 0) -> Any:
-    """Admin arguments and replies: nil, bool, int, float, str, lists and str-keyed maps only."""
-    if depth > 32:
-        raise _FieldError("plain data nested at most 32 deep")
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    if isinstance(v, list):
-        return [_plain(x, depth + 1) for x in v]
-    if isinstance(v, dict):
-        if not all(isinstance(k, str) for k in v):
-            raise _FieldError("a map with string keys")
-        return {k: _plain(x, depth + 1) for k, x in v.items()}
-    raise _FieldError(f"plain msgpack data (nil, bool, int, float, str, list, map), not {type(v).__name__}")
-
-
-def _plain_map(v: Any) -> dict:
-    if not isinstance(v, dict):
-        raise _FieldError("a map with string keys")
-    return _plain(v)
-
-
-_TENSOR_FIELD = object()
-
-#: Per message type: field name -> checker (or _TENSOR_FIELD). SPEC.md section 11 lists the same.
-SCHEMAS: dict[str, dict[str, Any]] = {
-    "Join": {"worker_id": _str, "protocol_version": _int, "spec": _spec, "params": _TENSOR_FIELD},
-    "Heartbeat": {"worker_id": _str},
-    "Submit": {"worker_id": _str, "fragment_id": _int, "round_id": _int, "tensors": _TENSOR_FIELD},
-    "Leave": {"worker_id": _str},
-    "Welcome": {"worker_id": _str, "round_ids": _int_tuple, "parked": _pair_tuple, "mode": _str,
-                "fragments": _names_tuple, "min_workers": _int, "below_min_workers": _bool,
-                "heartbeat_interval_s": _float, "params": _TENSOR_FIELD},
-    "HeartbeatReply": {"below_min_workers": _bool, "min_workers": _int, "phase": _str,
-                       "command": _enum(Command)},
-    "Accepted": {"fragment_id": _int, "round_id": _int},
-    "Result": {"fragment_id": _int, "round_id": _int, "outcome": _str, "next_round_id": _int,
-               "params": _TENSOR_FIELD},
-    "Error": {"code": _enum(ErrorCode), "detail": _str, "in_reply_to": _str},
-    "AdminRequest": {"command": _str, "args": _plain_map},
-    "AdminReply": {"ok": _bool, "data": _plain_map, "error": _str},
-}
-_CLASSES: dict[str, type] = {cls.__name__: cls for cls in MESSAGE_TYPES}
-assert set(SCHEMAS) == set(_CLASSES), "every message type needs a wire schema"
-for _name, _cls in _CLASSES.items():
-    assert [f.name for f in dataclasses.fields(_cls)] == list(SCHEMAS[_name]), _name
-
-
 # ------------------------------------------------------------------ encode
 
 def _wire_value(v: Any) -> Any:
@@ -293,7 +152,7 @@ def encode(message: Message, *, chunk_bytes: int = CHUNK_BYTES,
     frames: list = [b""]
     for fname, kind in schema.items():
         value = getattr(message, fname)
-        if kind is not _TENSOR_FIELD:
+        if kind is not TENSOR_FIELD:
             header[fname] = _wire_value(value)
             continue
         for tname, t in value.items():
@@ -364,7 +223,7 @@ def decode(frames: Sequence[Any], *, max_message_bytes: int = MAX_MESSAGE_BYTES)
     v = header.get("v")
     mtype = header.get("type")
     reply_to = mtype if isinstance(mtype, str) and mtype in SCHEMAS else ""
-    if not _is_int(v):
+    if not is_int(v):
         raise CodecError(bad, f"header field 'v' is {_short(v)}, expected the protocol version "
                               f"(an integer; this side speaks {PROTOCOL_VERSION})", in_reply_to=reply_to)
     if v != PROTOCOL_VERSION:
@@ -384,7 +243,7 @@ def decode(frames: Sequence[Any], *, max_message_bytes: int = MAX_MESSAGE_BYTES)
     values: dict[str, Any] = {}
     tensor_fields = []
     for fname, check in schema.items():
-        if check is _TENSOR_FIELD:
+        if check is TENSOR_FIELD:
             if fname in header and fname != "tensors":  # Submit.tensors: the table's own key
                 raise fail(f"field {fname!r} carries tensors and belongs in the 'tensors' table, not the header")
             values[fname] = {}
@@ -394,7 +253,7 @@ def decode(frames: Sequence[Any], *, max_message_bytes: int = MAX_MESSAGE_BYTES)
             raise fail(f"field {fname!r} is missing")
         try:
             values[fname] = check(header[fname])
-        except _FieldError as exc:
+        except FieldError as exc:
             raise fail(f"field {fname!r} is {_short(header[fname])}, expected {exc}") from None
 
     table = header.get("tensors", [])
@@ -420,10 +279,10 @@ def decode(frames: Sequence[Any], *, max_message_bytes: int = MAX_MESSAGE_BYTES)
         if not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
             raise fail(f"{where} ({tname!r}) dtype is {_short(dtype)}, expected one of {sorted(WIRE_DTYPES)}")
         if not (isinstance(shape, list) and len(shape) <= MAX_NDIM
-                and all(_is_int(d) and 0 <= d <= MAX_DIM for d in shape)):
+                and all(is_int(d) and 0 <= d <= MAX_DIM for d in shape)):
             raise fail(f"{where} ({tname!r}) shape is {_short(shape)}, expected a list of at most {MAX_NDIM} "
                        f"integers in [0, {MAX_DIM}]")
-        if not _is_int(nframes) or nframes < 0:
+        if not is_int(nframes) or nframes < 0:
             raise fail(f"{where} ({tname!r}) nframes is {_short(nframes)}, expected an integer >= 0")
         nbytes = math.prod(shape) * _ITEMSIZE[dtype]
         declared += nbytes
@@ -444,7 +303,7 @@ def decode(frames: Sequence[Any], *, max_message_bytes: int = MAX_MESSAGE_BYTES)
     if frame_i != len(frames):
         raise fail(f"the tensor table accounts for {frame_i - 1} tensor frames but {len(frames) - 1} followed the "
                    f"header")
-    return _CLASSES[mtype](**values)
+    return message_class(mtype)(**values)
 
 
 def _tensor(parts: Sequence[Any], dtype: torch.dtype, shape: list[int], nbytes: int) -> torch.Tensor:

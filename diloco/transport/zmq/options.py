@@ -1,0 +1,110 @@
+"""ZeroMQ socket limits and timings, routing ids, and the two socket chores both ends share."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket as _socket
+import uuid
+from dataclasses import dataclass
+
+import zmq
+
+from diloco.transport.limits import CHUNK_BYTES, MAX_HEADER_BYTES, MAX_MESSAGE_BYTES
+
+log = logging.getLogger("diloco.transport.zmq")
+
+
+@dataclass(frozen=True)
+class ZmqOptions:
+    """Socket limits and timings shared by both ends."""
+
+    #: Largest message (and, at the libzmq level, largest frame) accepted.
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    #: Tensors larger than this are sent as several frames (SPEC.md section 11).
+    chunk_bytes: int = CHUNK_BYTES
+    #: Coordinator: messages queued per peer before further ones are dropped.
+    router_sndhwm: int = 256
+    #: Coordinator: parts queued per peer before libzmq stops reading that peer's connection.
+    #: With parts of at most ``max_frame_bytes``, this bounds what libzmq holds for one peer.
+    router_rcvhwm: int = 16
+    #: Worker: messages queued towards the coordinator (while it is away, they wait here).
+    dealer_sndhwm: int = 1000
+    dealer_rcvhwm: int = 1024
+    #: Worker: how long ``send`` waits for room in a full queue before dropping the message.
+    send_timeout_s: float = 0.5
+    #: Reconnect back-off of a DEALER whose coordinator went away.
+    reconnect_ivl_ms: int = 100
+    reconnect_ivl_max_ms: int = 1000
+    #: ZMTP-level pings: a TCP peer silent this long is disconnected (and a DEALER reconnects).
+    zmtp_heartbeat_ivl_ms: int = 1000
+    zmtp_heartbeat_timeout_ms: int = 5000
+    #: Snapshot tensors on send (one copy per tensor version), so a tensor changed in place
+    #: after ``send`` cannot tear a message still queued. Off by default: ``send`` is
+    #: zero-copy and the sender must not modify a tensor it sent. The coordinator and
+    #: ``DilocoWorker`` always send tensors nobody modifies afterwards (fresh
+    #: pseudo-gradients, copies of the params), so they pay no copy.
+    copy_on_send: bool = False
+    #: libzmq's I/O threads (``zmq.Context(io_threads=...)``); CURVE encrypts and decrypts on them.
+    io_threads: int = 1
+    #: Coordinator: a peer whose connection closed and did not come back within this many
+    #: seconds is reported lost (``lost_peers``); a reconnect inside the window is a blip.
+    disconnect_grace_s: float = 1.0
+
+    @property
+    def max_frame_bytes(self) -> int:
+        """The largest single frame (``ZMQ_MAXMSGSIZE``): a tensor chunk or a header, and never above the message limit."""
+        return min(self.max_message_bytes, max(self.chunk_bytes, MAX_HEADER_BYTES) + 64)
+
+    def __post_init__(self) -> None:
+        for name in ("max_message_bytes", "chunk_bytes", "router_sndhwm", "router_rcvhwm", "dealer_sndhwm",
+                     "dealer_rcvhwm", "reconnect_ivl_ms", "reconnect_ivl_max_ms", "zmtp_heartbeat_ivl_ms",
+                     "zmtp_heartbeat_timeout_ms", "io_threads"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"ZmqOptions.{name}={v!r} is invalid: expected an integer >= 1")
+        for name in ("send_timeout_s", "disconnect_grace_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not (isinstance(v, (int, float)) and 0 < v < float("inf")):
+                raise ValueError(f"ZmqOptions.{name}={v!r} is invalid: expected seconds > 0")
+
+
+def make_routing_id(label: str = "peer") -> bytes:
+    """A routing id unique to this process and call: ``label.host.pid.random``, ASCII, <= 255 bytes."""
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in label)[:96] or "peer"
+    host = "".join(c if c.isalnum() or c in "-_" else "_" for c in _socket.gethostname())[:64]
+    return f"{safe}.{host}.{os.getpid()}.{uuid.uuid4().hex[:8]}".encode("ascii")
+
+
+def peer_name(routing_id: bytes) -> str:
+    """Routing id -> peer string: readable ASCII as is, anything else as ``0x<hex>`` (reversible)."""
+    if routing_id and all(0x21 <= b < 0x7F for b in routing_id) and not routing_id.startswith(b"0x"):
+        return routing_id.decode("ascii")
+    return "0x" + routing_id.hex()
+
+
+def routing_id_of(peer: str) -> bytes:
+    if peer.startswith("0x"):
+        return bytes.fromhex(peer[2:])
+    return peer.encode("ascii")
+
+
+def set_option(sock: zmq.Socket, option: int, value: int) -> None:
+    try:
+        sock.setsockopt(option, value)
+    except (zmq.ZMQError, AttributeError):  # an option this libzmq lacks: keep its default
+        log.debug("socket option %r not supported", option)
+
+
+def close_socket(sock: zmq.Socket, monitor: zmq.Socket | None, ctx: zmq.Context, authenticator=None) -> None:
+    """Close an endpoint's socket, its monitor and authenticator, then its context (linger 0: never blocks)."""
+    if monitor is not None:
+        try:
+            sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        monitor.close(0)
+    sock.close(0)
+    if authenticator is not None:
+        authenticator.stop()
+    ctx.term()

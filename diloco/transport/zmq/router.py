@@ -1,0 +1,257 @@
+"""The coordinator's ROUTER: frames in from many peers, frames out to one.
+
+A ROUTER prepends the sender's routing id, which is how the coordinator
+names peers. Every worker process picks a unique routing id (worker id,
+host, pid, random suffix), so a restarted worker is a new peer and the
+coordinator can tell it from a duplicated message (SPEC.md R6).
+
+This layer moves a message's frames as parts (``framing``), bounds what a
+peer may make it hold, watches connections and finds lost peers. It never
+decodes a frame: ``diloco.wire.zmq`` turns frames into messages and answers
+what it refuses.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from diloco.transport.base import TransportClosed, TransportError
+from diloco.transport.zmq import framing
+from diloco.transport.zmq.auth import KeyIdentity, ServerAuth
+from diloco.transport.zmq.options import ZmqOptions, close_socket, peer_name, routing_id_of, set_option
+
+log = logging.getLogger("diloco.transport.zmq")
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """What came from one peer: a whole message's frames (``framing.Complete``) or a refusal to answer.
+
+    ``identity`` is the sender's key when the router authenticates, else None.
+    """
+
+    peer: str
+    got: framing.Complete | framing.Refused
+    identity: KeyIdentity | None = None
+
+
+class FrameRouter:
+    """A bound ROUTER socket, optionally a CURVE server.
+
+    With ``auth`` only the auth directory's keys connect (a ZAP authenticator
+    on this router's own context), every arrival carries its sender's
+    ``KeyIdentity``, and routing ids cannot be taken over (no
+    ``ROUTER_HANDOVER``: a second connection claiming a live peer's routing
+    id is refused by libzmq).
+    """
+
+    def __init__(self, bind: str, *, options: ZmqOptions | None = None, monitor: bool = True,
+                 auth: ServerAuth | None = None) -> None:
+        self.options = o = options or ZmqOptions()
+        self.auth = auth
+        self._ctx = zmq.Context(io_threads=o.io_threads)
+        self._authenticator = None
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        set_option(self._sock, zmq.LINGER, 0)
+        set_option(self._sock, zmq.ROUTER_MANDATORY, 1)  # an unknown peer raises instead of vanishing silently
+        # Without auth a reconnecting worker takes its routing id back at once. With auth a
+        # routing id must never move to another key's connection: the old connection has to
+        # close first (libzmq notices within zmtp_heartbeat_timeout_ms) and the worker
+        # reconnects on its own.
+        set_option(self._sock, zmq.ROUTER_HANDOVER, 0 if auth is not None else 1)
+        set_option(self._sock, zmq.SNDHWM, o.router_sndhwm)
+        set_option(self._sock, zmq.RCVHWM, o.router_rcvhwm)
+        set_option(self._sock, zmq.MAXMSGSIZE, o.max_frame_bytes)
+        set_option(self._sock, zmq.HEARTBEAT_IVL, o.zmtp_heartbeat_ivl_ms)
+        set_option(self._sock, zmq.HEARTBEAT_TIMEOUT, o.zmtp_heartbeat_timeout_ms)
+        #: routing id -> when it last sent something: the peers a probe checks (``lost_peers``).
+        self._heard: dict[bytes, float] = {}
+        #: When to probe for peers whose connection closed (a disconnect seen, plus the grace).
+        self._probe_at: float | None = None
+        self._monitor = None
+        try:
+            if auth is not None:
+                self._authenticator = auth.start_authenticator(self._ctx)
+                auth.apply(self._sock)
+            if monitor:
+                self._monitor = self._sock.get_monitor_socket(
+                    zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+            self._sock.bind(bind)
+        except zmq.ZMQError as exc:
+            self._close_sockets()
+            raise TransportError(f"cannot bind {bind}: {exc}") from None
+        #: The address actually bound (``tcp://127.0.0.1:0`` becomes the real port).
+        self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        if self._monitor is not None:
+            self._poller.register(self._monitor, zmq.POLLIN)
+        self._closed = False
+        self._seq = 0
+        self._assembler = framing.Assembler(o.max_message_bytes)
+        self.counters: Counter[str] = Counter()
+
+    def stats(self) -> dict:
+        """Counters: traffic, drops, connections, refusals at the socket level, partial messages."""
+        return {
+            "address": self.address,
+            "auth": self.auth is not None,
+            **{k: self.counters[k] for k in (
+                "messages_in", "messages_out", "bytes_in", "bytes_out", "dropped_unroutable", "dropped_queue_full",
+                "connections_accepted", "disconnects", "handshake_failures", "auth_failures", "peers_lost")},
+            "incomplete_dropped": self._assembler.incomplete_dropped,
+            "partial_messages": self._assembler.partial_count,
+        }
+
+    def recv(self, timeout_s: float) -> Arrival | None:
+        """The next whole message (or refusal) from any peer; None after ``timeout_s``."""
+        if self._closed:
+            raise TransportClosed("coordinator endpoint is closed")
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while True:
+            arrival = self._recv_ready()
+            if arrival is not None:
+                return arrival
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            events = dict(self._poller.poll(max(0, int(remaining * 1000 + 0.999))))
+            if self._monitor is not None and self._monitor in events:
+                self._drain_monitor()
+            if self._sock not in events and time.monotonic() >= deadline:
+                return None
+
+    def _recv_ready(self) -> Arrival | None:
+        """Assemble queued parts until a message is whole (or refused as it arrived)."""
+        while True:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return None
+            rid = frames[0].bytes
+            self._remember(rid)
+            peer = peer_name(rid)
+            self.counters["bytes_in"] += framing.total_nbytes(frames[1:])
+            identity = None
+            if self.auth is not None:
+                user_id = frames[-1].get("User-Id") if len(frames) > 1 else None
+                identity = self.auth.identity(user_id)
+                if identity is None:  # the authenticator let it in, so this cannot happen; never trust it
+                    self.counters["auth_failures"] += 1
+                    continue
+            got = self._assembler.add(peer, frames[1:], time.monotonic())
+            if got is None:
+                continue
+            if isinstance(got, framing.Complete):
+                self.counters["messages_in"] += 1
+            return Arrival(peer, got, identity)
+
+    #: Most peers remembered for probing; the longest silent are forgotten first.
+    MAX_REMEMBERED_PEERS = 100_000
+
+    def _remember(self, rid: bytes) -> None:
+        heard = self._heard
+        heard.pop(rid, None)
+        heard[rid] = time.monotonic()  # insertion order = order of last message
+        if len(heard) > self.MAX_REMEMBERED_PEERS:
+            del heard[next(iter(heard))]
+
+    def lost_peers(self) -> list[str]:
+        """Peers whose connection closed and did not come back within ``disconnect_grace_s``.
+
+        libzmq does not say *which* peer a closed connection was (the socket
+        monitor names only a file descriptor), so a closed connection schedules
+        a probe ``disconnect_grace_s`` later: an empty message to every peer
+        heard from. With ``ROUTER_MANDATORY`` a send to a routing id that has no
+        connection fails at once (``EHOSTUNREACH``): that peer is lost, reported
+        once. A worker whose process dies (``kill -9`` closes its socket at once)
+        is reported about a second after; one whose connection blips and comes
+        back within the window (libzmq reconnects a DEALER after 100 ms) answers
+        the probe's send and is not. Receivers ignore an empty message.
+        """
+        if self._probe_at is None or time.monotonic() < self._probe_at:
+            return []
+        self._probe_at = None
+        lost = []
+        for rid in list(self._heard):
+            try:
+                self._sock.send(rid, zmq.SNDMORE | zmq.NOBLOCK)
+                self._sock.send(b"", zmq.NOBLOCK)
+            except zmq.Again:
+                continue  # connected, just slow: its queue is full
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise TransportError(f"probe of {peer_name(rid)} failed: {exc}") from None
+                del self._heard[rid]
+                self._assembler.forget(peer_name(rid))
+                lost.append(peer_name(rid))
+        self.counters["peers_lost"] += len(lost)
+        return lost
+
+    def _drain_monitor(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:
+                return
+            kind = event.get("event")
+            if kind == zmq.EVENT_ACCEPTED:
+                self.counters["connections_accepted"] += 1
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self.counters["disconnects"] += 1
+                if self._probe_at is None:
+                    self._probe_at = time.monotonic() + self.options.disconnect_grace_s
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self.counters["auth_failures"] += 1
+            else:
+                self.counters["handshake_failures"] += 1
+
+    def send(self, peer: str, frames: list[Any], *, legacy: bool = False) -> None:
+        """Send one message's frames to ``peer`` as parts; ``legacy``: as one multipart message (an old peer's reply).
+
+        Never blocks: a peer that stopped reading (its queue is full) or is
+        gone loses the message, which is counted.
+        """
+        if self._closed:
+            raise TransportClosed("coordinator endpoint is closed")
+        try:
+            rid = routing_id_of(peer)
+        except ValueError:
+            self.counters["dropped_unroutable"] += 1
+            return
+        self._seq += 1
+        messages = [frames] if legacy else framing.parts(self._seq, frames)
+        for part in messages:
+            try:
+                self._sock.send_multipart([rid, *part], zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                # The peer stopped reading and its queue is full: drop rather than stall every other
+                # peer (the rest of a message cut here is dropped by the receiver as incomplete).
+                self.counters["dropped_queue_full"] += 1
+                log.warning("dropped a message to %s: its send queue is full", peer)
+                return
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EHOSTUNREACH:  # gone (a datagram to a dead host)
+                    self.counters["dropped_unroutable"] += 1
+                    return
+                raise TransportError(f"send to {peer} failed: {exc}") from None
+        self.counters["messages_out"] += 1
+        self.counters["bytes_out"] += framing.total_nbytes(frames)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        close_socket(self._sock, self._monitor, self._ctx, self._authenticator)

@@ -1,0 +1,150 @@
+"""What each message's header fields must be: one checker per field kind, one schema per message type.
+
+A checker takes the decoded msgpack value and returns the Python value for
+the message's dataclass, or raises ``FieldError`` saying what was expected.
+``SCHEMAS`` lists, per message type, its fields in dataclass order (SPEC.md
+section 11 lists the same); importing this module checks the two agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+from diloco.wire.messages import MESSAGE_TYPES, Command, ErrorCode, TensorSpec
+
+#: Longest string field (worker ids, names, details) the decoder accepts.
+MAX_STR_LEN = 1 << 16
+
+
+class FieldError(Exception):
+    """A field's value is not what its schema expects; the message says what was expected."""
+
+
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise FieldError("a string")
+    if len(v) > MAX_STR_LEN:
+        raise FieldError(f"a string of at most {MAX_STR_LEN} characters")
+    return v
+
+
+def _int(v: Any) -> int:
+    if not is_int(v):
+        raise FieldError("an integer")
+    return v
+
+
+def _bool(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise FieldError("a boolean")
+    return v
+
+
+def _float(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise FieldError("a finite number")
+    return float(v)
+
+
+def _int_tuple(v: Any) -> tuple[int, ...]:
+    if not isinstance(v, list) or not all(is_int(x) for x in v):
+        raise FieldError("a list of integers")
+    return tuple(v)
+
+
+def _pair_tuple(v: Any) -> tuple[tuple[int, int], ...]:
+    if not isinstance(v, list) or not all(
+            isinstance(p, list) and len(p) == 2 and is_int(p[0]) and is_int(p[1]) for p in v):
+        raise FieldError("a list of [fragment_id, round_id] integer pairs")
+    return tuple((p[0], p[1]) for p in v)
+
+
+def _names_tuple(v: Any) -> tuple[tuple[str, ...], ...]:
+    if not isinstance(v, list) or not all(
+            isinstance(g, list) and all(isinstance(n, str) for n in g) for g in v):
+        raise FieldError("a list of lists of tensor names (strings)")
+    return tuple(tuple(g) for g in v)
+
+
+def _spec(v: Any) -> tuple[TensorSpec, ...]:
+    expected = "a list of [name, shape, dtype] entries (string, list of integers >= 0, string)"
+    if not isinstance(v, list):
+        raise FieldError(expected)
+    out = []
+    for entry in v:
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
+                and isinstance(entry[1], list) and all(is_int(d) and d >= 0 for d in entry[1])
+                and isinstance(entry[2], str)):
+            raise FieldError(expected)
+        out.append(TensorSpec(entry[0], tuple(entry[1]), entry[2]))
+    return tuple(out)
+
+
+def _enum(enum_type: type) -> Callable[[Any], Any]:
+    values = [m.value for m in enum_type]
+
+    def check(v: Any):
+        try:
+            return enum_type(v)
+        except ValueError:
+            raise FieldError(f"one of {values}") from None
+    return check
+
+
+def _plain(v: Any, depth: int = 0) -> Any:
+    """Admin arguments and replies: nil, bool, int, float, str, lists and str-keyed maps only."""
+    if depth > 32:
+        raise FieldError("plain data nested at most 32 deep")
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, list):
+        return [_plain(x, depth + 1) for x in v]
+    if isinstance(v, dict):
+        if not all(isinstance(k, str) for k in v):
+            raise FieldError("a map with string keys")
+        return {k: _plain(x, depth + 1) for k, x in v.items()}
+    raise FieldError(f"plain msgpack data (nil, bool, int, float, str, list, map), not {type(v).__name__}")
+
+
+def _plain_map(v: Any) -> dict:
+    if not isinstance(v, dict):
+        raise FieldError("a map with string keys")
+    return _plain(v)
+
+
+#: Marks a field that carries tensors: its frames follow the header, listed in the tensor table.
+TENSOR_FIELD = object()
+
+#: Per message type: field name -> checker (or TENSOR_FIELD). SPEC.md section 11 lists the same.
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "Join": {"worker_id": _str, "protocol_version": _int, "spec": _spec, "params": TENSOR_FIELD},
+    "Heartbeat": {"worker_id": _str},
+    "Submit": {"worker_id": _str, "fragment_id": _int, "round_id": _int, "tensors": TENSOR_FIELD},
+    "Leave": {"worker_id": _str},
+    "Welcome": {"worker_id": _str, "round_ids": _int_tuple, "parked": _pair_tuple, "mode": _str,
+                "fragments": _names_tuple, "min_workers": _int, "below_min_workers": _bool,
+                "heartbeat_interval_s": _float, "params": TENSOR_FIELD},
+    "HeartbeatReply": {"below_min_workers": _bool, "min_workers": _int, "phase": _str,
+                       "command": _enum(Command)},
+    "Accepted": {"fragment_id": _int, "round_id": _int},
+    "Result": {"fragment_id": _int, "round_id": _int, "outcome": _str, "next_round_id": _int,
+               "params": TENSOR_FIELD},
+    "Error": {"code": _enum(ErrorCode), "detail": _str, "in_reply_to": _str},
+    "AdminRequest": {"command": _str, "args": _plain_map},
+    "AdminReply": {"ok": _bool, "data": _plain_map, "error": _str},
+}
+_CLASSES: dict[str, type] = {cls.__name__: cls for cls in MESSAGE_TYPES}
+assert set(SCHEMAS) == set(_CLASSES), "every message type needs a wire schema"
+for _name, _cls in _CLASSES.items():
+    assert [f.name for f in dataclasses.fields(_cls)] == list(SCHEMAS[_name]), _name
+
+
+def message_class(type_name: str) -> type:
+    """The message dataclass a header's ``type`` names (one of ``SCHEMAS``)."""
+    return _CLASSES[type_name]
