@@ -12,13 +12,21 @@ What the coordinator owns: the global fp32 params and their fragments
 (``ParamStore``), one outer ``torch.optim`` optimizer per fragment, the
 running sums of open rounds, async contributions held below quorum, and the
 map from worker ids to transport peers.
+
+Why one class of about 650 lines: every handler and effect executor below
+reads and writes the same few maps (peers, held contributions, running
+sums, key bindings), in the order SPEC.md section 5 fixes; split across
+files they would have to pass that state around or share it implicitly.
+The parts that own no coordinator state are elsewhere: the params, their
+fragments and the checks on incoming tensors (``params.py``), the outer
+step (``outer.py``), checkpoints, the audit log and the runner.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -60,7 +68,7 @@ from diloco.coordinator.params import (
     first_non_finite,
     l2_norm,
 )
-from diloco.transport.messages import (
+from diloco.wire.messages import (
     PROTOCOL_VERSION,
     Accepted,
     AdminReply,

@@ -30,6 +30,12 @@ change of ``min_workers``, a join in async mode -- ends in
 place that emits ``ApplyRound``.
 
 Rule numbers (R1..R13, P1..P4) refer to SPEC.md.
+
+Why one file of about 600 lines: it is the decision, and SPEC.md's claim
+that ``_apply_ready`` is the only place that applies is checkable only if
+every path to it is in view. What is not decision lives beside it: the
+quorum rule (``quorum.py``), the barriers and lanes (``fragments.py``), the
+phases (``phases.py``), snapshots (``snapshot.py``) and status (``status.py``).
 """
 
 from __future__ import annotations

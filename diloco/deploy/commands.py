@@ -3,6 +3,10 @@
 Exit codes follow ``diloco.exits``: 0 ok; 1 the command ran and the
 coordinator refused it (or a worker failed); 2 bad usage or input; 3 the
 coordinator did not answer within ``--timeout``; 130 interrupted.
+
+About 430 lines, most of them ``register``: every flag with its help text,
+which reads best as one list in the order ``--help`` shows it. The server
+and the worker themselves are ``server.py`` and ``worker_main.py``.
 """
 
 from __future__ import annotations
@@ -330,7 +334,7 @@ def cmd_worker(args) -> int:
 
 
 def _unreachable(args, exc: Exception) -> int:
-    from diloco.transport.zmq.endpoints import AuthRefused
+    from diloco.transport.base import AuthRefused
 
     if isinstance(exc, AuthRefused):
         print(f"diloco {args.command}: error: {exc}", file=sys.stderr)
