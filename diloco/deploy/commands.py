@@ -164,9 +164,15 @@ def register(subparsers) -> None:
                     "library's own source text (tiny settings: a round takes a few seconds on 2 cores).\n"
                     "With --entry module:function it calls your function, which returns a\n"
                     "diloco.worker.TrainingSetup(model, optimizer, batches, loss_fn); the function may take\n"
-                    "a `worker_id` keyword argument (to pick a data shard).",
+                    "keyword arguments `worker_id`, `rank`, `world_size` and `device` (to pick a data shard).\n\n"
+                    "Under torchrun one worker is a group of ranks (data parallel inside, gloo on CPU, NCCL on\n"
+                    "GPU): rank 0 talks to the coordinator, every rank averages gradients each step and takes\n"
+                    "the same params, pauses and stops at the same step; a rank that dies takes the worker\n"
+                    "down as one member.",
         epilog="example:\n  diloco worker --connect tcp://127.0.0.1:5555 --id w1 --checkpoint-dir ckpt/w1\n"
-               "  diloco worker --connect tcp://10.0.0.5:5555 --entry mytrain:make_setup --sync-every 100\n\n"
+               "  diloco worker --connect tcp://10.0.0.5:5555 --entry mytrain:make_setup --sync-every 100\n"
+               "  torchrun --nproc-per-node 4 -m diloco worker --connect tcp://10.0.0.5:5555 --id node1 \\\n"
+               "      --entry mytrain:make_setup --device auto\n\n"
                "exit codes: 0 stopped cleanly (told to stop, drained, saved, --max-steps, SIGTERM); 1 refused\n"
                "by the run or training failed; 2 bad usage or --entry; 3 coordinator unreachable: gave up\n"
                "after --coordinator-timeout, checkpoint written (with --checkpoint-dir), restart it;\n"
@@ -178,7 +184,7 @@ def register(subparsers) -> None:
     p.add_argument("--entry", default=None, metavar="module:function",
                    help="your training setup; default: the built-in demo (diloco.deploy.default_entry:make_setup)")
     p.add_argument("--sync-every", type=_positive_int, default=None, metavar="H",
-                   help="inner steps per outer round (default 10 for the built-in demo, else 100)")
+                   help="inner steps per outer round (default 20 for the built-in demo, else 100)")
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help="the worker's own checkpoint (its inner optimizer state and place in the run), written "
                         "on save-and-stop (and before exit 3, see --coordinator-timeout) and read when it starts "
@@ -195,6 +201,9 @@ def register(subparsers) -> None:
                    help="deprecated: the same as --coordinator-timeout")
     p.add_argument("--threads", type=_positive_int, default=1, metavar="N",
                    help="torch CPU threads for this worker (default 1)")
+    p.add_argument("--device", default="auto", metavar="auto|cpu|cuda[:N]",
+                   help="where to train: auto (default) is this rank's GPU (LOCAL_RANK) when CUDA is present, "
+                        "else the CPU; pseudo-gradients are copied to the CPU only for the wire")
     _add_client_keys(p, "worker")
     p.set_defaults(handler=cmd_worker)
 

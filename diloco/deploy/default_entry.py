@@ -11,7 +11,8 @@ thread, so with the default H = 20 a round applies every second or so on a
 2-core machine.
 
 Your own entry point looks the same: a function returning ``TrainingSetup``
-(optionally taking ``worker_id``), passed as ``--entry module:function``.
+(optionally taking ``worker_id``, and ``rank``/``world_size``/``device`` for a
+multi-rank worker), passed as ``--entry module:function``.
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ def _loss(model, batch) -> torch.Tensor:
     return model.loss(inputs, targets)
 
 
-def make_setup(worker_id: str = "worker") -> TrainingSetup:
+def make_setup(worker_id: str = "worker", rank: int = 0) -> TrainingSetup:
     corpus = Corpus.from_stdlib(max_bytes=CORPUS_BYTES)
     model = build_model(ModelConfig(seq_len=SEQ_LEN), seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    batches = BatchSampler(corpus.train, BATCH_SIZE, SEQ_LEN, seed=derive_seed(0, "worker", worker_id))
+    # Each rank of a multi-rank worker samples its own windows (rank 0 keeps a one-rank worker's stream).
+    tags = ("worker", worker_id) if rank == 0 else ("worker", worker_id, "rank", rank)
+    batches = BatchSampler(corpus.train, BATCH_SIZE, SEQ_LEN, seed=derive_seed(0, *tags))
     return TrainingSetup(model=model, optimizer=optimizer, batches=batches, loss_fn=_loss)

@@ -66,16 +66,21 @@ def load_entry(spec: str) -> Callable[..., Any]:
     return func
 
 
-def call_entry(func: Callable[..., Any], worker_id: str):
-    """Call the entry with ``worker_id=`` if it takes one; check it returned a ``TrainingSetup``."""
+def call_entry(func: Callable[..., Any], worker_id: str, **context: Any):
+    """Call the entry with the keywords it takes; check it returned a ``TrainingSetup``.
+
+    It may take ``worker_id`` and any of ``context`` (``rank``, ``world_size``,
+    ``device``: where this process sits in a multi-rank worker, for sharding data).
+    """
     from diloco.worker import TrainingSetup
 
     try:
         params = inspect.signature(func).parameters
     except (TypeError, ValueError):
         params = {}
-    takes_id = "worker_id" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-    setup = func(worker_id=worker_id) if takes_id else func()
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    offered = {"worker_id": worker_id, **context}
+    setup = func(**{k: v for k, v in offered.items() if takes_any or k in params})
     if not isinstance(setup, TrainingSetup):
         raise UsageError(f"the entry function returned {type(setup).__name__}; expected diloco.worker.TrainingSetup")
     return setup
@@ -141,27 +146,59 @@ class _Printer:
 def run_worker_command(args) -> int:
     import torch
 
-    from diloco.wire.zmq import ZmqWorkerEndpoint
-    from diloco.worker import DilocoWorker, run_training
-    from diloco.worker.worker import DilocoWorkerError
+    from diloco.worker.device import resolve_device
+    from diloco.worker.group import RankInfo, init_group
 
     torch.set_num_threads(args.threads)
     if not args.connect.startswith(("tcp://", "ipc://")):
         raise UsageError(f"--connect {args.connect!r}: expected tcp://HOST:PORT (or ipc://PATH)")
+    try:
+        info = RankInfo.from_env()
+        device = resolve_device(args.device, info.local_rank)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if info.world_size > 1 and not args.worker_id:
+        raise UsageError("a multi-rank worker (torchrun) needs --id: every rank must name the same worker")
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     entry = args.entry or DEFAULT_ENTRY
     func = load_entry(entry)
-    setup = call_entry(func, worker_id)
-    sync_every = args.sync_every
-    if sync_every is None:
-        if args.entry is None:
-            from diloco.deploy.default_entry import SYNC_EVERY
-            sync_every = SYNC_EVERY
-        else:
-            sync_every = 100
+    init_group(info, device)
+    try:
+        context = {"rank": info.rank, "world_size": info.world_size, "device": device}
+        setup = call_entry(func, worker_id, **context)
+        setup.model.to(device)
+        sync_every = args.sync_every
+        if sync_every is None:
+            if args.entry is None:
+                from diloco.deploy.default_entry import SYNC_EVERY
+                sync_every = SYNC_EVERY
+            else:
+                sync_every = 100
+        if info.is_leader:
+            return _run_leader(args, setup, worker_id, sync_every, info, device)
+        return _run_follower(args, setup, worker_id, info, device)
+    finally:
+        if info.world_size > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _grad_sync(info):
+    from diloco.worker.group import average_gradients
+
+    if info.world_size <= 1:
+        return None
+    return lambda model: average_gradients(model, info.world_size)
+
+
+def _run_leader(args, setup, worker_id: str, sync_every: int, info, device) -> int:
+    from diloco.wire.zmq import ZmqWorkerEndpoint
+    from diloco.worker import DilocoWorker, run_training
+    from diloco.worker.device import loss_on_device
+    from diloco.worker.group import GroupLeader
+    from diloco.worker.worker import DEFAULT_COORDINATOR_TIMEOUT_S, DilocoWorkerError
+
     printer = _Printer(worker_id)
     from diloco.deploy.commands import client_auth
-    from diloco.worker.worker import DEFAULT_COORDINATOR_TIMEOUT_S
 
     coordinator_timeout = args.coordinator_timeout
     if args.join_timeout is not None:
@@ -186,10 +223,14 @@ def run_worker_command(args) -> int:
         raise UsageError(str(exc)) from None
     printer.attach(worker)
     restored = (f", restored from its checkpoint at inner step {worker.inner_step}" if worker.restored else "")
-    printer.line(f"connecting to {args.connect} (routing id {endpoint.peer}), H={sync_every}{restored}")
+    group = f", rank 0 of {info.world_size}" if info.world_size > 1 else ""
+    where = f", device {device}" if device.type != "cpu" or info.world_size > 1 else ""
+    printer.line(f"connecting to {args.connect} (routing id {endpoint.peer}), H={sync_every}{group}{where}{restored}")
+    driver = GroupLeader(worker, info) if info.world_size > 1 else worker
     previous = signal.signal(signal.SIGTERM, lambda *_: worker.request_stop(save=args.checkpoint_dir is not None))
     try:
-        report = run_training(worker, setup.batches, printer.loss_fn(setup.loss_fn), max_steps=args.max_steps)
+        report = run_training(driver, setup.batches, loss_on_device(printer.loss_fn(setup.loss_fn), device),
+                              max_steps=args.max_steps, after_backward=_grad_sync(info))
     except DilocoWorkerError as exc:
         code = getattr(exc, "code", None)
         print(f"diloco worker {worker_id}: {exc}", file=sys.stderr, flush=True)
@@ -211,4 +252,32 @@ def run_worker_command(args) -> int:
         print(f"diloco worker {worker_id}: the coordinator at {args.connect} was unreachable for "
               f"{coordinator_timeout:g} s (--coordinator-timeout){saved}; exit 3", file=sys.stderr, flush=True)
         return EXIT_UNREACHABLE
+    return EXIT_OK
+
+
+def _run_follower(args, setup, worker_id: str, info, device) -> int:
+    """A rank > 0 of a multi-rank worker: train in step with rank 0, which alone talks to the coordinator."""
+    from diloco.worker import run_training
+    from diloco.worker.device import loss_on_device
+    from diloco.worker.group import GroupFollower
+    from diloco.worker.worker import DilocoWorkerError
+
+    printer = _Printer(f"{worker_id}[rank {info.rank}]")
+    printer.line(f"rank {info.rank} of {info.world_size}, device {device}: following rank 0")
+    follower = GroupFollower(setup.model, setup.optimizer, worker_id, info)
+    # SIGTERM reaches every rank (torchrun forwards it); rank 0 decides and tells the others.
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        report = run_training(follower, setup.batches, loss_on_device(setup.loss_fn, device),
+                              max_steps=args.max_steps, after_backward=_grad_sync(info))
+    except DilocoWorkerError as exc:
+        print(f"diloco worker {worker_id} rank {info.rank}: {exc}", file=sys.stderr, flush=True)
+        return EXIT_PROBLEM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    printer.line(f"done ({report.stop_reason}): {report.inner_steps} inner steps, {report.rounds_synced} rounds synced")
+    if report.stop_reason == "coordinator_unreachable":
+        return EXIT_UNREACHABLE
+    if report.stop_reason and report.stop_reason.startswith("error"):
+        return EXIT_PROBLEM
     return EXIT_OK

@@ -54,13 +54,17 @@ class WorkerReport:
 
 def run_training(worker: DilocoWorker, batches: Iterable[Any],
                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
-                 max_steps: int | None = None) -> WorkerReport:
+                 max_steps: int | None = None,
+                 after_backward: Callable[[torch.nn.Module], None] | None = None) -> WorkerReport:
     """Join, then for each batch: zero_grad, loss, backward, step, ``step_done``; leave at the end.
 
     Ends when the run tells the worker to stop, when ``batches`` runs out, or when the
     worker's ``inner_step`` reaches ``max_steps`` (a total: a worker restored from its
     checkpoint at step 40 with ``max_steps=100`` takes 60 more). Always leaves (even on
     an exception), so the coordinator hears of it at once instead of after a timeout.
+
+    ``after_backward(model)`` runs between ``backward`` and ``step`` (a multi-rank
+    worker averages its ranks' gradients there: ``diloco.worker.group``).
     """
     started = time.monotonic()
     model, opt = worker.model, worker.inner_optimizer
@@ -82,6 +86,8 @@ def run_training(worker: DilocoWorker, batches: Iterable[Any],
                 opt.zero_grad(set_to_none=True)
                 loss = loss_fn(model, batch)
                 loss.backward()
+                if after_backward is not None:
+                    after_backward(model)
                 opt.step()
                 losses.append(float(loss.detach()))
                 if not worker.step_done():

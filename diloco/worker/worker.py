@@ -144,6 +144,9 @@ class DilocoWorker:
         #: ``--max-update-norm`` is compared with (NaN before the first submission).
         self.last_update_norm = math.nan
         self._global: Tensors = {}                    # fp32 copy of the global params
+        #: Times the driver wrote global params into the model (a Welcome, a Result, a restore):
+        #: a multi-rank worker's leader broadcasts the model to its other ranks when this moves.
+        self.params_written = 0
 
         self._lock = threading.RLock()                # guards the session and the model queue
         self._wake = threading.Condition(self._lock)
@@ -449,6 +452,7 @@ class DilocoWorker:
                 t = params[n]
                 self._params[n].copy_(t)
                 self._global[n] = t.detach().to("cpu", torch.float32).clone()
+        self.params_written += 1
 
     def _submit(self, action: SubmitFragment) -> None:
         tensors = {n: self._global[n] - self._params[n].detach().to("cpu", torch.float32)

@@ -1,0 +1,231 @@
+"""A worker that is a group of ranks: data parallel inside, one DiLoCo member outside.
+
+Started by ``torchrun`` (``torchrun --nproc-per-node 4 -m diloco worker ...``),
+every rank trains the same model on its own shard of the data and the group
+averages gradients after each backward pass (what DDP does; done here with a
+plain all-reduce so that any ``loss_fn`` works, including one that calls a
+model method DDP's wrapper would hide). Only rank 0, the *leader*, talks to
+the coordinator, through an ordinary ``DilocoWorker``; the other ranks,
+*followers*, hold no endpoint.
+
+Every decision that comes from the coordinator reaches all ranks at the same
+inner step: after each step the leader broadcasts one small header (go on or
+stop; did the params change) and, when they changed (a Welcome, a Result, a
+restore), the full model state, so the ranks hold bit-identical params after
+every sync and stop together. While the leader waits at a sync point (waiting
+for a Result, or paused below quorum) the followers wait in that broadcast.
+
+A rank that dies takes the whole worker down: ``torchrun`` stops the other
+ranks when one fails, the leader's connection closes, and the coordinator
+sees one death (SPEC.md section 14, "Multi-rank workers").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from diloco.worker.errors import DilocoWorkerError
+
+#: How long a follower waits in a broadcast for the leader. The leader may be paused at a
+#: sync point for as long as the run is below quorum, so this is long; a dead leader is
+#: noticed sooner by ``torchrun``, which stops the whole group.
+GROUP_TIMEOUT = datetime.timedelta(days=7)
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits in its worker's group (from ``torchrun``'s environment)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> "RankInfo":
+        """``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` as ``torchrun`` sets them; a single rank without them."""
+        env = os.environ if environ is None else environ
+        try:
+            info = cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
+        except ValueError:
+            raise ValueError(f"RANK={env.get('RANK')!r} WORLD_SIZE={env.get('WORLD_SIZE')!r} "
+                             f"LOCAL_RANK={env.get('LOCAL_RANK')!r}: expected integers (as torchrun sets them)")
+        if info.world_size < 1 or not 0 <= info.rank < info.world_size or info.local_rank < 0:
+            raise ValueError(f"RANK={info.rank} WORLD_SIZE={info.world_size} LOCAL_RANK={info.local_rank}: "
+                             f"expected 0 <= RANK < WORLD_SIZE")
+        return info
+
+
+#: An ``init_method`` for launchers other than torchrun (for example ``file:///shared/dir/group``:
+#: a file store, so no rendezvous server listens anywhere); torchrun's ``env://`` by default.
+INIT_METHOD_ENV = "DILOCO_GROUP_INIT"
+
+
+def init_group(info: RankInfo, device: torch.device) -> None:
+    """Join the ranks' process group: NCCL for CUDA devices, gloo otherwise (idempotent)."""
+    if info.world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=os.environ.get(INIT_METHOD_ENV) or "env://",
+                                rank=info.rank, world_size=info.world_size, timeout=GROUP_TIMEOUT)
+
+
+@contextlib.contextmanager
+def _collective(what: str) -> Iterator[None]:
+    """A failed collective means a rank is gone: say so as the worker's error, which ends this rank's run."""
+    try:
+        yield
+    except RuntimeError as exc:  # DistBackendError and gloo's "connection closed by peer" are RuntimeErrors
+        raise DilocoWorkerError(f"this worker's group broke while {what} (a rank died or left): {exc}",
+                                "group_failed") from exc
+
+
+def average_gradients(model: torch.nn.Module, world_size: int) -> None:
+    """All-reduce every gradient to the group's mean (one flat buffer per dtype and device)."""
+    if world_size <= 1:
+        return
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    buckets: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        buckets.setdefault((g.dtype, g.device), []).append(g)
+    for bucket in buckets.values():
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        with _collective("averaging gradients"):
+            dist.all_reduce(flat)
+        flat.div_(world_size)
+        offset = 0
+        for g in bucket:
+            n = g.numel()
+            g.copy_(flat[offset:offset + n].view_as(g))
+            offset += n
+
+
+def broadcast_model(model: torch.nn.Module, optimizer: Any | None = None) -> None:
+    """Make every rank's params and buffers (and optimizer state) rank 0's, bit for bit."""
+    with torch.no_grad(), _collective("sharing the model"):
+        for t in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(t.data, src=0)
+    if optimizer is not None:
+        box = [optimizer.state_dict() if dist.get_rank() == 0 else None]
+        with _collective("sharing the inner optimizer's state"):
+            dist.broadcast_object_list(box, src=0)
+        if dist.get_rank() != 0:
+            optimizer.load_state_dict(box[0])
+
+
+class _Header:
+    """The leader's word after join and after each step: go on or stopped; params changed; counters.
+
+    A stop also carries the leader's stop reason (a short string), so every rank reports the same.
+    """
+
+    @staticmethod
+    def send(go_on: bool, changed: bool, inner_step: int, rounds_synced: int, reason: str | None) -> None:
+        with _collective("telling the other ranks what the coordinator said"):
+            dist.broadcast(torch.tensor([int(go_on), int(changed), inner_step, rounds_synced], dtype=torch.int64),
+                           src=0)
+            if not go_on:
+                dist.broadcast_object_list([reason], src=0)
+
+    @staticmethod
+    def receive() -> tuple[bool, bool, int, int, str | None]:
+        t = torch.zeros(4, dtype=torch.int64)
+        reason = None
+        with _collective("waiting for rank 0"):
+            dist.broadcast(t, src=0)
+            go_on, changed, inner_step, rounds = (int(x) for x in t.tolist())
+            if not go_on:
+                box = [None]
+                dist.broadcast_object_list(box, src=0)
+                reason = box[0]
+        return bool(go_on), bool(changed), inner_step, rounds, reason
+
+
+class GroupLeader:
+    """Rank 0: a ``DilocoWorker`` that tells the other ranks what it decided.
+
+    Has the face ``run_training`` uses (``join``, ``step_done``, ``leave`` and the
+    counters); everything else is the wrapped worker's (``leader.worker``).
+    """
+
+    def __init__(self, worker, info: RankInfo) -> None:
+        self.worker = worker
+        self.info = info
+        self._written = worker.params_written
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.worker, name)
+
+    def join(self) -> None:
+        try:
+            self.worker.join()
+        finally:
+            # Followers start from the leader's state: the Welcome's params, or a restored checkpoint
+            # (params and inner optimizer state), whatever happened, and learn whether to train at all.
+            self._tell(changed=True, full=True)
+
+    def step_done(self) -> bool:
+        go_on = False
+        try:
+            go_on = self.worker.step_done()
+        finally:
+            self._tell(changed=self.worker.params_written != self._written, go_on=go_on)
+        return go_on
+
+    def _tell(self, changed: bool, go_on: bool | None = None, full: bool = False) -> None:
+        w = self.worker
+        if go_on is None:
+            go_on = not w.stopped
+        self._written = w.params_written
+        _Header.send(go_on, changed, w.inner_step, w.rounds_synced, w.stop_reason)
+        if changed:
+            broadcast_model(w.model, w.inner_optimizer if full else None)
+
+    def leave(self) -> None:
+        self.worker.leave()
+
+
+class GroupFollower:
+    """Rank > 0: trains in step with the leader and does what it was told; never talks to the coordinator."""
+
+    def __init__(self, model: torch.nn.Module, inner_optimizer: Any, worker_id: str, info: RankInfo) -> None:
+        self.model = model
+        self.inner_optimizer = inner_optimizer
+        self.worker_id = worker_id
+        self.info = info
+        self.inner_step = 0
+        self.rounds_synced = 0
+        self.stop_reason: str | None = None
+        self.stopped = False
+        self.seconds_paused = 0.0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def join(self) -> None:
+        self._hear(full=True)
+
+    def step_done(self) -> bool:
+        return self._hear(full=False)
+
+    def _hear(self, full: bool) -> bool:
+        go_on, changed, self.inner_step, self.rounds_synced, reason = _Header.receive()
+        if changed:
+            broadcast_model(self.model, self.inner_optimizer if full else None)
+        if not go_on:
+            self.stopped = True
+            self.stop_reason = reason
+        return go_on
+
+    def request_stop(self, save: bool = False) -> None:
+        """A follower stops when the leader does (``torchrun`` forwards a SIGTERM to every rank)."""
+
+    def leave(self) -> None:
+        """Only the leader leaves the run."""
