@@ -123,7 +123,7 @@ def test_status_against_nothing_exits_3_without_importing_torch():
 
 def test_help_of_diloco_and_of_each_admin_command_imports_no_torch():
     for cli_args in (["--help"], ["status", "--help"], ["shutdown", "--help"], ["set-min-workers", "--help"],
-                     ["kick", "--help"]):
+                     ["kick", "--help"], ["plan", "--help"]):
         proc = _run_diloco_without_torch(cli_args)
         assert proc.returncode == 0, (cli_args, proc.stdout + proc.stderr)
         assert "usage: diloco" in proc.stdout, (cli_args, proc.stdout)

@@ -1,0 +1,218 @@
+"""``diloco plan``: what bandwidth a compute utilisation needs, for data parallel, DiLoCo and Streaming DiLoCo.
+
+Pure computation (diloco.planner.model); it imports numpy (and matplotlib for
+``--plot``) only when it runs, so ``diloco plan --help`` starts fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+
+EXIT_OK = 0
+
+#: The dtype names of diloco.planner.model.WIRE_DTYPES (tests/test_planner.py keeps them equal).
+WIRE_NAMES = "fp32=4, fp16=2, bf16=2, fp8=1, int8=1, fp4=0.5, int4=0.5"
+
+DESCRIPTION = """\
+Plan the bandwidth between workers: the compute utilisation (compute time over
+wall time) of data parallel, DiLoCo and Streaming DiLoCo at a bandwidth, or,
+with --sweep, the smallest bandwidth that reaches 50/80/90/95/99% utilisation.
+
+The model (README "Planning bandwidth", after the simulator of Streaming
+DiLoCo's Table 4): a step is a forward of T/3 and a backward of 2T/3; what a
+step sends goes out in 128 buckets released over its backward, through one
+FIFO link; a sync of N parameters is N x bytes x 8 x 2(1 - 1/M) bits. Data
+parallel sends every step, due at the step's end; DiLoCo sends the whole
+model every H steps, due at the end of the H-th; Streaming DiLoCo sends 1/P
+of the model every H/P steps, due tau steps later. A late sync stalls the
+step by its overrun and every later step with it."""
+
+EPILOG = """\
+examples:
+  diloco plan --bandwidth 10                       utilisation at 10 Gbit/s (1B parameters, step 0.1 s, ...)
+  diloco plan --params 1B --workers 2 --inner-steps 100 --fragments 8 --overlap 1 \\
+              --wire bf16 --streaming-wire int4 --sweep --plot plan.png
+
+exit codes: 0 ok, 2 bad usage or input"""
+
+_SUFFIXES = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def _params(text: str) -> float:
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmbgt]?)\s*", text.lower())
+    value = float(m.group(1)) * _SUFFIXES[m.group(2)] if m else float("nan")
+    if not (math.isfinite(value) and value >= 1):
+        raise argparse.ArgumentTypeError(
+            f"--params must be a parameter count >= 1 such as 1e9, 1B, 350M or 7b, got {text!r}")
+    return value
+
+
+def _positive(flag: str):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"{flag} must be a positive number, got {text!r}")
+        return value
+    return parse
+
+
+def _int_at_least(flag: str, low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _wire():
+    def parse(text: str) -> float:
+        from diloco.planner.model import PlanError, parse_wire
+
+        try:
+            return parse_wire(text)
+        except PlanError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return parse
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "plan", help="bandwidth planner: compute utilisation of data parallel, DiLoCo and Streaming DiLoCo",
+        description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    run = p.add_argument_group("the training run (defaults: the 1B setting of Streaming DiLoCo's Table 4)")
+    run.add_argument("--params", type=_params, default=1e9, metavar="N",
+                     help="model parameters: 1e9, 1B, 350M, ... (default 1B)")
+    run.add_argument("--step-time", type=_positive("--step-time"), default=0.1, metavar="T",
+                     help="seconds of compute per inner step, forward and backward (default 0.1)")
+    run.add_argument("--workers", type=_int_at_least("--workers", 1), default=2, metavar="M",
+                     help="workers (replicas) that all-reduce across the link (default 2)")
+    run.add_argument("--inner-steps", type=_int_at_least("--inner-steps", 1), default=100, metavar="H",
+                     help="DiLoCo inner steps per round (default 100)")
+    run.add_argument("--fragments", type=_int_at_least("--fragments", 1), default=8, metavar="P",
+                     help="Streaming DiLoCo fragments, at most H; one is sent every H/P steps (default 8)")
+    run.add_argument("--overlap", type=_int_at_least("--overlap", 0), default=1, metavar="TAU",
+                     help="Streaming DiLoCo overlap: steps a fragment may take to arrive (default 1)")
+    run.add_argument("--wire", type=_wire(), default=2.0, metavar="DTYPE|BYTES",
+                     help=f"bytes per parameter on the wire, or a dtype ({WIRE_NAMES}); default bf16")
+    run.add_argument("--streaming-wire", type=_wire(), metavar="DTYPE|BYTES",
+                     help="Streaming DiLoCo's own wire format, e.g. int4 for quantised outer gradients "
+                          "(default: --wire)")
+    run.add_argument("--buckets", type=_int_at_least("--buckets", 1), default=128, metavar="K",
+                     help="buckets a step's payload is split into over the backward (default 128)")
+    out = p.add_argument_group("what to print (at least one of --bandwidth and --sweep)")
+    out.add_argument("--bandwidth", type=_positive("--bandwidth"), metavar="GBIT_S",
+                     help="print each method's utilisation at this link bandwidth (Gbit/s)")
+    out.add_argument("--sweep", action="store_true",
+                     help="print the smallest bandwidth on logspace(-1, 3, 50) Gbit/s reaching 50/80/90/95/99%% "
+                          "utilisation")
+    out.add_argument("--plot", metavar="FILE.png", help="write utilisation against bandwidth (log x) as a PNG")
+    p.set_defaults(handler=handle)
+
+
+def _usage(msg: str):
+    from diloco.exits import UsageError
+
+    return UsageError(msg)
+
+
+def handle(args) -> int:
+    if args.fragments > args.inner_steps:
+        raise _usage(f"--fragments {args.fragments} is more than --inner-steps {args.inner_steps}: "
+                     "each fragment needs a step of its own")
+    if args.bandwidth is None and not args.sweep and args.plot is None:
+        raise _usage("nothing to do: give --bandwidth GBIT_S, --sweep or --plot FILE.png")
+    if args.plot is not None:
+        if not args.plot.lower().endswith(".png"):
+            raise _usage(f"--plot {args.plot!r}: the file name must end in .png")
+        parent = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(parent):
+            raise _usage(f"--plot {args.plot!r}: directory {parent!r} does not exist")
+    from diloco.planner import model
+
+    ms = model.methods(args.inner_steps, args.fragments, args.overlap, args.wire, args.streaming_wire)
+    common = dict(params=args.params, step_time_s=args.step_time, workers=args.workers, buckets=args.buckets)
+    for line in describe(args, ms):
+        print(line)
+    if args.bandwidth is not None:
+        print()
+        for line in format_utilisation(ms, args.bandwidth, common):
+            print(line)
+    curves = None
+    if args.sweep or args.plot is not None:
+        curves = {m.name: model.utilisation_curve(m, **common) for m in ms}
+    if args.sweep:
+        print()
+        for line in format_sweep(curves):
+            print(line)
+    if args.plot is not None:
+        from diloco.plots.bandwidth import plot_utilisation_curves
+
+        labels = {_label(m): curves[m.name] for m in ms}
+        path = plot_utilisation_curves(args.plot, model.BANDWIDTH_GRID_GBIT_S, labels, model.TARGETS,
+                                       title=f"{_count(args.params)} parameters, step {args.step_time:g} s, "
+                                             f"M={args.workers}, H={args.inner_steps}")
+        print(f"\nplot: {path}")
+    return EXIT_OK
+
+
+def _count(n: float) -> str:
+    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= div:
+            return f"{n / div:g}{suffix}"
+    return f"{n:g}"
+
+
+def _label(m) -> str:
+    if m.fragments > 1 or m.overlap:
+        return f"{m.name} (P={m.fragments}, tau={m.overlap}, {m.bytes_per_param:g} B/param)"
+    if m.inner_steps > 1:
+        return f"{m.name} (H={m.inner_steps}, {m.bytes_per_param:g} B/param)"
+    return f"{m.name} ({m.bytes_per_param:g} B/param)"
+
+
+def describe(args, ms) -> list[str]:
+    from diloco.planner.model import sync_bits
+
+    lines = [f"plan: {_count(args.params)} parameters, step {args.step_time:g} s (forward 1/3, backward 2/3), "
+             f"M={args.workers} workers, {args.buckets} buckets per step over one FIFO link",
+             f"  {'method':<18} {'bytes/param':>11} {'Gbit per sync':>13} {'sync every':>12} {'deadline':>19}"]
+    for m in ms:
+        gbit = sync_bits(args.params, m.bytes_per_param, args.workers) / m.fragments / 1e9
+        every = m.steps_between_syncs
+        deadline = "end of its step" if m.overlap == 0 else f"end of its step +{m.overlap}"
+        lines.append(f"  {m.name:<18} {m.bytes_per_param:>11g} {gbit:>13.4g} "
+                     f"{every:>6g} step{'s' if every != 1 else ' '} {deadline:>19}")
+    return lines
+
+
+def format_utilisation(ms, bandwidth: float, common: dict) -> list[str]:
+    from diloco.planner.model import method_utilisation
+
+    lines = [f"compute utilisation at {bandwidth:g} Gbit/s:"]
+    for m in ms:
+        u = method_utilisation(m, bandwidth_gbit_s=bandwidth, **common)
+        lines.append(f"  {m.name:<18} {100 * u:6.1f}%")
+    return lines
+
+
+def format_sweep(curves: dict) -> list[str]:
+    from diloco.planner.model import BANDWIDTH_GRID_GBIT_S, TARGETS, bandwidth_needed
+
+    top = float(BANDWIDTH_GRID_GBIT_S[-1])
+    lines = ["bandwidth (Gbit/s) needed for a compute utilisation (smallest of logspace(-1, 3, 50)):",
+             f"  {'method':<18}" + "".join(f"{f'{100 * t:g}%':>9}" for t in TARGETS)]
+    for name, curve in curves.items():
+        cells = [f"> {top:g}" if b is None else (f"{b:.2f}" if b < 10 else f"{b:.1f}")
+                 for b in bandwidth_needed(curve)]
+        lines.append(f"  {name:<18}" + "".join(f"{c:>9}" for c in cells))
+    return lines

@@ -1,0 +1,195 @@
+"""The bandwidth model behind ``diloco plan``: pure functions, no I/O.
+
+One worker's timeline is simulated against one shared FIFO link, after the
+public simulator of Streaming DiLoCo (Douillard et al., 2025, Table 4):
+
+* a step takes ``T`` seconds of compute: forward ``T/3``, backward ``2T/3``;
+* what a step sends is split into ``buckets`` (128) equal buckets, released
+  evenly over that step's backward pass, each at the *end* of its slice of
+  the backward (a layer's gradients exist once its backward is done); the
+  last bucket is released as the backward ends;
+* the link sends buckets first in, first out, at the bandwidth; a payload of
+  ``N`` parameters is ``N * bytes_per_param * 8 * 2(1 - 1/M)`` bits (a ring
+  all-reduce among ``M`` workers);
+* every sync has a deadline, the end of a step: data parallel sends all
+  gradients each step, due at that step's end; DiLoCo sends the whole model
+  over the backward of the H-th inner step, due at that step's end (the outer
+  step blocks); Streaming DiLoCo sends fragment ``p`` (``1/P`` of the model)
+  over the backward of inner step ``ceil((p+1) H / P)`` of each round, due
+  ``tau`` steps after the end of the step that released it;
+* a step whose syncs are late stalls by its largest overrun, and the stall
+  pushes every later step and release back in time (the timeline is
+  simulated, not each step alone);
+* utilisation = compute / (compute + stall), measured over one round (H
+  steps) of the periodic regime, after warm-up rounds.
+
+Each sync's last bucket arrives at ``max(link_free + S, first + S, last + S/k)``
+for a transfer of ``S`` seconds in ``k`` buckets released from ``first`` to
+``last``, so the simulation costs O(1) per sync, not per bucket.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+#: Bytes per parameter on the wire for the dtype names ``--wire`` accepts.
+WIRE_DTYPES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "fp4": 0.5, "int4": 0.5}
+#: The bandwidths ``--sweep`` tries (Gbit/s), as in the paper's simulator.
+BANDWIDTH_GRID_GBIT_S = np.logspace(-1, 3, 50)
+#: The compute-utilisation targets of the paper's Table 4.
+TARGETS = (0.5, 0.8, 0.9, 0.95, 0.99)
+DEFAULT_BUCKETS = 128
+#: Shares of a step: forward then backward.
+FORWARD_SHARE = 1.0 / 3.0
+#: Rounds simulated before the measured one, on top of those the overlap spans.
+WARMUP_ROUNDS = 3
+#: Utilisation may fall short of a target by this much and still count (float noise only).
+TARGET_SLACK = 1e-12
+
+
+class PlanError(ValueError):
+    """An input the model cannot take: names the input, the value and what is allowed."""
+
+
+def parse_wire(text: str) -> float:
+    """Bytes per parameter from a dtype name (``bf16``) or a positive number (``2``, ``0.5``)."""
+    key = str(text).strip().lower()
+    if key in WIRE_DTYPES:
+        return WIRE_DTYPES[key]
+    try:
+        value = float(key)
+    except ValueError:
+        raise PlanError(f"wire format {text!r} is neither a dtype ({', '.join(WIRE_DTYPES)}) "
+                        "nor a number of bytes per parameter") from None
+    if not math.isfinite(value) or value <= 0:
+        raise PlanError(f"bytes per parameter must be a positive number, got {text!r}")
+    return value
+
+
+def sync_bits(params: float, bytes_per_param: float, workers: int) -> float:
+    """Bits one worker puts on the link to all-reduce ``params`` parameters among ``workers`` (ring)."""
+    _positive("params", params)
+    _positive("bytes_per_param", bytes_per_param)
+    _int_at_least("workers", workers, 1)
+    return params * bytes_per_param * 8.0 * 2.0 * (1.0 - 1.0 / workers)
+
+
+@dataclass(frozen=True)
+class Method:
+    """A way to synchronise: data parallel is H=1, P=1, tau=0; DiLoCo is P=1, tau=0."""
+
+    name: str
+    inner_steps: int
+    fragments: int
+    overlap: int
+    bytes_per_param: float
+
+    @property
+    def steps_between_syncs(self) -> float:
+        return self.inner_steps / self.fragments
+
+
+def methods(inner_steps: int, fragments: int, overlap: int, bytes_per_param: float,
+            streaming_bytes_per_param: float | None = None) -> tuple[Method, Method, Method]:
+    """Data parallel, DiLoCo and Streaming DiLoCo for one setting (Streaming may use its own wire format)."""
+    streaming = bytes_per_param if streaming_bytes_per_param is None else streaming_bytes_per_param
+    return (Method("data parallel", 1, 1, 0, bytes_per_param),
+            Method("DiLoCo", inner_steps, 1, 0, bytes_per_param),
+            Method("Streaming DiLoCo", inner_steps, fragments, overlap, streaming))
+
+
+def release_steps(inner_steps: int, fragments: int) -> list[int]:
+    """The inner step (0-based, within a round) whose backward sends each fragment; the last is H-1."""
+    _check_schedule(inner_steps, fragments, 0)
+    return [math.ceil((p + 1) * inner_steps / fragments) - 1 for p in range(fragments)]
+
+
+def utilisation(*, params: float, step_time_s: float, workers: int, bandwidth_gbit_s: float,
+                bytes_per_param: float, inner_steps: int = 1, fragments: int = 1, overlap: int = 0,
+                buckets: int = DEFAULT_BUCKETS) -> float:
+    """Compute utilisation in (0, 1] of one method at one bandwidth (see the module docstring)."""
+    _positive("step_time_s", step_time_s)
+    _positive("bandwidth_gbit_s", bandwidth_gbit_s)
+    _int_at_least("buckets", buckets, 1)
+    _check_schedule(inner_steps, fragments, overlap)
+    bits = sync_bits(params, bytes_per_param, workers) / fragments
+    transfer = bits / (bandwidth_gbit_s * 1e9)
+    if transfer == 0.0:
+        return 1.0
+    t = step_time_s
+    first_release = t * FORWARD_SHARE + t * (1.0 - FORWARD_SHARE) / buckets
+    rounds = WARMUP_ROUNDS + math.ceil(overlap / inner_steps) + 1
+    # Steps where something happens: a release or a deadline. Others last exactly t.
+    releases: dict[int, int] = {}
+    for r in range(rounds):
+        for s in release_steps(inner_steps, fragments):
+            step = r * inner_steps + s
+            releases[step] = releases.get(step, 0) + 1
+    deadlines: dict[int, list[float]] = {}
+    link_free = 0.0
+    stalled = 0.0  # stall accumulated before the current step starts
+    measured_from = (rounds - 1) * inner_steps
+    stall_in_measured = 0.0
+    for step in sorted(set(releases) | {s + overlap for s in releases}):
+        start = step * t + stalled
+        for _ in range(releases.get(step, 0)):
+            link_free = max(link_free + transfer, start + first_release + transfer, start + t + transfer / buckets)
+            deadlines.setdefault(step + overlap, []).append(link_free)
+        due = deadlines.pop(step, None)
+        if due:
+            over = max(0.0, max(due) - (start + t))
+            stalled += over
+            if measured_from <= step < measured_from + inner_steps:
+                stall_in_measured += over
+    compute = inner_steps * t
+    return compute / (compute + stall_in_measured)
+
+
+def method_utilisation(method: Method, *, params: float, step_time_s: float, workers: int,
+                       bandwidth_gbit_s: float, buckets: int = DEFAULT_BUCKETS) -> float:
+    return utilisation(params=params, step_time_s=step_time_s, workers=workers, bandwidth_gbit_s=bandwidth_gbit_s,
+                       bytes_per_param=method.bytes_per_param, inner_steps=method.inner_steps,
+                       fragments=method.fragments, overlap=method.overlap, buckets=buckets)
+
+
+def utilisation_curve(method: Method, *, params: float, step_time_s: float, workers: int,
+                      bandwidths_gbit_s=BANDWIDTH_GRID_GBIT_S, buckets: int = DEFAULT_BUCKETS) -> np.ndarray:
+    """Utilisation at each bandwidth of ``bandwidths_gbit_s``."""
+    return np.array([method_utilisation(method, params=params, step_time_s=step_time_s, workers=workers,
+                                        bandwidth_gbit_s=float(b), buckets=buckets) for b in bandwidths_gbit_s])
+
+
+def bandwidth_needed(curve, bandwidths_gbit_s=BANDWIDTH_GRID_GBIT_S, targets=TARGETS) -> list[float | None]:
+    """For each target, the smallest bandwidth whose utilisation reaches it (None: none on the grid does)."""
+    curve = np.asarray(curve, dtype=float)
+    grid = np.asarray(bandwidths_gbit_s, dtype=float)
+    if curve.shape != grid.shape:
+        raise PlanError(f"curve has {curve.size} points but the grid has {grid.size}")
+    out: list[float | None] = []
+    for target in targets:
+        if not 0.0 < target <= 1.0:
+            raise PlanError(f"utilisation target must be in (0, 1], got {target}")
+        hits = np.nonzero(curve >= target - TARGET_SLACK)[0]
+        out.append(float(grid[hits[0]]) if hits.size else None)
+    return out
+
+
+def _check_schedule(inner_steps: int, fragments: int, overlap: int) -> None:
+    _int_at_least("inner_steps (H)", inner_steps, 1)
+    _int_at_least("fragments (P)", fragments, 1)
+    _int_at_least("overlap (tau)", overlap, 0)
+    if fragments > inner_steps:
+        raise PlanError(f"fragments (P) must be at most inner_steps (H) = {inner_steps}, got {fragments}")
+
+
+def _positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise PlanError(f"{name} must be a positive finite number, got {value!r}")
+
+
+def _int_at_least(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise PlanError(f"{name} must be an integer >= {low}, got {value!r}")

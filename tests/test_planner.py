@@ -1,0 +1,228 @@
+"""``diloco plan``: the bandwidth model reproduces Streaming DiLoCo's Table 4, and the command behaves.
+
+Table 4 of Streaming DiLoCo (Douillard et al., 2025): H = 100, M = 2, 1B
+parameters, a step of 0.1 s; the smallest bandwidth (Gbit/s) on
+logspace(-1, 3, 50) reaching each compute utilisation. Every cell must be
+within one grid step of the paper's, except the one documented below (and in
+README "Planning bandwidth").
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from diloco.cli import main
+from diloco.planner import command, model
+from diloco.planner.model import BANDWIDTH_GRID_GBIT_S as GRID
+
+REPO = Path(__file__).resolve().parents[1]
+
+PAPER = {  # Table 4: 50%, 80%, 90%, 95%, 99% compute utilisation
+    "data parallel": (86.8, 152.6, 184.2, 222.3, 569.0),
+    "DiLoCo": (1.4, 6.2, 13.3, 23.3, 86.8),
+    "Streaming DiLoCo": (0.4, 0.9, 1.7, 2.0, 3.0),
+}
+#: Allowed distance in grid steps from the paper's cell: one, except where the model cannot match.
+#: Data parallel at 99%: with 128 buckets the data still on the link when the backward ends is 1/128
+#: of the gradients (0.125 Gbit), so once the link keeps up with the backward (16 Gbit in 2T/3, i.e.
+#: 240 Gbit/s) the stall is under 0.5 ms and 99% is reached at 268.3 Gbit/s, 4 grid steps below the
+#: paper's 569.0. The paper's value implies a tail of about 1/32 of the gradients: with 32 buckets
+#: the model gives 569.0 (test_data_parallel_99_percent_matches_with_32_buckets).
+TOLERANCE = {("data parallel", 0.99): 4}
+SETTING = dict(params=1e9, step_time_s=0.1, workers=2)
+BF16, INT4 = model.WIRE_DTYPES["bf16"], model.WIRE_DTYPES["int4"]
+
+
+def _grid_index(bandwidth: float) -> int:
+    return int(np.argmin(np.abs(np.log(GRID / bandwidth))))
+
+
+def _needed(buckets: int = model.DEFAULT_BUCKETS) -> dict[str, list[float | None]]:
+    ms = model.methods(100, 8, 1, BF16, INT4)
+    return {m.name: model.bandwidth_needed(model.utilisation_curve(m, buckets=buckets, **SETTING)) for m in ms}
+
+
+NEEDED = _needed()
+#: What the model gives for Table 4 (the README shows this table).
+MODEL = {
+    "data parallel": (104.8, 184.2, 222.3, 268.3, 268.3),
+    "DiLoCo": (1.68, 6.25, 16.0, 28.1, 104.8),
+    "Streaming DiLoCo": (0.37, 1.15, 1.68, 2.44, 2.95),
+}
+
+
+@pytest.mark.parametrize("method", list(PAPER))
+@pytest.mark.parametrize("column", range(len(model.TARGETS)))
+def test_table_4_cell_within_tolerance(method, column):
+    target = model.TARGETS[column]
+    got, paper = NEEDED[method][column], PAPER[method][column]
+    assert got is not None, (method, target)
+    allowed = TOLERANCE.get((method, target), 1)
+    steps = _grid_index(got) - _grid_index(paper)
+    assert abs(steps) <= allowed, f"{method} {target:.0%}: model {got:.3g}, paper {paper} ({steps:+d} grid steps)"
+    assert got == pytest.approx(MODEL[method][column], rel=0.01)
+
+
+def test_the_documented_exception_is_still_needed():
+    """If the model ever matches data parallel at 99%, the tolerance (and README) must be tightened."""
+    assert _grid_index(NEEDED["data parallel"][4]) - _grid_index(569.0) == -4
+
+
+def test_data_parallel_99_percent_matches_with_32_buckets():
+    needed = _needed(buckets=32)
+    for method, cells in PAPER.items():
+        for got, paper in zip(needed[method], cells):
+            assert abs(_grid_index(got) - _grid_index(paper)) <= 1, (method, got, paper)
+
+
+@pytest.mark.parametrize("method", model.methods(100, 8, 1, BF16, INT4), ids=lambda m: m.name)
+def test_utilisation_rises_with_bandwidth_and_reaches_one(method):
+    curve = model.utilisation_curve(method, **SETTING)
+    assert np.all(np.diff(curve) >= -1e-12)
+    assert np.all((curve > 0) & (curve <= 1))
+    huge = model.method_utilisation(method, bandwidth_gbit_s=1e9, **SETTING)
+    assert huge == pytest.approx(1.0, abs=1e-6)
+
+
+def test_diloco_needs_less_bandwidth_than_data_parallel_and_streaming_less_than_diloco():
+    for dp, di, st in zip(NEEDED["data parallel"], NEEDED["DiLoCo"], NEEDED["Streaming DiLoCo"]):
+        assert st <= di < dp
+    same_wire = model.methods(100, 8, 1, BF16)
+    for b in (1.0, 10.0, 100.0):
+        dp, di, st = (model.method_utilisation(m, bandwidth_gbit_s=b, **SETTING) for m in same_wire)
+        assert dp < di <= st
+
+
+def test_one_worker_sends_nothing_and_more_workers_send_more():
+    assert model.sync_bits(1e9, 2, 1) == 0
+    assert model.utilisation(bandwidth_gbit_s=0.1, bytes_per_param=4, workers=1, params=1e9, step_time_s=0.1) == 1
+    assert model.sync_bits(1e9, 2, 2) == 16e9
+    assert model.sync_bits(1e9, 2, 8) == pytest.approx(28e9)
+
+
+def test_data_parallel_below_the_knee_is_link_bound():
+    """16 Gbit a step at 80 Gbit/s: 0.2 s on the link from the first bucket, and the forward waits for it."""
+    u = model.utilisation(bandwidth_gbit_s=80, bytes_per_param=2, **SETTING)
+    first_bucket = 0.1 / 3 + (0.2 / 3) / 128
+    assert u == pytest.approx(0.1 / (first_bucket + 0.2))
+
+
+def test_the_measured_round_is_the_periodic_regime(monkeypatch):
+    kw = dict(bytes_per_param=0.5, inner_steps=100, fragments=8, **SETTING)
+    cases = [(tau, b) for tau in (0, 1, 5, 150) for b in (0.1, 0.5, 2.0, 20.0)]
+    short = [model.utilisation(overlap=tau, bandwidth_gbit_s=b, **kw) for tau, b in cases]
+    monkeypatch.setattr(model, "WARMUP_ROUNDS", 8)
+    longer = [model.utilisation(overlap=tau, bandwidth_gbit_s=b, **kw) for tau, b in cases]
+    assert short == pytest.approx(longer, rel=1e-9)
+
+
+def test_fragments_are_released_every_h_over_p_steps_ending_with_the_round():
+    assert model.release_steps(100, 8) == [12, 24, 37, 49, 62, 74, 87, 99]
+    assert model.release_steps(100, 1) == [99]
+    assert model.release_steps(4, 4) == [0, 1, 2, 3]
+
+
+def test_wire_formats():
+    assert model.parse_wire("bf16") == 2 and model.parse_wire("FP32") == 4
+    assert model.parse_wire("int8") == 1 and model.parse_wire("int4") == 0.5 and model.parse_wire("0.75") == 0.75
+    names = [part.split("=")[0] for part in command.WIRE_NAMES.split(", ")]
+    assert names == list(model.WIRE_DTYPES)
+    assert all(model.WIRE_DTYPES[n] == float(part.split("=")[1])
+               for n, part in zip(names, command.WIRE_NAMES.split(", ")))
+
+
+@pytest.mark.parametrize("text", ["fp7", "", "-2", "0", "nan", "inf"])
+def test_bad_wire_formats_raise(text):
+    with pytest.raises(model.PlanError):
+        model.parse_wire(text)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(params=0), "params"),
+    (dict(params=float("nan")), "params"),
+    (dict(step_time_s=-1), "step_time_s"),
+    (dict(workers=0), "workers"),
+    (dict(workers=2.5), "workers"),
+    (dict(bandwidth_gbit_s=0), "bandwidth_gbit_s"),
+    (dict(bytes_per_param=0), "bytes_per_param"),
+    (dict(inner_steps=0), "inner_steps"),
+    (dict(fragments=0), "fragments"),
+    (dict(fragments=101), "at most inner_steps"),
+    (dict(overlap=-1), "overlap"),
+    (dict(buckets=0), "buckets"),
+    (dict(overlap=True), "overlap"),
+])
+def test_bad_inputs_raise(bad, match):
+    kw = dict(params=1e9, step_time_s=0.1, workers=2, bandwidth_gbit_s=10, bytes_per_param=2,
+              inner_steps=100, fragments=8, overlap=1, buckets=128)
+    kw.update(bad)
+    with pytest.raises(model.PlanError, match=match):
+        model.utilisation(**kw)
+
+
+def test_bandwidth_needed_says_none_when_the_grid_never_reaches_the_target():
+    assert model.bandwidth_needed([0.1, 0.6, 0.95], [1, 2, 3], (0.5, 0.9, 0.99)) == [2.0, 3.0, None]
+    with pytest.raises(model.PlanError):
+        model.bandwidth_needed([0.1], [1, 2])
+
+
+def test_plan_sweep_prints_the_table_and_writes_the_plot(tmp_path, capsys):
+    png = tmp_path / "plan.png"
+    rc = main(["plan", "--params", "1B", "--workers", "2", "--inner-steps", "100", "--fragments", "8",
+               "--overlap", "1", "--wire", "bf16", "--streaming-wire", "int4", "--bandwidth", "10",
+               "--sweep", "--plot", str(png)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "data parallel         104.8    184.2    222.3    268.3    268.3" in out
+    assert "DiLoCo                 1.68     6.25     16.0     28.1    104.8" in out
+    assert "Streaming DiLoCo       0.37     1.15     1.68     2.44     2.95" in out
+    assert "DiLoCo               86.7%" in out
+
+
+def test_plan_prints_a_cell_the_grid_cannot_reach(capsys):
+    assert main(["plan", "--params", "100B", "--sweep"]) == 0
+    assert "> 1000" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan"], "nothing to do"),
+    (["plan", "--sweep", "--fragments", "200"], "--fragments 200 is more than --inner-steps 100"),
+    (["plan", "--sweep", "--params", "0"], "--params must be a parameter count"),
+    (["plan", "--sweep", "--params", "3X"], "--params must be a parameter count"),
+    (["plan", "--sweep", "--wire", "fp7"], "wire format 'fp7' is neither a dtype"),
+    (["plan", "--bandwidth", "-3"], "--bandwidth must be a positive number"),
+    (["plan", "--sweep", "--step-time", "0"], "--step-time must be a positive number"),
+    (["plan", "--sweep", "--workers", "0"], "--workers must be an integer >= 1"),
+    (["plan", "--sweep", "--overlap", "x"], "--overlap must be an integer >= 0"),
+    (["plan", "--sweep", "--plot", "plan.jpg"], "must end in .png"),
+    (["plan", "--sweep", "--plot", "/no/such/dir/plan.png"], "does not exist"),
+])
+def test_bad_usage_exits_2_with_a_precise_error(argv, message, capsys):
+    try:
+        rc = main(argv)
+    except SystemExit as exc:  # argparse
+        rc = exc.code
+    assert rc == 2
+    assert message in capsys.readouterr().err
+
+
+def test_plan_help_starts_without_numpy_or_torch():
+    code = ("import runpy, sys\n"
+            "sys.argv = ['diloco', 'plan', '--help']\n"
+            "try:\n"
+            "    runpy.run_module('diloco', run_name='__main__', alter_sys=True)\n"
+            "except SystemExit:\n"
+            "    pass\n"
+            "heavy = [m for m in ('torch', 'numpy', 'matplotlib') if m in sys.modules]\n"
+            "assert not heavy, heavy\n"
+            "print('LIGHT_OK')\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "LIGHT_OK" in proc.stdout, proc.stdout + proc.stderr
+    assert "usage: diloco plan" in proc.stdout
+    assert "128 buckets" in proc.stdout
