@@ -618,12 +618,13 @@ class Coordinator:
         # Snapshot for the Results of this apply (SPEC.md section 5, rule 1: they follow
         # it). One copy shared by all its contributors; a later apply of the same fragment
         # in the same step (async, held contributions) takes a new one.
-        if self._delta_results:
-            zero = {n: torch.zeros_like(t) for n, t in before.items()}
-            released = compression.encode(zero, self.config.wire_dtype) if bad is not None or delta is None else delta
-        else:
+        if not self._delta_results:
             after = before if bad is not None else {n: p.detach().clone() for n, p in params.items()}
             released = compression.Encoded(after, {})
+        elif bad is not None or delta is None:  # params unchanged: a zero delta
+            released = compression.encode({n: torch.zeros_like(t) for n, t in before.items()}, self.config.wire_dtype)
+        else:
+            released = delta
         self._released[fid] = (effect.round_id + 1, released)
         self.stats.rounds_applied += 1
         self._notify("apply", now, fragment_id=fid, round_id=effect.round_id,

@@ -125,6 +125,15 @@ def test_the_outer_step_is_fp32_on_the_decoded_mean_and_the_result_is_the_encode
     assert c.stats.bytes_received == 2 * enc.nbytes and c.stats.bytes_sent == 2 * 903 * 4 + 2 * enc.nbytes
 
 
+def test_an_update_too_large_for_bf16_is_refused_like_a_non_finite_step_and_results_carry_a_zero_delta():
+    # The fp32 step lands at -3.3997e38 (finite), beyond bfloat16's range: its delta would decode to -inf.
+    c = joined(make_coordinator(min_workers=1, wire_dtype="bf16", outer=OuterConfig("sgd", 1.003, 0.0)), P0, "a")
+    big = {n: torch.full(t.shape, 3.3895e38) for n, t in P0.items()}  # bfloat16's largest value
+    r = only(c.handle("a", _encoded_submit("a", big, "bf16"), 0.0), Result)
+    assert c.stats.steps_refused == 1 and all(torch.equal(c.store.params[n], P0[n]) for n in P0)
+    assert r.delta is True and r.outcome == "applied" and all(not bool(r.params[n].any()) for n in P0)
+
+
 def test_async_results_carry_full_fp32_params_whatever_the_wire_dtype():
     c = joined(make_coordinator(min_workers=1, mode=Mode.ASYNC, wire_dtype="bf16"), P0, "a")
     out = c.handle("a", _encoded_submit("a", {n: torch.ones_like(t) for n, t in P0.items()}, "bf16"), 0.0)
