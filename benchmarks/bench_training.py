@@ -31,10 +31,19 @@ Usage::
 
     python benchmarks/bench_training.py            # 1000 inner steps (the reference calibration), 30-60+ min
     python benchmarks/bench_training.py --quick    # 200 steps, smoke run, a few minutes
+    python benchmarks/bench_training.py --wire fp32,bf16,int8   # the wire dtypes compared (~5 min)
 
 Progress goes to stderr; the report to stdout, whose last line is::
 
     RESULT bench_training h10_vs_sync=R h50_vs_sync=R single_vs_sync=R overhead_share=R
+
+``--wire`` runs only DiLoCo H = 10 once per wire dtype (``CoordinatorConfig.wire_dtype``:
+what pseudo-gradients and Results travel as), same seed and steps, and reports the
+payload bytes uploaded (Submits) and broadcast (Results) per round -- Welcomes, always
+fp32, left out -- and the final held-out loss, ending with::
+
+    RESULT bench_training_wire fp32_loss=X bf16_loss=X int8_loss=X bf16_vs_fp32=R int8_vs_fp32=R \
+        fp32_bytes_per_round=N bf16_bytes_per_round=N int8_bytes_per_round=N
 """
 
 from __future__ import annotations
@@ -118,6 +127,7 @@ class CoordinatorProbe:
     #: perf_counter() at each apply, by round id, and at the first Welcome.
     applied_at: dict[int, float] = field(default_factory=dict)
     first_join_at: float | None = None
+    joins: int = 0
     #: Wall time of ticks that applied a round (none expected in a sync run without faults).
     tick_apply_wall: float = 0.0
 
@@ -133,10 +143,10 @@ class CoordinatorProbe:
                 torch.set_num_threads(1)
                 threads_set.append(True)
 
-        def timed_handle(peer, message, now_s):
+        def timed_handle(peer, message, now_s, identity=None):
             one_thread()
             w0, c0 = pc(), tt()
-            out = handle(peer, message, now_s)
+            out = handle(peer, message, now_s, identity=identity)
             w, c = pc() - w0, tt() - c0
             kind = type(message).__name__
             self.by_kind[kind].add(w, c)
@@ -174,8 +184,10 @@ class CoordinatorProbe:
         # Runs inside handle(): keep it to a timestamp.
         if what == "apply":
             self.applied_at[info["round_id"]] = time.perf_counter()
-        elif what == "join" and self.first_join_at is None:
-            self.first_join_at = time.perf_counter()
+        elif what == "join":
+            self.joins += 1
+            if self.first_join_at is None:
+                self.first_join_at = time.perf_counter()
 
 
 # --------------------------------------------------------------------------- one real DiLoCo run
@@ -193,7 +205,7 @@ class DilocoRun:
 
 class _RealDiloco:
     def __init__(self, k: int, H: int, steps: int, outer_lr: float, s: TrainSettings, corpus: Corpus,
-                 seed: int) -> None:
+                 seed: int, wire_dtype: str = "fp32") -> None:
         if steps % H:
             raise SystemExit(f"--steps {steps} is not a multiple of H={H}")
         self.k, self.H, self.steps, self.outer_lr, self.s, self.corpus, self.seed = k, H, steps, outer_lr, s, corpus, seed
@@ -203,7 +215,7 @@ class _RealDiloco:
         self.net = InprocNetwork()
         fsm = FSMConfig(min_workers=k)
         self.coordinator = Coordinator(
-            CoordinatorConfig(fsm, OuterConfig("nesterov", outer_lr, OUTER_MOMENTUM)),
+            CoordinatorConfig(fsm, OuterConfig("nesterov", outer_lr, OUTER_MOMENTUM), wire_dtype=wire_dtype),
             now_s=time.monotonic(), observer=self.probe.observe)
         self.lock = threading.Lock()
         self.losses: dict[int, list[float]] = defaultdict(list)
@@ -317,6 +329,9 @@ class _RealDiloco:
         last = self.snapshots.get(self.steps)
         if last is not None and any(not torch.equal(last[n], final[n]) for n in final):
             oddities.append(f"H={H}: worker-1's final global copy differs from the coordinator's params")
+        for wid, w in self.workers.items():
+            if any(not torch.equal(w.global_params[n], final[n]) for n in final):
+                oddities.append(f"H={H}: {wid}'s final global params differ from the coordinator's")
         if status["messages_refused"]:
             oddities.append(f"H={H}: the coordinator refused {status['messages_refused']} messages")
         result = BaselineResult(
@@ -394,6 +409,45 @@ def fmt_ratio(x: float | None) -> str:
 # --------------------------------------------------------------------------- main
 
 
+def wire_comparison(dtypes: list[str], k: int, steps: int, outer_lr: float, s: TrainSettings, corpus: Corpus,
+                    seed: int, pbytes: int) -> int:
+    """``--wire``: DiLoCo H = 10 once per wire dtype; bytes per round and final held-out loss."""
+    rows = {}
+    for dt in dtypes:
+        note(f"phase DiLoCo H=10 wire dtype {dt}, {steps // 10} rounds")
+        run = _RealDiloco(k, 10, steps, outer_lr, s, corpus, seed, wire_dtype=dt).run()
+        st = run.status
+        up = st["bytes_received"] / run.rounds
+        down = (st["bytes_sent"] - run.probe.joins * pbytes) / run.rounds
+        # The first joins' params_required answers are refusals too (one per racing first joiner).
+        odd = [o for o in run.oddities if not (o.startswith("H=10: the coordinator refused")
+                                               and st["messages_refused"] <= k)]
+        rows[dt] = dict(loss=final_eval(run.result, corpus, s), up=up, down=down, wall=run.result.wall_s,
+                        oddities=odd)
+        note(f"phase {dt} done: final eval loss {rows[dt]['loss']:.4f}, {run.result.wall_s:.0f} s")
+    base = rows.get("fp32")
+    print(f"DiLoCo k={k} H=10, {steps} steps ({steps // 10} rounds), seed {seed}; bytes are payload per round "
+          f"(all k Submits in, all k Results out; the Welcomes, fp32, left out)")
+    hdr = f"{'wire dtype':10} {'upload B/round':>15} {'broadcast B/round':>18} {'total vs fp32':>13} " \
+          f"{'final loss':>10} {'vs fp32':>8} {'wall s':>7}"
+    print(hdr)
+    print("-" * len(hdr))
+    for dt, r in rows.items():
+        total = r["up"] + r["down"]
+        rel = total / (base["up"] + base["down"]) if base else float("nan")
+        vs = r["loss"] / base["loss"] if base else float("nan")
+        print(f"{dt:10} {r['up']:>15,.0f} {r['down']:>18,.0f} {fmt_ratio(rel):>13} {r['loss']:>10.4f} "
+              f"{fmt_ratio(vs):>8} {r['wall']:>7.0f}")
+        for o in r["oddities"]:
+            print(f"  odd: {o}")
+    fields = [f"{dt}_loss={r['loss']:.4f}" for dt, r in rows.items()]
+    if base:
+        fields += [f"{dt}_vs_fp32={fmt_ratio(r['loss'] / base['loss'])}" for dt, r in rows.items() if dt != "fp32"]
+    fields += [f"{dt}_bytes_per_round={r['up'] + r['down']:.0f}" for dt, r in rows.items()]
+    print("RESULT bench_training_wire " + " ".join(fields))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: 200 inner steps")
@@ -412,7 +466,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default=",".join(METHODS),
                         help=f"comma-separated subset of {','.join(METHODS)} (missing ratios print nan)")
     parser.add_argument("--json", help="write all results here")
+    parser.add_argument("--wire", default=None, metavar="DTYPES",
+                        help="compare wire dtypes instead (comma-separated subset of fp32,bf16,int8): DiLoCo H=10 "
+                             "per dtype, bytes per round and final loss (defaults then: --k 2, --steps 300)")
     args = parser.parse_args(argv)
+    if args.wire is not None:
+        dtypes = [d.strip() for d in args.wire.split(",") if d.strip()]
+        if not dtypes or any(d not in ("fp32", "bf16", "int8") for d in dtypes):
+            parser.error(f"--wire {args.wire!r}: expected a comma-separated subset of fp32,bf16,int8")
+        steps = args.steps or 300
+        k = args.k if "--k" in (argv if argv is not None else sys.argv) else 2
+        s = TrainSettings(batch_size=args.batch_size, lr=args.lr, eval_every=steps)  # the final loss only
+        print(f"bench_training --wire: torch {torch.__version__}, {k} workers, {steps} steps, batch "
+              f"{s.batch_size} x {s.model.seq_len}, outer Nesterov lr {args.outer_lr_h10:g}", flush=True)
+        return wire_comparison(dtypes, k, steps, args.outer_lr_h10, s, default_corpus(), args.seed,
+                               param_bytes(build_model(s.model, 0)))
     steps = args.steps or (200 if args.quick else 1000)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS]

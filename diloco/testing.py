@@ -77,9 +77,11 @@ def make_coordinator(
     outer: OuterConfig | None = None,
     max_update_norm: float | None = None,
     observer: Observer | None = None,
+    wire_dtype: str = "fp32",
     **fsm: Any,
 ) -> Coordinator:
-    """``Coordinator(CoordinatorConfig(FSMConfig(**fsm), outer=..., max_update_norm=...), now_s, observer=...)``.
+    """``Coordinator(CoordinatorConfig(FSMConfig(**fsm), outer=..., max_update_norm=..., wire_dtype=...), now_s,
+    observer=...)``.
 
     ``outer=None`` is the default outer optimizer (Nesterov, lr 0.7, momentum 0.9).
     """
@@ -87,7 +89,7 @@ def make_coordinator(
     from diloco.core import FSMConfig
 
     config = CoordinatorConfig(FSMConfig(**fsm), outer=outer if outer is not None else OuterConfig(),
-                               max_update_norm=max_update_norm)
+                               max_update_norm=max_update_norm, wire_dtype=wire_dtype)
     return Coordinator(config, now_s, observer=observer)
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from diloco.core import ConfigError, FSMConfig, Mode
 from diloco.coordinator.outer import OuterConfig
+from diloco.wire.messages import WIRE_DTYPE_NAMES
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +20,10 @@ class CoordinatorConfig:
     #: Refuse a contribution whose L2 norm (over all its tensors) exceeds this with
     #: ``update_too_large``; None: no limit (SPEC.md section 12, ``--max-update-norm``).
     max_update_norm: float | None = None
+    #: How pseudo-gradients (Submit) and sync Results travel: "fp32", "bf16" or "int8"
+    #: (``diloco.wire.compression``; SPEC.md section 11, "Wire dtypes"). The outer step is
+    #: fp32 whatever it is. ``diloco server`` defaults to ``DEFAULT_SERVER_WIRE_DTYPE``.
+    wire_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         if not isinstance(self.fsm, FSMConfig):
@@ -36,16 +41,21 @@ class CoordinatorConfig:
             raise ConfigError("max_update_norm", m, "a finite number > 0, or None for no limit")
         if m is not None:
             object.__setattr__(self, "max_update_norm", float(m))
+        if not isinstance(self.wire_dtype, str) or self.wire_dtype not in WIRE_DTYPE_NAMES:
+            raise ConfigError("wire_dtype", self.wire_dtype, f"one of {list(WIRE_DTYPE_NAMES)}")
         if self.fsm.mode is Mode.ASYNC and self.outer.name == "nesterov":
             object.__setattr__(self, "outer", OuterConfig("delayed_nesterov", self.outer.lr,
                                                           self.outer.momentum, self.outer.delay))
 
     def to_dict(self) -> dict:
         return {"fsm": self.fsm.to_dict(), "outer": self.outer.to_dict(),
-                "heartbeat_interval_s": self.heartbeat_interval_s, "max_update_norm": self.max_update_norm}
+                "heartbeat_interval_s": self.heartbeat_interval_s, "max_update_norm": self.max_update_norm,
+                "wire_dtype": self.wire_dtype}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CoordinatorConfig":
-        # ``max_update_norm`` is newer than some checkpoints: absent means no limit.
+        # ``max_update_norm`` and ``wire_dtype`` are newer than some checkpoints: absent means
+        # no limit, and fp32 (what those runs sent).
         return cls(fsm=FSMConfig.from_dict(d["fsm"]), outer=OuterConfig(**d["outer"]),
-                   heartbeat_interval_s=d["heartbeat_interval_s"], max_update_norm=d.get("max_update_norm"))
+                   heartbeat_interval_s=d["heartbeat_interval_s"], max_update_norm=d.get("max_update_norm"),
+                   wire_dtype=d.get("wire_dtype", "fp32"))

@@ -13,13 +13,14 @@ What the coordinator owns: the global fp32 params and their fragments
 running sums of open rounds, async contributions held below quorum, and the
 map from worker ids to transport peers.
 
-Why one class of about 650 lines: every handler and effect executor below
+Why one class of about 700 lines: every handler and effect executor below
 reads and writes the same few maps (peers, held contributions, running
 sums, key bindings), in the order SPEC.md section 5 fixes; split across
 files they would have to pass that state around or share it implicitly.
 The parts that own no coordinator state are elsewhere: the params, their
 fragments and the checks on incoming tensors (``params.py``), the outer
-step (``outer.py``), checkpoints, the audit log and the runner.
+step (``outer.py``), the wire dtypes (``diloco.wire.compression``), checkpoints, the
+audit log and the runner.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ from diloco.coordinator.params import (
     first_non_finite,
     l2_norm,
 )
+from diloco.wire import compression
 from diloco.wire.messages import (
     PROTOCOL_VERSION,
     Accepted,
@@ -144,9 +146,13 @@ class Coordinator:
         #: 1 for a fresh run; a resumed coordinator is its checkpoint's incarnation + 1.
         self.incarnation = 1
         self._sync = config.fsm.mode is Mode.SYNC
-        #: fragment -> (next round id / version, params right after its last ApplyRound in
-        #: this step). Results carry these copies, never the live tensors (see ``_release``).
-        self._released: dict[int, tuple[int, Tensors]] = {}
+        #: Sync rounds of a bf16 or int8 run: Results carry the encoded delta, and the params
+        #: become old + decode(delta) (SPEC.md section 11, "Wire dtypes"). Async: full fp32.
+        self._delta_results = self._sync and config.wire_dtype != "fp32"
+        #: fragment -> (next round id / version, what its Results carry right after its last
+        #: ApplyRound in this step: params or an encoded delta). Results carry these copies,
+        #: never the live tensors (see ``_release``).
+        self._released: dict[int, tuple[int, compression.Encoded]] = {}
         #: worker id -> public key of the authenticated key that first joined it (SPEC.md section 11, "Auth").
         self._keys: dict[str, str] = {}
         #: public key -> its key file's name, for refusals and ``status``.
@@ -201,6 +207,7 @@ class Coordinator:
             stop_kind=self._stop_kind.value if self._stop_kind else None,
             num_params=sum(t.numel() for t in self.store.params.values()) if self.store else 0,
             outer_optimizer=self.config.outer.name,
+            wire_dtype=self.config.wire_dtype,
             banned_workers=sorted(self._banned_ids),
             banned_keys=sorted(self._key_names.get(k, k) for k in self._banned_keys),
         )
@@ -388,9 +395,14 @@ class Coordinator:
                          f"worker {wid!r} is not a live member on this connection (join first)", msg)
             return
         fid = msg.fragment_id
+        tensors = None
         if self.store is not None and type(fid) is int and 0 <= fid < self.config.fsm.num_fragments:
+            # Decoded to fp32 first (SPEC.md section 11, "Wire dtypes"); then the checks of any submission.
+            tensors = self._decode_submission(peer, msg, out)
+            if tensors is None:
+                return
             try:
-                self.store.check_submission(fid, msg.tensors)
+                self.store.check_submission(fid, tensors)
             except NonFinite as exc:
                 self._refuse(peer, out, ErrorCode.NON_FINITE, str(exc), msg)
                 return
@@ -399,13 +411,31 @@ class Coordinator:
                 return
             limit = self.config.max_update_norm
             if limit is not None:
-                norm = l2_norm(msg.tensors)
+                norm = l2_norm(tensors)
                 if norm > limit:
                     self._refuse(peer, out, ErrorCode.UPDATE_TOO_LARGE,
                                  f"fragment {fid} submission: L2 norm {norm:.6g} exceeds the coordinator's "
                                  f"--max-update-norm {limit:g}", msg)
                     return
-        self._step(ContributionSubmitted(wid, fid, msg.round_id), out, peer=peer, submit=msg)
+        self._step(ContributionSubmitted(wid, fid, msg.round_id), out, peer=peer, submit=msg, tensors=tensors)
+
+    def _decode_submission(self, peer: str, msg: Submit, out: Outgoing) -> Tensors | None:
+        """The submission's tensors as fp32, or None after refusing it (bad_message, tensor_mismatch)."""
+        fid, wire_dtype = msg.fragment_id, self.config.wire_dtype
+        what = f"fragment {fid} submission"
+        if msg.wire_dtype != wire_dtype:
+            self._refuse(peer, out, ErrorCode.BAD_MESSAGE,
+                         f"{what} is encoded as {msg.wire_dtype}; this run's wire dtype is {wire_dtype} (the "
+                         f"Welcome says so: join again)", msg)
+            return None
+        spec = [(s.name, s.shape) for s in self.store.fragment_spec(fid)]
+        try:
+            return compression.decode(msg.tensors, msg.scales, wire_dtype, spec, what)
+        except compression.EncodedMismatch as exc:
+            self._refuse(peer, out, ErrorCode.TENSOR_MISMATCH, str(exc), msg)
+        except compression.EncodingError as exc:
+            self._refuse(peer, out, ErrorCode.BAD_MESSAGE, str(exc), msg)
+        return None
 
     def _admin(self, msg: AdminRequest, sink: Outgoing) -> AdminReply:
         """Run an operator command; messages it causes for workers go to ``sink``."""
@@ -466,7 +496,7 @@ class Coordinator:
     # ---------------------------------------------------------------- effects
 
     def _step(self, event, out: Outgoing, *, peer: str | None = None, join: Join | None = None,
-              submit: Submit | None = None) -> list:
+              submit: Submit | None = None, tensors: Tensors | None = None) -> list:
         effects = self.fsm.step(event)
         now = self.fsm.now_s
         if type(event) is WorkerLeft and not (effects and type(effects[0]) is Reject):
@@ -476,7 +506,7 @@ class Coordinator:
         for effect in effects:
             kind = type(effect)
             if kind is AcceptContribution:
-                self._accept(effect, submit, peer, out)
+                self._accept(effect, submit, tensors, peer, out)
             elif kind is ReleaseWorker:
                 self._release(effect, out)
             elif kind is ApplyRound:
@@ -526,21 +556,23 @@ class Coordinator:
             below_min_workers=self.fsm.below_min_workers,
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             # A copy: the message must keep the values of *now* however long the driver
-            # holds it (the store's tensors change in place at every outer step).
+            # holds it (the store's tensors change in place at every outer step). Always fp32.
             params={n: t.clone() for n, t in store.params.items()},
+            wire_dtype=self.config.wire_dtype,
         )))
         self.stats.bytes_sent += _nbytes(store.params)
         self._notify("join", now, worker_id=effect.worker_id, parked=list(effect.parked))
 
-    def _accept(self, effect: AcceptContribution, submit: Submit | None, peer: str | None, out: Outgoing) -> None:
-        assert submit is not None and peer is not None and self.store is not None
+    def _accept(self, effect: AcceptContribution, submit: Submit | None, tensors: Tensors | None,
+                peer: str | None, out: Outgoing) -> None:
+        assert submit is not None and tensors is not None and peer is not None and self.store is not None
         self.stats.contributions_accepted += 1
-        self.stats.bytes_received += _nbytes(submit.tensors)
+        self.stats.bytes_received += _nbytes(submit.tensors) + _nbytes(submit.scales)
         if self._sync:
-            self.store.accumulate(effect.fragment_id, submit.tensors)
+            self.store.accumulate(effect.fragment_id, tensors)
         else:
             self._held[(effect.fragment_id, effect.worker_id)] = _Held(
-                {n: t.detach().to(torch.float32).clone() for n, t in submit.tensors.items()}, effect.round_id)
+                {n: t.detach().to(torch.float32).clone() for n, t in tensors.items()}, effect.round_id)
         out.append((peer, Accepted(effect.fragment_id, effect.round_id)))
 
     def _apply(self, effect: ApplyRound, now: float) -> None:
@@ -564,6 +596,14 @@ class Coordinator:
         for p in params.values():
             p.grad = None
         bad = next((n for n, p in params.items() if not all_finite(p)), None)
+        delta = None
+        if self._delta_results and bad is None:
+            # The params every worker will hold: old + decode(encode(delta)), bit for bit.
+            delta, new = compression.quantized_update(before, params, self.config.wire_dtype)
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(new[n])
+            bad = next((n for n, p in params.items() if not all_finite(p)), None)
         if bad is not None:
             # SPEC.md section 12, "Non-finite steps": undo the step exactly; the round still
             # counts as applied (the core emitted ApplyRound) and its contributions are
@@ -578,8 +618,14 @@ class Coordinator:
         # Snapshot for the Results of this apply (SPEC.md section 5, rule 1: they follow
         # it). One copy shared by all its contributors; a later apply of the same fragment
         # in the same step (async, held contributions) takes a new one.
-        after = before if bad is not None else {n: p.detach().clone() for n, p in params.items()}
-        self._released[fid] = (effect.round_id + 1, after)
+        if not self._delta_results:
+            after = before if bad is not None else {n: p.detach().clone() for n, p in params.items()}
+            released = compression.Encoded(after, {})
+        elif bad is not None or delta is None:  # params unchanged: a zero delta
+            released = compression.encode({n: torch.zeros_like(t) for n, t in before.items()}, self.config.wire_dtype)
+        else:
+            released = delta
+        self._released[fid] = (effect.round_id + 1, released)
         self.stats.rounds_applied += 1
         self._notify("apply", now, fragment_id=fid, round_id=effect.round_id,
                      contributors=list(effect.contributors))
@@ -588,17 +634,20 @@ class Coordinator:
         peer = self._peers.get(effect.worker_id)
         if peer is None:
             return
-        params: Tensors = {}
         if effect.outcome is ReleaseOutcome.STOP:
             next_round = self.fsm.open_round_ids()[effect.fragment_id]
-        else:
-            # The values right after the ApplyRound that released this worker, not the live
-            # tensors: a driver may hold the message while later steps apply more rounds
-            # (the simulator delays delivery), and in async mode several held contributions
-            # apply in one step, each releasing its worker at its own version.
-            next_round, params = self._released[effect.fragment_id]
-            self.stats.bytes_sent += _nbytes(params)
-        out.append((peer, Result(effect.fragment_id, effect.round_id, effect.outcome.value, next_round, params)))
+            out.append((peer, Result(effect.fragment_id, effect.round_id, effect.outcome.value, next_round)))
+            return
+        # The values right after the ApplyRound that released this worker, not the live
+        # tensors: a driver may hold the message while later steps apply more rounds
+        # (the simulator delays delivery), and in async mode several held contributions
+        # apply in one step, each releasing its worker at its own version.
+        next_round, released = self._released[effect.fragment_id]
+        self.stats.bytes_sent += released.nbytes
+        delta = self._delta_results
+        out.append((peer, Result(effect.fragment_id, effect.round_id, effect.outcome.value, next_round,
+                                 released.values, delta, self.config.wire_dtype if delta else "fp32",
+                                 released.scales)))
 
     def _reconciled(self, submit: Submit, now: float, answer: str) -> None:
         """A submission for a round this coordinator never opened: the worker is ahead of its durable

@@ -4,7 +4,7 @@ Exit codes follow ``diloco.exits``: 0 ok; 1 the command ran and the
 coordinator refused it (or a worker failed); 2 bad usage or input; 3 the
 coordinator did not answer within ``--timeout``; 130 interrupted.
 
-About 430 lines, most of them ``register``: every flag with its help text,
+About 445 lines, most of them ``register``: every flag with its help text,
 which reads best as one list in the order ``--help`` shows it. The server
 and the worker themselves are ``server.py`` and ``worker_main.py``.
 """
@@ -20,6 +20,10 @@ import time
 from diloco.exits import EXIT_AUTH_REFUSED, EXIT_OK, EXIT_PROBLEM, EXIT_UNREACHABLE, UsageError
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
+#: ``diloco server --wire-dtype``: how pseudo-gradients and Results travel in a fresh run.
+#: Chosen from benchmarks/bench_training.py --wire (benchmarks/README.md).
+DEFAULT_WIRE_DTYPE = "int8"
+WIRE_DTYPES = ("fp32", "bf16", "int8")  # diloco.wire.messages.WIRE_DTYPE_NAMES (a test checks they agree)
 
 
 def _positive_int(text: str) -> int:
@@ -135,6 +139,12 @@ def register(subparsers) -> None:
                         "saved ones (not --mode or --fragments)")
     p.add_argument("--max-message-mb", type=_positive_float, default=None, metavar="MB",
                    help="largest message accepted, in MiB (default 1024); checked as its parts arrive")
+    p.add_argument("--wire-dtype", choices=WIRE_DTYPES, default=None,
+                   help=f"how workers upload pseudo-gradients and the coordinator broadcasts each sync round's "
+                        f"update: fp32 (4 bytes per parameter), bf16 (2) or int8 (1, plus one fp32 scale per "
+                        f"256 values); the outer step is fp32 whatever it is, and coordinator and workers hold "
+                        f"bit-identical params. Workers adopt it from the coordinator (default "
+                        f"{DEFAULT_WIRE_DTYPE}; on --resume: the saved one)")
     p.add_argument("--max-update-norm", type=_update_norm, default=None, metavar="X",
                    help="refuse a contribution whose L2 norm (over all its tensors) exceeds X (update_too_large); "
                         "off by default. Use it when workers you do not fully trust can reach the run, or to "
@@ -318,7 +328,7 @@ def cmd_server(args) -> int:
         outer_optimizer=args.outer_optimizer, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
         resume=args.resume, keep=args.keep,
         max_message_bytes=None if args.max_message_mb is None else int(args.max_message_mb * (1 << 20)),
-        max_update_norm=args.max_update_norm,
+        max_update_norm=args.max_update_norm, wire_dtype=args.wire_dtype,
         auth_dir=args.auth, io_threads=args.io_threads,
     )
     if args.auth is None and not _is_loopback_bind(args.bind):

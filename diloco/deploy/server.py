@@ -25,6 +25,7 @@ from diloco.coordinator.audit import AuditLog, Tee
 from diloco.coordinator.checkpoint import DEFAULT_KEEP, find_newest, list_checkpoints, restore_coordinator
 from diloco.coordinator.runner import serve
 from diloco.core import ConfigError, Mode
+from diloco.deploy.commands import DEFAULT_WIRE_DTYPE
 from diloco.tensorfile import CheckpointError
 from diloco.wire.messages import AdminReply, AdminRequest, Message
 from diloco.wire.zmq import ZmqCoordinatorEndpoint, ZmqOptions
@@ -54,6 +55,9 @@ class ServerSettings:
     #: ``--max-update-norm``: refuse contributions with a larger L2 norm (0: no limit; None: not given,
     #: so the default, no limit, or on resume the checkpoint's).
     max_update_norm: float | None = None
+    #: ``--wire-dtype``: fp32, bf16 or int8 (None: not given, so ``DEFAULT_WIRE_DTYPE``, or on resume
+    #: the checkpoint's).
+    wire_dtype: str | None = None
     #: ``--auth DIR``: CURVE keys and roles (``diloco.transport.zmq.auth.ServerAuth``); None: no authentication.
     auth_dir: str | None = None
     #: ZeroMQ I/O threads (default 1, or 2 with authentication: CURVE runs on them).
@@ -137,6 +141,7 @@ class _StatusEndpoint:
 
 def build_config(s: ServerSettings, base: CoordinatorConfig | None = None) -> CoordinatorConfig:
     """Settings -> config; on resume, ``base`` is the saved config and only given settings override it."""
+    wire_dtype = s.wire_dtype or (base.wire_dtype if base is not None else DEFAULT_WIRE_DTYPE)
     base = base or CoordinatorConfig()
     fsm = base.fsm
     changes = {}
@@ -156,9 +161,24 @@ def build_config(s: ServerSettings, base: CoordinatorConfig | None = None) -> Co
         if fsm.mode is Mode.SYNC and outer.name == "delayed_nesterov" and "name" not in outer_changes:
             outer = dataclasses.replace(outer, name="nesterov")
         max_norm = base.max_update_norm if s.max_update_norm is None else (s.max_update_norm or None)
-        return CoordinatorConfig(fsm=fsm, outer=outer, heartbeat_interval_s=hb_interval, max_update_norm=max_norm)
+        return CoordinatorConfig(fsm=fsm, outer=outer, heartbeat_interval_s=hb_interval, max_update_norm=max_norm,
+                                 wire_dtype=wire_dtype)
     except (ConfigError, ValueError) as exc:
         raise ServerError(str(exc)) from None
+
+
+def wire_line(cfg: CoordinatorConfig) -> str:
+    """What travels in which dtype, for the start-up lines."""
+    dt = cfg.wire_dtype
+    size = {"fp32": "4 bytes per parameter", "bf16": "2 bytes per parameter",
+            "int8": "1 byte per parameter plus an fp32 scale per 256"}[dt]
+    if dt == "fp32":
+        return f"wire dtype fp32: pseudo-gradients and Results travel as fp32 ({size})"
+    if cfg.fsm.mode is Mode.ASYNC:
+        return (f"wire dtype {dt}: pseudo-gradients travel as {dt} ({size}); Results as full fp32 "
+                f"params (async mode); outer step in fp32")
+    return (f"wire dtype {dt}: pseudo-gradients and each round's update travel as {dt} ({size}); "
+            f"outer step in fp32")
 
 
 def make_coordinator(s: ServerSettings, printer: EventPrinter, now_s: float,
@@ -293,6 +313,7 @@ def run_server(s: ServerSettings, out: TextIO = sys.stdout, stop_event: threadin
     print(f"  mode {cfg.fsm.mode.value}, {cfg.fsm.num_fragments} fragment(s), min_workers {coordinator.fsm.min_workers}, "
           f"heartbeat timeout {cfg.fsm.heartbeat_timeout_s:g} s (workers beat every {cfg.heartbeat_interval_s:g} s), "
           f"outer {cfg.outer.name} lr {cfg.outer.lr:g} momentum {cfg.outer.momentum:g}", file=out, flush=True)
+    print(f"  {wire_line(cfg)}", file=out, flush=True)
     if cfg.max_update_norm is not None:
         print(f"  max update norm {cfg.max_update_norm:g}: contributions with a larger L2 norm are refused "
               f"(update_too_large)", file=out, flush=True)
@@ -343,4 +364,4 @@ def _newest(directory: str) -> str:
     return str(paths[0]) if paths else directory
 
 
-__all__ = ["ServerSettings", "ServerError", "EventPrinter", "run_server", "build_config", "warm_up"]
+__all__ = ["ServerSettings", "ServerError", "EventPrinter", "run_server", "build_config", "warm_up", "wire_line"]

@@ -101,12 +101,22 @@ _RESERVED = ("v", "type", "tensors")
 class CodecError(ValueError):
     """Frames that are not a valid message. ``code`` is the ``ErrorCode`` to answer with."""
 
-    def __init__(self, code: ErrorCode, detail: str, *, in_reply_to: str = "") -> None:
+    def __init__(self, code: ErrorCode, detail: str, *, in_reply_to: str = "",
+                 peer_version: int | None = None) -> None:
         super().__init__(f"{code.value}: {detail}")
         self.code = code
         self.detail = detail
         #: The message type named by the header, when it could be read (for the Error reply).
         self.in_reply_to = in_reply_to
+        #: The protocol version the header named, when it was not ours.
+        self.peer_version = peer_version
+
+    @property
+    def reply_version(self) -> int:
+        """The version to encode the ``Error`` reply in: an older peer's own (an ``Error`` has the
+        same shape in every version, so it can read why it was refused), else ours."""
+        v = self.peer_version
+        return v if v is not None and 1 <= v < PROTOCOL_VERSION else PROTOCOL_VERSION
 
 
 # ------------------------------------------------------------------ encode
@@ -135,19 +145,23 @@ def tensor_view(t: torch.Tensor) -> memoryview:
 
 
 def encode(message: Message, *, chunk_bytes: int = CHUNK_BYTES,
-           tensor_bytes: Callable[[torch.Tensor], memoryview] = tensor_view) -> list:
+           tensor_bytes: Callable[[torch.Tensor], memoryview] = tensor_view,
+           version: int = PROTOCOL_VERSION) -> list:
     """``message`` as frames: a msgpack header (bytes), then memoryviews of tensor bytes.
 
     The frames alias the tensors' memory (unless ``tensor_bytes`` snapshots
-    them): do not change a tensor until the frames are sent.
+    them): do not change a tensor until the frames are sent. ``version`` other
+    than ours is for an ``Error`` to an older peer only (``CodecError.reply_version``).
     """
     name = type(message).__name__
+    if version != PROTOCOL_VERSION and not isinstance(message, Error):
+        raise ValueError(f"only an Error may be encoded in another protocol version ({version}), not {name}")
     schema = SCHEMAS.get(name)
     if schema is None:
         raise TypeError(f"cannot encode {name}: not a diloco message type")
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes={chunk_bytes!r}: expected an integer >= 1")
-    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": name}
+    header: dict[str, Any] = {"v": version, "type": name}
     table: list[list] = []
     frames: list = [b""]
     for fname, kind in schema.items():
@@ -229,7 +243,7 @@ def decode(frames: Sequence[Any], *, max_message_bytes: int = MAX_MESSAGE_BYTES)
     if v != PROTOCOL_VERSION:
         raise CodecError(ErrorCode.PROTOCOL_VERSION,
                          f"peer speaks protocol version {v}; this side speaks protocol version {PROTOCOL_VERSION}",
-                         in_reply_to=reply_to)
+                         in_reply_to=reply_to, peer_version=v)
     if not isinstance(mtype, str) or mtype not in SCHEMAS:
         raise CodecError(bad, f"header field 'type' is {_short(mtype)}, expected one of {list(SCHEMAS)}")
     schema = SCHEMAS[mtype]

@@ -16,8 +16,14 @@ from diloco.core.reasons import RejectReason
 if TYPE_CHECKING:  # torch only for tensors: an admin command must not pay for importing it
     import torch
 
-#: Bumped on any incompatible change to these messages or their encoding.
-PROTOCOL_VERSION = 2
+#: Bumped on any incompatible change to these messages or their encoding. 3: the run's
+#: wire dtype (``Welcome.wire_dtype``; ``Submit`` and ``Result`` carry it, with ``scales``,
+#: and a ``Result`` may carry a delta).
+PROTOCOL_VERSION = 3
+
+#: How tensors of ``Submit`` and ``Result`` travel (``diloco.wire.compression``, SPEC.md
+#: section 11, "Wire dtypes"). Plain names here so that decoding a header needs no torch.
+WIRE_DTYPE_NAMES = ("fp32", "bf16", "int8")
 
 Tensors = dict[str, "torch.Tensor"]
 
@@ -106,12 +112,16 @@ class Submit:
     """A pseudo-gradient (global - local) for one fragment.
 
     Sync: ``round_id`` is the round. Async: the fragment version training started from.
+    ``tensors`` are encoded in ``wire_dtype`` (the run's, from the Welcome); int8 puts
+    one fp32 scale vector per tensor in ``scales`` (``diloco.wire.compression``).
     """
 
     worker_id: str
     fragment_id: int
     round_id: int
     tensors: Tensors
+    wire_dtype: str = "fp32"
+    scales: Tensors = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +153,10 @@ class Welcome:
     below_min_workers: bool
     #: How often to send heartbeats (a fraction of the coordinator's timeout).
     heartbeat_interval_s: float
+    #: Always the full fp32 global params.
     params: Tensors
+    #: The run's wire dtype: encode every ``Submit`` in it (``WIRE_DTYPE_NAMES``).
+    wire_dtype: str = "fp32"
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +184,12 @@ class Result:
     ``params``), "applied_final" (take ``params``, then stop), "stop" (stop now;
     ``params`` empty). ``next_round_id`` is the fragment's next round (sync) or its
     new version (async).
+
+    ``delta`` false: ``params`` are the fragment's new fp32 params (``wire_dtype`` "fp32").
+    ``delta`` true (sync rounds of a bf16 or int8 run): ``params`` (and int8 ``scales``)
+    encode, in ``wire_dtype``, new params minus the fragment's params at ``round_id``,
+    which every contributor holds; new = old + decoded delta, bit for bit the
+    coordinator's (``diloco.wire.compression.apply_delta``).
     """
 
     fragment_id: int
@@ -178,6 +197,9 @@ class Result:
     outcome: str
     next_round_id: int
     params: Tensors = field(default_factory=dict)
+    delta: bool = False
+    wire_dtype: str = "fp32"
+    scales: Tensors = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ import dataclasses
 import math
 from typing import Any, Callable
 
-from diloco.wire.messages import MESSAGE_TYPES, Command, ErrorCode, TensorSpec
+from diloco.wire.messages import MESSAGE_TYPES, WIRE_DTYPE_NAMES, Command, ErrorCode, TensorSpec
 
 #: Longest string field (worker ids, names, details) the decoder accepts.
 MAX_STR_LEN = 1 << 16
@@ -97,6 +97,12 @@ def _enum(enum_type: type) -> Callable[[Any], Any]:
     return check
 
 
+def _wire_dtype(v: Any) -> str:
+    if not isinstance(v, str) or v not in WIRE_DTYPE_NAMES:
+        raise FieldError(f"a wire dtype, one of {list(WIRE_DTYPE_NAMES)}")
+    return v
+
+
 def _plain(v: Any, depth: int = 0) -> Any:
     """Admin arguments and replies: nil, bool, int, float, str, lists and str-keyed maps only."""
     if depth > 32:
@@ -125,16 +131,17 @@ TENSOR_FIELD = object()
 SCHEMAS: dict[str, dict[str, Any]] = {
     "Join": {"worker_id": _str, "protocol_version": _int, "spec": _spec, "params": TENSOR_FIELD},
     "Heartbeat": {"worker_id": _str},
-    "Submit": {"worker_id": _str, "fragment_id": _int, "round_id": _int, "tensors": TENSOR_FIELD},
+    "Submit": {"worker_id": _str, "fragment_id": _int, "round_id": _int, "tensors": TENSOR_FIELD,
+               "wire_dtype": _wire_dtype, "scales": TENSOR_FIELD},
     "Leave": {"worker_id": _str},
     "Welcome": {"worker_id": _str, "round_ids": _int_tuple, "parked": _pair_tuple, "mode": _str,
                 "fragments": _names_tuple, "min_workers": _int, "below_min_workers": _bool,
-                "heartbeat_interval_s": _float, "params": TENSOR_FIELD},
+                "heartbeat_interval_s": _float, "params": TENSOR_FIELD, "wire_dtype": _wire_dtype},
     "HeartbeatReply": {"below_min_workers": _bool, "min_workers": _int, "phase": _str,
                        "command": _enum(Command)},
     "Accepted": {"fragment_id": _int, "round_id": _int},
     "Result": {"fragment_id": _int, "round_id": _int, "outcome": _str, "next_round_id": _int,
-               "params": TENSOR_FIELD},
+               "params": TENSOR_FIELD, "delta": _bool, "wire_dtype": _wire_dtype, "scales": TENSOR_FIELD},
     "Error": {"code": _enum(ErrorCode), "detail": _str, "in_reply_to": _str},
     "AdminRequest": {"command": _str, "args": _plain_map},
     "AdminReply": {"ok": _bool, "data": _plain_map, "error": _str},

@@ -151,7 +151,7 @@ class ZmqCoordinatorEndpoint:
         except codec.CodecError as exc:
             self.malformed[exc.code.value] += 1
             log.warning("malformed message from %s: %s", peer, exc.detail)
-            self.frames.send(peer, codec.encode(codec.error_for(exc)), legacy=got.legacy)
+            self.frames.send(peer, codec.encode(codec.error_for(exc), version=exc.reply_version), legacy=got.legacy)
             return None
         if got.legacy:
             # A message of this protocol version that did not come as parts: refused, so that

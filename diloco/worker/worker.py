@@ -70,8 +70,9 @@ from typing import Callable
 
 import torch
 
+from diloco.wire import compression
 from diloco.wire.endpoints import WorkerEndpoint
-from diloco.wire.messages import PROTOCOL_VERSION, Join, Submit, TensorSpec, Tensors
+from diloco.wire.messages import PROTOCOL_VERSION, Join, Submit, TensorSpec, Tensors, Welcome
 from diloco.worker.actions import (
     MODEL_ACTIONS,
     Action,
@@ -147,6 +148,8 @@ class DilocoWorker:
         #: Times the driver wrote global params into the model (a Welcome, a Result, a restore):
         #: a multi-rank worker's leader broadcasts the model to its other ranks when this moves.
         self.params_written = 0
+        #: The run's wire dtype, from the Welcome the session took last (SPEC.md section 11).
+        self.wire_dtype = "fp32"
 
         self._lock = threading.RLock()                # guards the session and the model queue
         self._wake = threading.Condition(self._lock)
@@ -373,8 +376,11 @@ class DilocoWorker:
         if not only_if_expected or self.session.awaiting_replies:
             msg = self.link.recv(timeout_s)
             while msg is not None:
+                msg = compression.mark_delta(msg)  # a delta Result is decoded at install, in order
                 with self._lock:
                     actions = self.session.on_message(msg, self._clock())
+                    if isinstance(msg, Welcome) and any(isinstance(a, InstallParams) for a in actions):
+                        self.wire_dtype = msg.wire_dtype  # adopted with the Welcome the session took
                 self._run(actions)
                 msg = self.link.recv(0.0)
         with self._lock:
@@ -434,6 +440,14 @@ class DilocoWorker:
 
     def _install(self, action: InstallParams) -> None:
         params = action.params
+        received = None
+        if isinstance(params, compression.DeltaParams):  # new = global + delta (SPEC.md section 11)
+            received = params.nbytes
+            try:
+                params = params.resolve(self._global, action.names,
+                                        f"{action.source} for fragment {action.fragment_id}")
+            except compression.EncodingError as exc:
+                raise DilocoWorkerError(str(exc), "bad_message") from None
         for n in action.names:
             t = params.get(n)
             if t is None:
@@ -443,7 +457,8 @@ class DilocoWorker:
                 raise DilocoWorkerError(
                     f"{action.source}: parameter {n!r} has shape {list(t.shape)}; this model's has "
                     f"{list(self._params[n].shape)}", "bad_message")
-        self.bytes_received += sum(_nbytes({n: params[n]}) for n in action.names)
+        self.bytes_received += received if received is not None else sum(_nbytes({n: params[n]})
+                                                                          for n in action.names)
         if action.keep_if_same and all(n in self._global and torch.equal(self._global[n], params[n])
                                        for n in action.names):
             return  # same base: the local progress is still valid for this fragment
@@ -458,8 +473,10 @@ class DilocoWorker:
         tensors = {n: self._global[n] - self._params[n].detach().to("cpu", torch.float32)
                    for n in self.session.fragments[action.fragment_id]}
         self.last_update_norm = math.sqrt(sum(float(torch.linalg.vector_norm(t)) ** 2 for t in tensors.values()))
-        self.link.post(Submit(self.worker_id, action.fragment_id, action.round_id, tensors))
-        self.bytes_sent += _nbytes(tensors)
+        enc = compression.encode(tensors, self.wire_dtype)  # the run's wire dtype, from the Welcome
+        self.link.post(Submit(self.worker_id, action.fragment_id, action.round_id, enc.values, self.wire_dtype,
+                              enc.scales))
+        self.bytes_sent += enc.nbytes
 
     def _stop(self, action: Stop) -> None:
         try:

@@ -107,7 +107,8 @@ class Run:
 
     def __init__(self, *, min_workers: int = 1, mode: Mode = Mode.SYNC, num_fragments: int = 1,
                  heartbeat_timeout_s: float = 10.0, outer: OuterConfig | None = None,
-                 checkpoint_dir=None, coordinator: Coordinator | None = None, linger_s: float = 30.0) -> None:
+                 checkpoint_dir=None, coordinator: Coordinator | None = None, linger_s: float = 30.0,
+                 wire_dtype: str = "fp32") -> None:
         self.net = InprocNetwork()
         self.events: list[tuple[str, dict]] = []
         #: (fragment_id, round_id, params of that fragment right after the outer step)
@@ -115,7 +116,7 @@ class Run:
         if coordinator is None:
             coordinator = make_coordinator(time.monotonic(), outer=outer, observer=self._observe,
                                            min_workers=min_workers, mode=mode, num_fragments=num_fragments,
-                                           heartbeat_timeout_s=heartbeat_timeout_s)
+                                           heartbeat_timeout_s=heartbeat_timeout_s, wire_dtype=wire_dtype)
         else:
             coordinator._observer = self._observe
         self.coordinator = coordinator

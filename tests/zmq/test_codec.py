@@ -152,7 +152,7 @@ def test_encode_does_not_copy_tensor_bytes():
 def test_decode_single_frame_tensor_shares_the_receive_buffer():
     buf = bytearray(torch.arange(16, dtype=torch.float32).numpy().tobytes())
     header = msgpack.packb({"v": PROTOCOL_VERSION, "type": "Submit", "worker_id": "w", "fragment_id": 0,
-                            "round_id": 0, "tensors": [["tensors", "t", "float32", [4, 4], 1]]})
+                            "round_id": 0, "wire_dtype": "fp32", "tensors": [["tensors", "t", "float32", [4, 4], 1]]})
     t = decode([header, buf]).tensors["t"]
     buf[0:4] = torch.tensor([7.0]).numpy().tobytes()
     assert t[0, 0].item() == 7.0  # zero-copy: frombuffer on the frame
@@ -173,7 +173,7 @@ def test_encode_refuses_an_unsendable_dtype():
 
 def header(**fields):
     base = {"v": PROTOCOL_VERSION, "type": "Submit", "worker_id": "w1", "fragment_id": 0, "round_id": 0,
-            "tensors": [["tensors", "t", "float32", [2], 1]]}
+            "wire_dtype": "fp32", "tensors": [["tensors", "t", "float32", [2], 1]]}
     base.update(fields)
     return msgpack.packb({k: v for k, v in base.items() if v is not ...})
 

@@ -117,7 +117,8 @@ def test_hostile_frames_get_an_error_reply_and_are_counted(coordinator, raw):
         ([msgpack.packb({"v": PROTOCOL_VERSION, "type": "Heartbeat", "worker_id": 7})], ErrorCode.BAD_MESSAGE),
         ([msgpack.packb({"v": PROTOCOL_VERSION, "type": "Teleport"})], ErrorCode.BAD_MESSAGE),
         ([msgpack.packb({"v": PROTOCOL_VERSION, "type": "Submit", "worker_id": "w", "fragment_id": 0, "round_id": 0,
-                         "tensors": [["tensors", "t", "float32", [4], 1]]}), b"short"], ErrorCode.BAD_MESSAGE),
+                         "wire_dtype": "fp32", "tensors": [["tensors", "t", "float32", [4], 1]]}), b"short"],
+         ErrorCode.BAD_MESSAGE),
     ]
     for frames, code in cases:
         sock.send_multipart(frames)
@@ -140,6 +141,21 @@ def test_protocol_version_reply_names_both_versions(coordinator, raw):
     reply = recv_reply(sock)
     assert reply.code is ErrorCode.PROTOCOL_VERSION
     assert "version 7" in reply.detail and f"version {PROTOCOL_VERSION}" in reply.detail
+
+
+def test_a_worker_of_the_previous_version_gets_a_protocol_version_error_it_can_read(coordinator, raw, monkeypatch):
+    old = PROTOCOL_VERSION - 1
+    sock = raw(coordinator.address)
+    send_parts(sock, [msgpack.packb({"v": old, "type": "Join", "worker_id": "x", "protocol_version": old,
+                                     "spec": [], "tensors": []})])
+    assert coordinator.recv(0.3) is None
+    assert sock.poll(3000), "no reply"
+    frames = sock.recv_multipart()  # one part: [tag, header]
+    assert msgpack.unpackb(frames[-1])["v"] == old  # in the old peer's own version
+    monkeypatch.setattr(codec, "PROTOCOL_VERSION", old)  # decoded as that peer decodes
+    reply = codec.decode(frames[-1:])
+    assert isinstance(reply, Error) and reply.code is ErrorCode.PROTOCOL_VERSION and reply.in_reply_to == "Join"
+    assert f"version {old}" in reply.detail and f"version {PROTOCOL_VERSION}" in reply.detail
 
 
 def test_oversized_messages_are_refused_and_oversized_frames_dropped_by_libzmq(raw):

@@ -66,7 +66,9 @@ def all_finite(params: dict[str, torch.Tensor]) -> bool:
 def test_contributions_that_overflow_the_step_never_reach_a_worker(cluster):
     """Two keys submit 3e38 everywhere: the float64 mean is finite, the Nesterov step is not, and is refused."""
     cluster.make_keys(workers=("a1", "a2"))
-    server = cluster.server("--min-workers", "2", "--auth", str(cluster.auth_dir), heartbeat_timeout_s=30.0)
+    # fp32 on the wire: the attackers send raw fp32 values (an int8 run refuses them as bad_message).
+    server = cluster.server("--min-workers", "2", "--auth", str(cluster.auth_dir), "--wire-dtype", "fp32",
+                            heartbeat_timeout_s=30.0)
     params = tiny_params()
     a1, a2 = Attacker(cluster, "a1", "evil1"), Attacker(cluster, "a2", "evil2")
     try:
@@ -108,7 +110,7 @@ def test_contributions_that_overflow_the_step_never_reach_a_worker(cluster):
 def test_max_update_norm_keeps_absurd_values_out_and_real_workers_keep_training(cluster):
     cluster.make_keys(workers=("k1", "k2", "evil", "probe"))
     cluster.server("--min-workers", "2", "--max-update-norm", "100", "--auth", str(cluster.auth_dir),
-                   heartbeat_timeout_s=10.0)
+                   "--wire-dtype", "fp32", heartbeat_timeout_s=10.0)  # the attacker sends raw fp32 values
     w1 = cluster.worker("w1", *cluster.key_args("k1"))
     w2 = cluster.worker("w2", *cluster.key_args("k2"))
     start = cluster.wait_status(lambda s: s["rounds_applied"] >= 2, 120, "rounds applied")
