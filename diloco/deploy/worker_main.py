@@ -138,6 +138,18 @@ class _Printer:
                       f"(--coordinator-timeout {limit_s:g})")
 
 
+def overlap_options(args, sync_every: int) -> dict:
+    """``--overlap-steps`` / ``--overlap-alpha`` -> DilocoWorker keyword arguments; ``UsageError`` if they do not fit."""
+    steps = getattr(args, "overlap_steps", 0) or 0
+    alpha = getattr(args, "overlap_alpha", None)
+    if steps >= sync_every:
+        raise UsageError(f"--overlap-steps {steps}: must be less than --sync-every {sync_every} (a fragment syncs "
+                         f"every {sync_every} inner steps; its round's params must be merged before its next sync)")
+    if alpha is not None and not steps:
+        raise UsageError("--overlap-alpha needs --overlap-steps T >= 1 (without overlap nothing is merged)")
+    return {"overlap_steps": steps} if alpha is None else {"overlap_steps": steps, "overlap_alpha": alpha}
+
+
 def run_worker_command(args) -> int:
     import torch
 
@@ -150,8 +162,6 @@ def run_worker_command(args) -> int:
         raise UsageError(f"--connect {args.connect!r}: expected tcp://HOST:PORT (or ipc://PATH)")
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     entry = args.entry or DEFAULT_ENTRY
-    func = load_entry(entry)
-    setup = call_entry(func, worker_id)
     sync_every = args.sync_every
     if sync_every is None:
         if args.entry is None:
@@ -159,6 +169,9 @@ def run_worker_command(args) -> int:
             sync_every = SYNC_EVERY
         else:
             sync_every = 100
+    overlap = overlap_options(args, sync_every)
+    func = load_entry(entry)
+    setup = call_entry(func, worker_id)
     printer = _Printer(worker_id)
     from diloco.deploy.commands import client_auth
     from diloco.worker.worker import DEFAULT_COORDINATOR_TIMEOUT_S
@@ -177,7 +190,7 @@ def run_worker_command(args) -> int:
     try:
         worker = DilocoWorker(setup.model, setup.optimizer, endpoint, worker_id=worker_id, sync_every=sync_every,
                               checkpoint_dir=args.checkpoint_dir, on_state=printer.on_state,
-                              coordinator_timeout_s=coordinator_timeout, on_outage=printer.on_outage)
+                              coordinator_timeout_s=coordinator_timeout, on_outage=printer.on_outage, **overlap)
     except DilocoWorkerError as exc:
         endpoint.close()
         raise UsageError(str(exc)) from None
@@ -186,7 +199,9 @@ def run_worker_command(args) -> int:
         raise UsageError(str(exc)) from None
     printer.attach(worker)
     restored = (f", restored from its checkpoint at inner step {worker.inner_step}" if worker.restored else "")
-    printer.line(f"connecting to {args.connect} (routing id {endpoint.peer}), H={sync_every}{restored}")
+    overlapping = (f", overlap {worker.overlap_steps} steps (alpha {worker.overlap_alpha:g})"
+                   if worker.overlap_steps else "")
+    printer.line(f"connecting to {args.connect} (routing id {endpoint.peer}), H={sync_every}{overlapping}{restored}")
     previous = signal.signal(signal.SIGTERM, lambda *_: worker.request_stop(save=args.checkpoint_dir is not None))
     try:
         report = run_training(worker, setup.batches, printer.loss_fn(setup.loss_fn), max_steps=args.max_steps)
