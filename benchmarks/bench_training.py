@@ -27,11 +27,21 @@ with ``--baseline-threads`` (default 2). Losses do not depend on it; wall
 times do -- on a machine already loaded by other processes 2 intra-op threads
 can be several times *slower* than 1, so pass ``--baseline-threads 1`` there.
 
+Overlap (``--overlap``, SPEC.md W15-W18): the same real system with
+``overlap_steps`` T = 0, 1 and 2 (Streaming DiLoCo's tau, alpha 0.5), k = 2
+workers at H = 10 for 1000 inner steps each, with a smaller batch so the three
+runs take about 5 minutes on 2 cores. Per worker it measures the *idle share*:
+the time spent WAITING or PAUSED at sync points (from the ``on_state`` hook) /
+the time from its Welcome to its last step; and whether the quorum held (no
+pause, every round applied); and the final held-out loss of each run's
+coordinator params. Goals: idle share < 5% with T >= 1, loss within 1% of T = 0.
+
 Usage::
 
     python benchmarks/bench_training.py            # 1000 inner steps (the reference calibration), 30-60+ min
     python benchmarks/bench_training.py --quick    # 200 steps, smoke run, a few minutes
     python benchmarks/bench_training.py --wire fp32,bf16,int8   # the wire dtypes compared (~5 min)
+    python benchmarks/bench_training.py --overlap  # T = 0, 1, 2 at 1000 steps, about 5 minutes
 
 Progress goes to stderr; the report to stdout, whose last line is::
 
@@ -44,6 +54,9 @@ fp32, left out -- and the final held-out loss, ending with::
 
     RESULT bench_training_wire fp32_loss=X bf16_loss=X int8_loss=X bf16_vs_fp32=R int8_vs_fp32=R \
         fp32_bytes_per_round=N bf16_bytes_per_round=N int8_bytes_per_round=N
+or, with ``--overlap``::
+
+    RESULT bench_training_overlap idle_t0=R idle_t1=R idle_t2=R loss_t1_vs_t0=R loss_t2_vs_t0=R
 """
 
 from __future__ import annotations
@@ -84,6 +97,8 @@ from diloco.worker import DilocoWorker
 GOAL_H10_VS_SYNC = 1.02
 GOAL_H50_VS_SYNC = 1.08
 GOAL_OVERHEAD_SHARE = 0.05
+GOAL_OVERLAP_IDLE = 0.05
+GOAL_OVERLAP_LOSS = 1.01
 
 #: Default outer Nesterov lr per H: the paper's 0.7 at both. Checked at 1000 steps
 #: (see README): stable at H = 10 (DiLoCo 0.983x sync) and at H = 50 (1.061x); at
@@ -143,10 +158,10 @@ class CoordinatorProbe:
                 torch.set_num_threads(1)
                 threads_set.append(True)
 
-        def timed_handle(peer, message, now_s, identity=None):
+        def timed_handle(peer, message, now_s, **kw):
             one_thread()
             w0, c0 = pc(), tt()
-            out = handle(peer, message, now_s, identity=identity)
+            out = handle(peer, message, now_s, **kw)
             w, c = pc() - w0, tt() - c0
             kind = type(message).__name__
             self.by_kind[kind].add(w, c)
@@ -205,9 +220,13 @@ class DilocoRun:
 
 class _RealDiloco:
     def __init__(self, k: int, H: int, steps: int, outer_lr: float, s: TrainSettings, corpus: Corpus,
-                 seed: int, wire_dtype: str = "fp32") -> None:
+                 seed: int, wire_dtype: str = "fp32", overlap_steps: int = 0) -> None:
         if steps % H:
             raise SystemExit(f"--steps {steps} is not a multiple of H={H}")
+        self.T = overlap_steps
+        #: Per worker: [(state, perf_counter())] from the on_state hook; and (first Welcome, last step) times.
+        self.state_log: dict[str, list[tuple[str, float]]] = defaultdict(list)
+        self.span: dict[str, tuple[float, float]] = {}
         self.k, self.H, self.steps, self.outer_lr, self.s, self.corpus, self.seed = k, H, steps, outer_lr, s, corpus, seed
         self.rounds = steps // H
         self.samplers = worker_samplers(corpus, k, s, seed)
@@ -235,10 +254,13 @@ class _RealDiloco:
         s = self.s
         model = build_model(s.model, derive_seed(self.seed, "model"))
         opt, sched = inner_optimizer(model, s, self.steps)
+        log = self.state_log[worker_id]
         w = DilocoWorker(model, opt, self.net.connect(worker_id), worker_id=worker_id, sync_every=self.H,
-                         coordinator_timeout_s=120.0)
+                         coordinator_timeout_s=120.0, overlap_steps=self.T,
+                         on_state=lambda _w, state, _t: log.append((state, time.perf_counter())))
         self.workers[worker_id] = w
         w.join()
+        t_joined = time.perf_counter()
         sampler = self.samplers[index]
         done = 0
         for step in range(1, self.steps + 1):
@@ -249,9 +271,17 @@ class _RealDiloco:
             if not w.step_done():
                 break
             # Worker 0 keeps the global model at eval points (its fp32 copy right after a
-            # sync), so the coordinator thread does no extra work for the eval curve.
-            if index == 0 and step % self.H == 0 and step % s.eval_every == 0:
-                self.snapshots[step] = {n: t.clone() for n, t in w.global_params.items()}
+            # sync -- with overlap, right after the merge T steps later), so the coordinator
+            # thread does no extra work for the eval curve.
+            synced = step - self.T
+            if index == 0 and synced % self.H == 0 and synced % s.eval_every == 0 and synced > 0:
+                self.snapshots[synced] = {n: t.clone() for n, t in w.global_params.items()}
+        self.span[worker_id] = (t_joined, time.perf_counter())
+        # With overlap the last round's Result may still be on its way: a worker that left now
+        # would take the run below quorum before its peers' last contributions (the bench's own
+        # end of run; the final score is the coordinator's params).
+        while self.T and w.session.waiting and not w.stopped:
+            time.sleep(0.005)
         self.steps_done[worker_id] = done
         w.leave()
 
@@ -345,6 +375,72 @@ class _RealDiloco:
             final_state=final,
         )
         return DilocoRun(result, self.probe, self.rounds, self.outer_lr, status, oddities)
+
+    def idle_shares(self) -> dict[str, float]:
+        """Per worker: time WAITING or PAUSED between its Welcome and its last step / that span."""
+        out = {}
+        for wid, (t0, t1) in self.span.items():
+            idle, since = 0.0, None
+            for state, t in self.state_log[wid]:
+                if state in ("waiting", "paused"):
+                    since = since if since is not None else max(t, t0)
+                elif since is not None:
+                    idle += max(0.0, min(t, t1) - since)
+                    since = None
+            if since is not None:
+                idle += max(0.0, t1 - since)
+            out[wid] = idle / (t1 - t0) if t1 > t0 else float("nan")
+        return out
+
+
+def overlap_main(args) -> int:
+    """``--overlap``: idle share and final loss with overlap_steps T = 0, 1, 2 (k workers, H = args.overlap_h)."""
+    steps = args.steps or (200 if args.quick else 1000)
+    k, H = args.overlap_k, args.overlap_h
+    s = TrainSettings(batch_size=args.overlap_batch_size, lr=args.lr, eval_every=max(1, steps // 10))
+    corpus = default_corpus()
+    print(f"bench_training --overlap: k={k} workers, H={H}, {steps} inner steps per worker, batch {s.batch_size}, "
+          f"seed {args.seed}, outer Nesterov lr {args.outer_lr_h10:g}, alpha 0.5, in-process transport, "
+          f"torch {torch.__version__}")
+    rows = {}
+    t_all = time.perf_counter()
+    for T in (0, 1, 2):
+        note(f"overlap T={T}: DiLoCo k={k} H={H}, {steps} steps")
+        bench = _RealDiloco(k, H, steps, args.outer_lr_h10, s, corpus, args.seed, overlap_steps=T)
+        run = bench.run()
+        idle = bench.idle_shares()
+        workers = bench.workers.values()
+        quorum = (run.status["rounds_applied"] == bench.rounds and all(w.seconds_paused == 0 for w in workers))
+        rows[T] = dict(idle=idle, loss=run.result.final_eval_loss, wall=run.result.wall_s, quorum=quorum,
+                       rounds=run.status["rounds_applied"], oddities=run.oddities)
+        note(f"overlap T={T} done: final eval loss {run.result.final_eval_loss:.4f}, idle "
+             f"{', '.join(f'{v:.3f}' for v in idle.values())}, {run.result.wall_s:.0f} s")
+    base = rows[0]["loss"]
+    print()
+    header = (f"{'T':>2} {'idle share per worker':>24} {'max idle':>8} {'quorum held':>11} {'rounds':>6} "
+              f"{'final loss':>10} {'vs T=0':>7} {'wall s':>7}")
+    print(header)
+    print("-" * len(header))
+    for T, r in rows.items():
+        per = " ".join(f"{v:.3f}" for v in r["idle"].values())
+        print(f"{T:>2} {per:>24} {max(r['idle'].values()):>8.3f} {'yes' if r['quorum'] else 'NO':>11} "
+              f"{r['rounds']:>6} {r['loss']:>10.4f} {r['loss'] / base:>7.4f} {r['wall']:>7.0f}")
+        for o in r["oddities"]:
+            print(f"  odd (T={T}): {o}")
+    print(f"idle share: time WAITING or PAUSED at sync points / time from the Welcome to the last step, per "
+          f"worker. total wall {time.perf_counter() - t_all:.0f} s")
+    worst = {T: max(r["idle"].values()) for T, r in rows.items()}
+    goals = [(f"idle share < {GOAL_OVERLAP_IDLE} with T=1", worst[1], worst[1] < GOAL_OVERLAP_IDLE),
+             (f"idle share < {GOAL_OVERLAP_IDLE} with T=2", worst[2], worst[2] < GOAL_OVERLAP_IDLE),
+             (f"final loss T=1 / T=0 <= {GOAL_OVERLAP_LOSS}", rows[1]["loss"] / base,
+              rows[1]["loss"] / base <= GOAL_OVERLAP_LOSS),
+             ("quorum held in every run", None, all(r["quorum"] for r in rows.values()))]
+    print()
+    for text, value, ok in goals:
+        print(f"goal {'met   ' if ok else 'MISSED'}  {text}" + ("" if value is None else f": {value:.4f}"))
+    print(f"RESULT bench_training_overlap idle_t0={worst[0]:.4f} idle_t1={worst[1]:.4f} idle_t2={worst[2]:.4f} "
+          f"loss_t1_vs_t0={rows[1]['loss'] / base:.4f} loss_t2_vs_t0={rows[2]['loss'] / base:.4f}")
+    return 0
 
 
 # --------------------------------------------------------------------------- helpers
@@ -469,7 +565,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wire", default=None, metavar="DTYPES",
                         help="compare wire dtypes instead (comma-separated subset of fp32,bf16,int8): DiLoCo H=10 "
                              "per dtype, bytes per round and final loss (defaults then: --k 2, --steps 300)")
+    parser.add_argument("--overlap", action="store_true",
+                        help="measure overlap_steps T = 0, 1, 2 instead (idle share, final loss; about 5 minutes)")
+    parser.add_argument("--overlap-k", type=int, default=2, help="--overlap: workers (default %(default)s)")
+    parser.add_argument("--overlap-h", type=int, default=10, help="--overlap: H (default %(default)s)")
+    parser.add_argument("--overlap-batch-size", type=int, default=8,
+                        help="--overlap: sequences per worker per inner step (default %(default)s)")
     args = parser.parse_args(argv)
+    if args.overlap:
+        return overlap_main(args)
     if args.wire is not None:
         dtypes = [d.strip() for d in args.wire.split(",") if d.strip()]
         if not dtypes or any(d not in ("fp32", "bf16", "int8") for d in dtypes):

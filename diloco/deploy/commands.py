@@ -4,7 +4,7 @@ Exit codes follow ``diloco.exits``: 0 ok; 1 the command ran and the
 coordinator refused it (or a worker failed); 2 bad usage or input; 3 the
 coordinator did not answer within ``--timeout``; 130 interrupted.
 
-About 445 lines, most of them ``register``: every flag with its help text,
+About 470 lines, most of them ``register``: every flag with its help text,
 which reads best as one list in the order ``--help`` shows it. The server
 and the worker themselves are ``server.py`` and ``worker_main.py``.
 """
@@ -43,6 +43,27 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not v > 0 or v == float("inf"):
         raise argparse.ArgumentTypeError(f"{v} is not a finite number > 0")
+    return v
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{v} is not >= 0")
+    return v
+
+
+def _overlap_alpha(text: str) -> float:
+    """``--overlap-alpha``: 0 <= A < 1."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError(f"{v} is not in [0, 1): the weight of the local params at a merge")
     return v
 
 
@@ -214,6 +235,14 @@ def register(subparsers) -> None:
     p.add_argument("--device", default="auto", metavar="auto|cpu|cuda[:N]",
                    help="where to train: auto (default) is this rank's GPU (LOCAL_RANK) when CUDA is present, "
                         "else the CPU; pseudo-gradients are copied to the CPU only for the wire")
+    p.add_argument("--overlap-steps", type=_non_negative_int, default=0, metavar="T",
+                   help="overlap communication with compute (Streaming DiLoCo's tau): after sending a fragment's "
+                        "pseudo-gradient keep training, and merge the round's new params T inner steps later; "
+                        "wait only if the round has not been applied by then (below quorum the worker still "
+                        "pauses). 0 <= T < --sync-every; default 0: wait at every sync point")
+    p.add_argument("--overlap-alpha", type=_overlap_alpha, default=None, metavar="A",
+                   help="with --overlap-steps: the merge keeps A of the local params, local <- A*local + "
+                        "(1-A)*global, for that fragment only; 0 <= A < 1 (default 0.5, as in Streaming DiLoCo)")
     _add_client_keys(p, "worker")
     p.set_defaults(handler=cmd_worker)
 

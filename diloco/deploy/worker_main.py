@@ -143,6 +143,18 @@ class _Printer:
                       f"(--coordinator-timeout {limit_s:g})")
 
 
+def overlap_options(args, sync_every: int) -> dict:
+    """``--overlap-steps`` / ``--overlap-alpha`` -> DilocoWorker keyword arguments; ``UsageError`` if they do not fit."""
+    steps = getattr(args, "overlap_steps", 0) or 0
+    alpha = getattr(args, "overlap_alpha", None)
+    if steps >= sync_every:
+        raise UsageError(f"--overlap-steps {steps}: must be less than --sync-every {sync_every} (a fragment syncs "
+                         f"every {sync_every} inner steps; its round's params must be merged before its next sync)")
+    if alpha is not None and not steps:
+        raise UsageError("--overlap-alpha needs --overlap-steps T >= 1 (without overlap nothing is merged)")
+    return {"overlap_steps": steps} if alpha is None else {"overlap_steps": steps, "overlap_alpha": alpha}
+
+
 def run_worker_command(args) -> int:
     import torch
 
@@ -161,21 +173,22 @@ def run_worker_command(args) -> int:
         raise UsageError("a multi-rank worker (torchrun) needs --id: every rank must name the same worker")
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     entry = args.entry or DEFAULT_ENTRY
+    sync_every = args.sync_every
+    if sync_every is None:
+        if args.entry is None:
+            from diloco.deploy.default_entry import SYNC_EVERY
+            sync_every = SYNC_EVERY
+        else:
+            sync_every = 100
+    overlap = overlap_options(args, sync_every)
     func = load_entry(entry)
     init_group(info, device)
     try:
         context = {"rank": info.rank, "world_size": info.world_size, "device": device}
         setup = call_entry(func, worker_id, **context)
         setup.model.to(device)
-        sync_every = args.sync_every
-        if sync_every is None:
-            if args.entry is None:
-                from diloco.deploy.default_entry import SYNC_EVERY
-                sync_every = SYNC_EVERY
-            else:
-                sync_every = 100
         if info.is_leader:
-            return _run_leader(args, setup, worker_id, sync_every, info, device)
+            return _run_leader(args, setup, worker_id, sync_every, info, device, overlap)
         return _run_follower(args, setup, worker_id, info, device)
     finally:
         if info.world_size > 1 and torch.distributed.is_initialized():
@@ -190,7 +203,7 @@ def _grad_sync(info):
     return lambda model: average_gradients(model, info.world_size)
 
 
-def _run_leader(args, setup, worker_id: str, sync_every: int, info, device) -> int:
+def _run_leader(args, setup, worker_id: str, sync_every: int, info, device, overlap: dict) -> int:
     from diloco.wire.zmq import ZmqWorkerEndpoint
     from diloco.worker import DilocoWorker, run_training
     from diloco.worker.device import loss_on_device
@@ -214,7 +227,7 @@ def _run_leader(args, setup, worker_id: str, sync_every: int, info, device) -> i
     try:
         worker = DilocoWorker(setup.model, setup.optimizer, endpoint, worker_id=worker_id, sync_every=sync_every,
                               checkpoint_dir=args.checkpoint_dir, on_state=printer.on_state,
-                              coordinator_timeout_s=coordinator_timeout, on_outage=printer.on_outage)
+                              coordinator_timeout_s=coordinator_timeout, on_outage=printer.on_outage, **overlap)
     except DilocoWorkerError as exc:
         endpoint.close()
         raise UsageError(str(exc)) from None
@@ -223,9 +236,12 @@ def _run_leader(args, setup, worker_id: str, sync_every: int, info, device) -> i
         raise UsageError(str(exc)) from None
     printer.attach(worker)
     restored = (f", restored from its checkpoint at inner step {worker.inner_step}" if worker.restored else "")
+    overlapping = (f", overlap {worker.overlap_steps} steps (alpha {worker.overlap_alpha:g})"
+                   if worker.overlap_steps else "")
     group = f", rank 0 of {info.world_size}" if info.world_size > 1 else ""
     where = f", device {device}" if device.type != "cpu" or info.world_size > 1 else ""
-    printer.line(f"connecting to {args.connect} (routing id {endpoint.peer}), H={sync_every}{group}{where}{restored}")
+    printer.line(f"connecting to {args.connect} (routing id {endpoint.peer}), H={sync_every}{overlapping}{group}"
+                 f"{where}{restored}")
     driver = GroupLeader(worker, info) if info.world_size > 1 else worker
     previous = signal.signal(signal.SIGTERM, lambda *_: worker.request_stop(save=args.checkpoint_dir is not None))
     try:

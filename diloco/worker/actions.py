@@ -51,6 +51,21 @@ class InstallParams:
 
 
 @dataclass(frozen=True, slots=True)
+class MergeParams:
+    """Merge a Result's ``params`` into fragment ``fragment_id`` (overlap, SPEC.md W15-W18).
+
+    For every name of the fragment: ``local <- alpha * local + (1 - alpha) * params[name]``
+    in the model (in place), and the global copy becomes ``params[name]`` -- the base the
+    fragment's next pseudo-gradient is measured from. Only with ``overlap_steps >= 1``.
+    """
+
+    fragment_id: int
+    names: tuple[str, ...]
+    params: Mapping[str, Any]
+    alpha: float
+
+
+@dataclass(frozen=True, slots=True)
 class StateChanged:
     """The session moved from ``previous`` to ``state`` (the driver's ``on_state`` hook)."""
 
@@ -95,7 +110,8 @@ class Note:
     text: str
 
 
-Action = Send | SendJoinWithParams | SubmitFragment | InstallParams | StateChanged | OutageReport | Stop | Fail | Note
+Action = (Send | SendJoinWithParams | SubmitFragment | InstallParams | MergeParams | StateChanged | OutageReport | Stop
+          | Fail | Note)
 
 #: Actions the driver must run where the model lives (the training thread).
-MODEL_ACTIONS = (SendJoinWithParams, SubmitFragment, InstallParams, Stop)
+MODEL_ACTIONS = (SendJoinWithParams, SubmitFragment, InstallParams, MergeParams, Stop)

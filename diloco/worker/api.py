@@ -32,7 +32,8 @@ class Worker:
     prints it) or an endpoint object. ``key``/``server_key`` (or ``DILOCO_KEY`` /
     ``DILOCO_SERVER_KEY``) authenticate against a server started with ``--auth``.
     ``worker_id`` defaults to ``HOSTNAME-PID``. The other keyword arguments are
-    ``DilocoWorker``'s (``checkpoint_dir``, ``coordinator_timeout_s``, ``on_state``, ...).
+    ``DilocoWorker``'s (``checkpoint_dir``, ``coordinator_timeout_s``, ``on_state``,
+    ``overlap_steps``/``overlap_alpha`` to keep training while a round is decided, ...).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,

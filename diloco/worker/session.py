@@ -1,8 +1,8 @@
 """``WorkerSession``: the worker's side of the protocol, pure and deterministic.
 
 (One state machine in one file, as ``diloco/core/round_fsm.py`` is: its rules
-W1-W14 share one small state, and splitting them across files would make a
-reader chase that state; hence over 400 lines.)
+W1-W18 share one small state, and splitting them across files would make a
+reader chase that state; hence over 400 lines, about 790.)
 
 The coordinator has ``RoundFSM``; a worker has this. Events come in as data --
 a decoded coordinator message, a clock reading, "finished an inner step", a
@@ -11,7 +11,16 @@ the driver must carry out, in order. No torch, sockets, clocks or threads
 (import-linter contracts in pyproject.toml): tensors only pass through, as
 opaque values inside messages and ``InstallParams``. The same session runs in
 ``DilocoWorker`` (real time, real model) and in the simulator (simulated time,
-seeded tensors). SPEC.md section 14 is its contract: states, events, rules W1-W14.
+seeded tensors). SPEC.md section 14 is its contract: states, events, rules W1-W18.
+
+Overlap (``overlap_steps`` T >= 1, Streaming DiLoCo's tau; W15-W18): a fragment
+submitted at schedule step s does not stop training; its Result is merged at
+step s + T (``MergeParams``: local <- alpha * local + (1 - alpha) * global, and
+the global copy becomes the Result's params), or as soon as it arrives if the
+worker already waits for it there. ``DEFAULT_OVERLAP_ALPHA`` = 0.5 is the
+mixing factor of Douillard et al. 2025, "Streaming DiLoCo with overlapping
+communication: Towards a Distributed Free Lunch" (arXiv:2501.18512), section
+2.3. With T = 0 (the default) every rule is exactly as before.
 
 Time is whatever the caller says it is (``now``, seconds, never decreasing).
 """
@@ -48,6 +57,7 @@ from diloco.worker.actions import (
     SendJoinWithParams,
     StateChanged,
     Stop,
+    MergeParams,
     SubmitFragment,
 )
 from diloco.worker.states import WorkerState
@@ -77,6 +87,9 @@ DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 ASK_SAVE_MAX_S = 1.0
 #: How many (inner_step, fragment, round, outcome) entries ``history`` keeps.
 HISTORY_LIMIT = 10_000
+#: Overlap (W15): local <- alpha * local + (1 - alpha) * global at a merge. 0.5 as in
+#: Streaming DiLoCo (Douillard et al. 2025, arXiv:2501.18512, section 2.3).
+DEFAULT_OVERLAP_ALPHA = 0.5
 
 _WAITING = (S.WAITING, S.PAUSED)
 _RUNNING = (S.TRAINING, S.WAITING, S.PAUSED)
@@ -109,7 +122,8 @@ class WorkerSession:
     """One worker's protocol state. See the module docstring and SPEC.md section 14."""
 
     def __init__(self, worker_id: str, sync_every: int, spec: Sequence[TensorSpec], *,
-                 coordinator_timeout_s: float = DEFAULT_COORDINATOR_TIMEOUT_S) -> None:
+                 coordinator_timeout_s: float = DEFAULT_COORDINATOR_TIMEOUT_S, overlap_steps: int = 0,
+                 overlap_alpha: float = DEFAULT_OVERLAP_ALPHA) -> None:
         if not isinstance(worker_id, str) or not worker_id:
             raise ValueError(f"worker_id={worker_id!r}: expected a non-empty string")
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
@@ -118,6 +132,18 @@ class WorkerSession:
                 or not 0 < coordinator_timeout_s < math.inf:
             raise ValueError(f"coordinator_timeout_s={coordinator_timeout_s!r}: expected a finite number of "
                              f"seconds > 0")
+        if isinstance(overlap_steps, bool) or not isinstance(overlap_steps, int) or overlap_steps < 0:
+            raise ValueError(f"overlap_steps={overlap_steps!r}: expected an integer >= 0 (0: no overlap)")
+        if overlap_steps >= sync_every:
+            raise ValueError(f"overlap_steps={overlap_steps} must be less than sync_every={sync_every}: a fragment "
+                             f"syncs every {sync_every} inner steps, so its Result must be merged before its next "
+                             f"sync point (W15)")
+        if isinstance(overlap_alpha, bool) or not isinstance(overlap_alpha, (int, float)) \
+                or not 0 <= overlap_alpha < 1:
+            raise ValueError(f"overlap_alpha={overlap_alpha!r}: expected a number with 0 <= alpha < 1 (the weight of "
+                             f"the local params at a merge; 0 replaces them with the global ones)")
+        self.overlap_steps = overlap_steps
+        self.overlap_alpha = float(overlap_alpha)
         self.worker_id = worker_id
         self.sync_every = sync_every
         self.spec = tuple(spec)
@@ -151,6 +177,11 @@ class WorkerSession:
         self.waiting: dict[int, int] = {}
         #: fragment -> time to submit again (answered ``held_limit``).
         self.retry_at: dict[int, float] = {}
+        #: Overlap (W15): fragment -> the schedule step at which its Result is merged, from its
+        #: submission until the merge (awaited or held).
+        self.merge_at: dict[int, int] = {}
+        #: Overlap (W16): fragment -> the params of its applied Result, held until ``merge_at``.
+        self.held: dict[int, object] = {}
         self.welcomed = False
         self.restored = False
         self._unacked: deque[int] = deque()          # fragments of Submits not yet answered, in order
@@ -188,15 +219,20 @@ class WorkerSession:
         return self.state in (S.STOPPING, S.STOPPED)
 
     @property
+    def blocked(self) -> bool:
+        """True when the worker must not train: a retry is due, or an awaited Result is past its window (W5, W16)."""
+        return bool(self.retry_at) or any(self.merge_at.get(f, -1) <= self.sched_step for f in self.waiting)
+
+    @property
     def awaiting_replies(self) -> bool:
         """True while a heartbeat's reply is due (a driver without a receive thread reads then)."""
         return self._hb_outstanding > 0
 
     def due(self, now: float) -> list[int]:
-        """Fragments whose close the schedule has reached and that are not waiting (or retrying yet)."""
+        """Fragments whose close the schedule has reached and that are not waiting, merging or retrying yet."""
         out = []
         for f, close in enumerate(self.next_close):
-            if f in self.waiting or self.sched_step < close:
+            if f in self.waiting or f in self.merge_at or self.sched_step < close:
                 continue
             retry = self.retry_at.get(f)
             if retry is not None and now < retry:
@@ -345,6 +381,8 @@ class WorkerSession:
         if self._left:
             return []
         self._left = True
+        if self.state is not S.STOPPED:
+            self._merge_all()  # W17: the model the driver keeps holds every Result it received
         if self.welcomed and self._stop_cmd is None:
             # Told nothing by the coordinator (local stop, end of data, an error): say so at
             # once rather than let the heartbeat timeout find out.
@@ -366,6 +404,7 @@ class WorkerSession:
         if self.state is not S.STOPPED:
             self._end_pause(now)
             self.stop_reason = self.stop_reason or f"error: {code}"
+            self._drop_merges()
             self._go(S.STOPPED)
         return self._flush()
 
@@ -424,6 +463,7 @@ class WorkerSession:
         self.heartbeat_interval_s = float(msg.heartbeat_interval_s)
         self._place_on_schedule(ids_same, same_layout)
         self.waiting = {int(f): int(r) for f, r in msg.parked}
+        self.merge_at.clear()  # W18: a parked contribution has no overlap window (nothing is held: W17)
         self._unacked.clear()
         self.retry_at.clear()
         self._rejoin_needed = False
@@ -436,7 +476,8 @@ class WorkerSession:
             self._resync_after_s = RESYNC_INTERVALS * self.heartbeat_interval_s
         self.welcomed = True
         self._note("info", f"joined: mode={self.mode} round_ids={self.round_ids} parked={sorted(self.waiting.items())}")
-        self._go(S.WAITING if self.waiting or self.due(now) else S.TRAINING)
+        # (With overlap a due fragment is submitted from TRAINING: W15.)
+        self._go(S.WAITING if self.waiting or (self.due(now) and not self.overlap_steps) else S.TRAINING)
 
     def _place_on_schedule(self, ids_same: bool, same_layout: bool) -> None:
         F, H = len(self.fragments), self.sync_every
@@ -490,7 +531,13 @@ class WorkerSession:
             self._unacked.remove(fid)
         if outcome in ("applied", "applied_final"):
             del self.waiting[fid]
-            self._out.append(InstallParams(fid, self.fragments[fid], msg.params, False, "Result"))
+            if fid in self.merge_at:
+                # W16: held until its window ends (merged by _settle), at once while stopping.
+                self.held[fid] = msg.params
+                if self.state is S.STOPPING:
+                    self._merge(fid)
+            else:
+                self._out.append(InstallParams(fid, self.fragments[fid], msg.params, False, "Result"))
             self.round_ids[fid] = int(msg.next_round_id)
             self.next_close[fid] = schedule.next_close_after(
                 fid, int(msg.next_round_id), self.next_close[fid], len(self.fragments), self.sync_every,
@@ -503,6 +550,7 @@ class WorkerSession:
                 self._stop_cmd = ("drain", False)
         elif outcome == "stop":
             del self.waiting[fid]
+            self.merge_at.pop(fid, None)
             self.history.append((self.inner_step, fid, msg.round_id, outcome))
             if self._stop_cmd is None:
                 self._stop_cmd = ("stop", None)  # ask: was it save-and-stop?
@@ -520,6 +568,7 @@ class WorkerSession:
                 pass  # it is already pending: its Result will come (P1)
             elif code is ErrorCode.HELD_LIMIT and fid is not None:
                 self.waiting.pop(fid, None)
+                self.merge_at.pop(fid, None)  # not submitted any more: its retry opens a new window
                 self.retry_at[fid] = now + self.heartbeat_interval_s
             elif code in STOP_CODES:
                 if self._stop_cmd is None:
@@ -554,13 +603,19 @@ class WorkerSession:
             return
         if self.state is S.JOINING:
             return
+        for f in sorted(self.held):
+            if self.sched_step >= self.merge_at[f]:
+                self._merge(f)  # W16: its window ended (merged before anything is submitted)
         due = self.due(now)
         if due:
             for f in due:
                 self._submit(f, now)
+        blocked = self.blocked
         if self.state is S.TRAINING:
-            return
-        if not self.waiting and not self.retry_at:
+            if not blocked:
+                return
+            self._go(S.WAITING)  # W16: the window ended before the Result came
+        if not blocked:
             self._end_pause(now)
             self._go(S.TRAINING)
             return
@@ -576,7 +631,9 @@ class WorkerSession:
     def _submit(self, fid: int, now: float) -> None:
         rid = self.round_ids[fid]
         self.retry_at.pop(fid, None)
-        if self.state is S.TRAINING:
+        if self.overlap_steps:
+            self.merge_at[fid] = self.sched_step + self.overlap_steps  # W15: train on until then
+        elif self.state is S.TRAINING:
             self._go(S.WAITING)
         self._out.append(SubmitFragment(fid, rid))
         self.waiting[fid] = rid
@@ -617,6 +674,7 @@ class WorkerSession:
         return True
 
     def _rejoin(self, now: float) -> None:
+        self._merge_all()  # W17: then a Welcome of the same params keeps the local model
         self._end_pause(now)
         self._go(S.JOINING)
         self._send_join(now)
@@ -661,6 +719,7 @@ class WorkerSession:
         self.stop_reason = self.stop_reason or reason
         if self.state is not S.STOPPING:
             self._go(S.STOPPING)
+        self._merge_all()  # W17: the checkpoint holds every Result received
         self._out.append(Stop(self.stop_reason, save))
 
     def _fail(self, code: str, detail: str, now: float | None) -> None:
@@ -669,7 +728,24 @@ class WorkerSession:
         self._out.append(Fail(code, f"worker {self.worker_id!r}: {detail}"))
         self.stop_reason = self.stop_reason or f"error: {code}"
         self._ask_deadline = None
+        self._drop_merges()
         self._go(S.STOPPED)
+
+    # ------------------------------------------------------------------ overlap (W15-W18)
+
+    def _merge(self, fid: int) -> None:
+        params = self.held.pop(fid)
+        self.merge_at.pop(fid, None)
+        self._out.append(MergeParams(fid, self.fragments[fid], params, self.overlap_alpha))
+
+    def _merge_all(self) -> None:
+        """Merge every held Result now, in fragment order (W17: stop, leave, re-join)."""
+        for f in sorted(self.held):
+            self._merge(f)
+
+    def _drop_merges(self) -> None:
+        self.held.clear()
+        self.merge_at.clear()
 
     # ------------------------------------------------------------------ plumbing
 

@@ -23,12 +23,24 @@ What lives where
 The protocol -- joining, heartbeats, the sync schedule, pausing below quorum,
 held-limit retries, resync after a lost Result, re-joins, outages, stops --
 is ``diloco.worker.session.WorkerSession``, pure and specified in SPEC.md
-section 14 (rules W1-W14). This driver only carries out what the session
-asks: tensor copies (``InstallParams``), pseudo-gradients (``SubmitFragment``:
+section 14 (rules W1-W18). This driver only carries out what the session
+asks: tensor copies (``InstallParams``), overlap merges (``MergeParams``),
+pseudo-gradients (``SubmitFragment``:
 ``global - local``, fp32, of one fragment), the worker's checkpoint (``Stop``
 with ``save``), the endpoint, the clock and the callbacks. The inner optimizer
 is never reset: each worker keeps its own state across rounds (DiLoCo,
 Douillard et al. 2023, Algorithm 1).
+
+Overlap
+-------
+With ``overlap_steps=T`` (1 <= T < ``sync_every``; Streaming DiLoCo's tau) a
+worker submits a fragment's pseudo-gradient and keeps training; T inner steps
+later it merges the round's new params into that fragment:
+``local <- overlap_alpha * local + (1 - overlap_alpha) * global`` (in place,
+no_grad), and its global copy becomes the new params, the base of the
+fragment's next pseudo-gradient. If the Result has not come by then it waits
+(and pauses below quorum) as without overlap. ``overlap_alpha`` defaults to
+0.5, Streaming DiLoCo's (Douillard et al. 2025). SPEC.md W15-W18.
 
 The communication thread
 ------------------------
@@ -78,6 +90,7 @@ from diloco.worker.actions import (
     Action,
     Fail,
     InstallParams,
+    MergeParams,
     Note,
     OutageReport,
     Send,
@@ -89,7 +102,7 @@ from diloco.worker.actions import (
 from diloco.worker.checkpoint import WorkerCheckpoint, checkpoint_path, restore_worker, save_worker_checkpoint
 from diloco.worker.errors import DilocoWorkerError
 from diloco.worker.link import Link
-from diloco.worker.session import DEFAULT_COORDINATOR_TIMEOUT_S, WorkerSession
+from diloco.worker.session import DEFAULT_COORDINATOR_TIMEOUT_S, DEFAULT_OVERLAP_ALPHA, WorkerSession
 from diloco.worker.states import WorkerState
 
 log = logging.getLogger("diloco.worker")
@@ -113,7 +126,9 @@ class DilocoWorker:
                  coordinator_timeout_s: float | None = None,
                  on_outage: Callable[[str, float, str, float], None] | None = None,
                  comm_thread: bool | None = None,
-                 join_timeout_s: float | None = None) -> None:
+                 join_timeout_s: float | None = None,
+                 overlap_steps: int = 0,
+                 overlap_alpha: float = DEFAULT_OVERLAP_ALPHA) -> None:
         if join_timeout_s is not None:
             warnings.warn("DilocoWorker(join_timeout_s=...) is deprecated: coordinator_timeout_s governs every "
                           "wait for the coordinator, joining included", DeprecationWarning, stacklevel=2)
@@ -126,7 +141,8 @@ class DilocoWorker:
             raise ValueError(f"poll_interval_s={poll_interval_s!r}: expected a finite number of seconds > 0")
         self._params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
         spec = tuple(TensorSpec(n, tuple(p.shape), "float32") for n, p in self._params.items())
-        self.session = WorkerSession(worker_id, sync_every, spec, coordinator_timeout_s=coordinator_timeout_s)
+        self.session = WorkerSession(worker_id, sync_every, spec, coordinator_timeout_s=coordinator_timeout_s,
+                                     overlap_steps=overlap_steps, overlap_alpha=overlap_alpha)
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.endpoint = endpoint
@@ -170,6 +186,15 @@ class DilocoWorker:
     def state(self) -> str:
         """The session's state (a ``WorkerState`` value); "joining" before ``join``."""
         return (self.session.state or S.JOINING).value
+
+    @property
+    def overlap_steps(self) -> int:
+        """Inner steps a worker trains on after submitting a fragment before merging its Result (0: none)."""
+        return self.session.overlap_steps
+
+    @property
+    def overlap_alpha(self) -> float:
+        return self.session.overlap_alpha
 
     @property
     def coordinator_timeout_s(self) -> float:
@@ -304,6 +329,9 @@ class DilocoWorker:
         self.link.stop()
         with self._lock:
             actions = self.session.leave(self._clock())
+        for a in actions:
+            if isinstance(a, MergeParams):
+                self._merge(a)  # W17: the model the caller keeps holds every Result received
         self.link.close([a.message for a in actions if isinstance(a, Send)])
         for a in actions:
             if isinstance(a, StateChanged):
@@ -418,6 +446,8 @@ class DilocoWorker:
                 self._state_changed(action.state)
             elif isinstance(action, InstallParams):
                 self._install(action)
+            elif isinstance(action, MergeParams):
+                self._merge(action)
             elif isinstance(action, SubmitFragment):
                 self._submit(action)
             elif isinstance(action, SendJoinWithParams):
@@ -438,27 +468,47 @@ class DilocoWorker:
             elif isinstance(action, Note):
                 log.log(_LOG_LEVELS.get(action.level, logging.INFO), "worker %s: %s", self.worker_id, action.text)
 
-    def _install(self, action: InstallParams) -> None:
+    def _check_params(self, action: InstallParams | MergeParams, source: str) -> Tensors:
+        """The action's params checked against the model; a delta (SPEC.md section 11) resolved first.
+
+        A delta Result carries new = global + delta: it is resolved against this worker's
+        global copy, which is the round's base (with overlap too: the copy changes only when
+        a fragment's params are installed or merged).
+        """
         params = action.params
         received = None
-        if isinstance(params, compression.DeltaParams):  # new = global + delta (SPEC.md section 11)
+        if isinstance(params, compression.DeltaParams):
             received = params.nbytes
             try:
-                params = params.resolve(self._global, action.names,
-                                        f"{action.source} for fragment {action.fragment_id}")
+                params = params.resolve(self._global, action.names, f"{source} for fragment {action.fragment_id}")
             except compression.EncodingError as exc:
                 raise DilocoWorkerError(str(exc), "bad_message") from None
         for n in action.names:
             t = params.get(n)
             if t is None:
-                raise DilocoWorkerError(f"{action.source} for fragment {action.fragment_id} lacks parameter {n!r}",
+                raise DilocoWorkerError(f"{source} for fragment {action.fragment_id} lacks parameter {n!r}",
                                         "bad_message")
             if tuple(t.shape) != tuple(self._params[n].shape):
                 raise DilocoWorkerError(
-                    f"{action.source}: parameter {n!r} has shape {list(t.shape)}; this model's has "
+                    f"{source}: parameter {n!r} has shape {list(t.shape)}; this model's has "
                     f"{list(self._params[n].shape)}", "bad_message")
         self.bytes_received += received if received is not None else sum(_nbytes({n: params[n]})
                                                                           for n in action.names)
+        return params
+
+    def _merge(self, action: MergeParams) -> None:
+        """Overlap (W16): local <- alpha * local + (1 - alpha) * global; the global copy becomes the Result's."""
+        params = self._check_params(action, "Result")
+        with torch.no_grad():
+            for n in action.names:
+                t = params[n]
+                p = self._params[n]
+                p.lerp_(t.to(p.device, p.dtype), 1.0 - action.alpha)
+                self._global[n] = t.detach().to("cpu", torch.float32).clone()
+        self.params_written += 1
+
+    def _install(self, action: InstallParams) -> None:
+        params = self._check_params(action, action.source)
         if action.keep_if_same and all(n in self._global and torch.equal(self._global[n], params[n])
                                        for n in action.names):
             return  # same base: the local progress is still valid for this fragment

@@ -1,4 +1,4 @@
-"""A reference model of the worker session: SPEC.md section 14 (rules W1-W14), executed literally.
+"""A reference model of the worker session: SPEC.md section 14 (rules W1-W18), executed literally.
 
 ``SessionModel`` is written from the rules, not from ``diloco/worker/session.py``:
 it keeps the state a reader of section 14 would write down (where the worker is,
@@ -29,6 +29,7 @@ from diloco.wire.messages import (
 from diloco.worker.actions import (
     Fail,
     InstallParams,
+    MergeParams,
     Note,
     OutageReport,
     Send,
@@ -70,6 +71,8 @@ def observe(actions: Iterable[Any]) -> list[tuple]:
             out.append(("submit", a.fragment_id, a.round_id))
         elif isinstance(a, InstallParams):
             out.append(("install", a.fragment_id, tuple(a.names), a.keep_if_same, a.source))
+        elif isinstance(a, MergeParams):
+            out.append(("merge", a.fragment_id, tuple(a.names), a.alpha))
         elif isinstance(a, StateChanged):
             out.append(("state", a.state.value, None if a.previous is None else a.previous.value))
         elif isinstance(a, OutageReport):
@@ -90,8 +93,11 @@ def _value(x: Any) -> str:
 class SessionModel:
     """One worker, per section 14. Every method returns the list of action tuples."""
 
-    def __init__(self, sync_every: int, names: Iterable[str], coordinator_timeout_s: float) -> None:
+    def __init__(self, sync_every: int, names: Iterable[str], coordinator_timeout_s: float, overlap_steps: int = 0,
+                 alpha: float = 0.5) -> None:
         self.H = sync_every
+        self.T = overlap_steps                       # W15: 0 is no overlap
+        self.alpha = alpha
         self.names = frozenset(names)
         self.limit_s = coordinator_timeout_s
         self.state: str | None = None
@@ -113,6 +119,9 @@ class SessionModel:
         # contributions (W4, W7, W8)
         self.waiting: dict[int, int] = {}
         self.retry: dict[int, float] = {}
+        # overlap (W15-W18): when each submitted fragment is merged; the applied Results not merged yet
+        self.merge_at: dict[int, int] = {}
+        self.held: set[int] = set()
         self.unanswered_submits: deque[int] = deque()   # Errors name no fragment: replies come in order
         self.last_submit: tuple[int, int] | None = None
         # heartbeats and the quorum (W3, W6)
@@ -148,7 +157,7 @@ class SessionModel:
 
     def due(self, now: float) -> list[int]:
         return [f for f in range(len(self.next_close))
-                if f not in self.waiting and self.sched_step >= self.next_close[f]
+                if f not in self.waiting and f not in self.merge_at and self.sched_step >= self.next_close[f]
                 and not (f in self.retry and now < self.retry[f])]
 
     def goto(self, state: str) -> None:
@@ -179,7 +188,17 @@ class SessionModel:
         self.join_every = JOIN_RESEND_FIRST_S
         self.already_member_left = ALREADY_MEMBER_RETRIES
 
+    def merge(self, f: int) -> None:
+        self.held.discard(f)
+        del self.merge_at[f]
+        self.out.append(("merge", f, self.fragments[f], self.alpha))
+
+    def merge_everything(self) -> None:                   # W17
+        for f in sorted(self.held):
+            self.merge(f)
+
     def rejoin(self, now: float) -> None:
+        self.merge_everything()                           # W17
         self.end_pause(now)
         self.goto(JOINING)
         self.join(now)
@@ -190,6 +209,7 @@ class SessionModel:
         if self.stop_reason is None:
             self.stop_reason = reason
         self.goto(STOPPING)
+        self.merge_everything()                           # W17: before the checkpoint
         self.out.append(("stop", self.stop_reason, save))
 
     def failed(self, code: str, now: float) -> None:
@@ -198,6 +218,8 @@ class SessionModel:
         if self.stop_reason is None:
             self.stop_reason = f"error: {code}"
         self.ask_until = None
+        self.held.clear()                                  # W17: a failed worker merges nothing
+        self.merge_at.clear()
         self.goto(STOPPED)
 
     def take(self) -> list[tuple]:
@@ -248,6 +270,8 @@ class SessionModel:
         if self.left:
             return []
         self.left = True
+        if self.state != STOPPED:
+            self.merge_everything()                        # W17
         if self.welcomed and self.stop_order is None:       # W13
             self.out.append(("send", "Leave"))
         self.end_pause(now)
@@ -267,6 +291,8 @@ class SessionModel:
             self.end_pause(now)
             if self.stop_reason is None:
                 self.stop_reason = f"error: {code}"
+            self.held.clear()
+            self.merge_at.clear()
             self.goto(STOPPED)
         return self.take()
 
@@ -366,6 +392,7 @@ class SessionModel:
         elif not (same_layout and len(self.next_close) == F):
             self.next_close = [self.sched_step + off for off in self.offsets()]
         self.waiting = {f: r for f, r in msg.parked}
+        self.merge_at.clear()                                         # W18: parked: no window
         self.unanswered_submits.clear()
         self.retry.clear()
         self.must_rejoin = False
@@ -377,7 +404,7 @@ class SessionModel:
         if not self.welcomed:
             self.resync_after = RESYNC_INTERVALS * self.hb_s
         self.welcomed = True
-        self.goto(WAITING if self.waiting or self.due(now) else TRAINING)
+        self.goto(WAITING if self.waiting or (self.due(now) and not self.T) else TRAINING)
 
     def heartbeat_reply(self, msg: HeartbeatReply, now: float) -> None:
         self.heartbeats_unanswered = max(0, self.heartbeats_unanswered - 1)
@@ -410,7 +437,12 @@ class SessionModel:
             self.unanswered_submits.remove(f)      # its Result answers the Submit (an Accepted was lost)
         if outcome in ("applied", "applied_final"):                  # W7
             del self.waiting[f]
-            self.out.append(("install", f, self.fragments[f], False, "Result"))
+            if f in self.merge_at:                                    # W16: held until its window ends
+                self.held.add(f)
+                if self.state == STOPPING:
+                    self.merge(f)
+            else:
+                self.out.append(("install", f, self.fragments[f], False, "Result"))
             self.round_ids[f] = msg.next_round_id
             if self.mode == "sync":
                 self.next_close[f] = msg.next_round_id * self.H + self.offsets()[f]
@@ -423,6 +455,7 @@ class SessionModel:
                 self.stop_order = ("drain", False)
         elif outcome == "stop":                                       # W12: ask
             del self.waiting[f]
+            self.merge_at.pop(f, None)
             if self.stop_order is None:
                 self.stop_order = ("stop", None)
         else:
@@ -438,6 +471,7 @@ class SessionModel:
                 pass
             elif code == "held_limit" and f is not None:              # W8
                 self.waiting.pop(f, None)
+                self.merge_at.pop(f, None)
                 self.retry[f] = now + self.hb_s
             elif code in STOP_CODES:                                  # W12: ask
                 if self.stop_order is None:
@@ -469,9 +503,14 @@ class SessionModel:
             return
         if self.state == JOINING:
             return
+        for f in sorted(self.held):                                   # W16: windows that ended
+            if self.merge_at[f] <= self.sched_step:
+                self.merge(f)
         for f in self.due(now):                                       # W4, W8
             self.retry.pop(f, None)
-            if self.state == TRAINING:
+            if self.T:
+                self.merge_at[f] = self.sched_step + self.T           # W15: train on
+            elif self.state == TRAINING:
                 self.goto(WAITING)                                    # (from PAUSED: decided below)
             self.out.append(("submit", f, self.round_ids[f]))
             self.waiting[f] = self.round_ids[f]
@@ -480,9 +519,13 @@ class SessionModel:
             self.replies_from_before_wait = self.heartbeats_unanswered   # W6
             self.quorum_news_fresh = False
             self.heartbeat(now)                                           # W3
+        overdue = [f for f in self.waiting if f not in self.merge_at or self.merge_at[f] <= self.sched_step]
+        stuck = bool(overdue) or bool(self.retry)                     # W5, W16
         if self.state == TRAINING:
-            return
-        if not self.waiting and not self.retry:                       # W7
+            if not stuck:
+                return
+            self.goto(WAITING)                                        # W16: the window ended first
+        if not stuck:                                                 # W7
             self.end_pause(now)
             self.goto(TRAINING)
             return
@@ -529,6 +572,8 @@ class SessionModel:
             "state": self.state,
             "waiting": dict(self.waiting),
             "retry": dict(self.retry),
+            "merge_at": dict(self.merge_at),
+            "held": sorted(self.held),
             "round_ids": list(self.round_ids),
             "next_close": list(self.next_close),
             "sched_step": self.sched_step,
@@ -546,6 +591,8 @@ def session_observables(s: Any) -> dict[str, Any]:
         "state": None if s.state is None else s.state.value,
         "waiting": dict(s.waiting),
         "retry": dict(s.retry_at),
+        "merge_at": dict(s.merge_at),
+        "held": sorted(s.held),
         "round_ids": list(s.round_ids),
         "next_close": list(s.next_close),
         "sched_step": s.sched_step,

@@ -1,4 +1,4 @@
-"""One focused, time-exact example per worker-session rule (SPEC.md section 14, W1-W14).
+"""One focused, time-exact example per worker-session rule (SPEC.md section 14, W1-W18).
 
 Each test is named after the rule it checks and drives a ``WorkerSession`` by
 hand with a fake clock (plain numbers: the session never reads a clock).
@@ -69,9 +69,10 @@ def kinds(actions, kind: str) -> list[tuple]:
     return [t for t in observe(actions) if t[0] == kind]
 
 
-def joined(H=4, layout=ONE, rounds=None, mode="sync", hb=1.0, timeout=600.0, below=False, parked=()) -> WorkerSession:
-    """A session started at t=0 and welcomed at t=0."""
-    s = WorkerSession(WID, H, SPEC, coordinator_timeout_s=timeout)
+def joined(H=4, layout=ONE, rounds=None, mode="sync", hb=1.0, timeout=600.0, below=False, parked=(),
+           T=0, alpha=0.5) -> WorkerSession:
+    """A session started at t=0 and welcomed at t=0 (``T``: overlap_steps)."""
+    s = WorkerSession(WID, H, SPEC, coordinator_timeout_s=timeout, overlap_steps=T, overlap_alpha=alpha)
     s.start(0.0)
     s.on_message(welcome(rounds or (0,) * len(layout), layout, parked, mode, below, hb), 0.0)
     return s
@@ -600,6 +601,200 @@ def _nothing_more(s: WorkerSession) -> None:
     assert s.state is S.STOPPED
 
 
+# --------------------------------------------------------------------------- W15
+
+
+def states(actions) -> list[str]:
+    return [t[1] for t in observe(actions) if t[0] == "state"]
+
+
+def test_w15_overlap_a_submission_keeps_training_until_its_merge_step():
+    s = joined(H=4, layout=TWO, T=2)                  # closes at steps 2 and 4
+    s.step_done(1.0)
+    actions = s.step_done(2.0)                        # step 2: fragment 0's sync point
+    assert sent(actions) == [("submit", 0, 0), "Heartbeat"] and states(actions) == []
+    assert s.state is S.TRAINING and s.may_train and s.waiting == {0: 0} and s.merge_at == {0: 4}
+    s.step_done(3.0)
+    actions = s.step_done(4.0)                        # step 4: fragment 1 submits; fragment 0's window ends
+    assert sent(actions) == [("submit", 1, 0), "Heartbeat"] and s.state is S.WAITING
+    assert s.merge_at == {0: 4, 1: 6}
+
+
+def test_w15_overlap_a_welcome_with_a_fragment_due_submits_it_while_training():
+    s = WorkerSession(WID, 4, SPEC, overlap_steps=1)
+    s.restore(fragments=ONE, round_ids=[0], next_close=[4], sched_step=4, inner_step=4, rounds_synced=0,
+              mode="sync")
+    s.start(0.0)
+    actions = s.on_message(welcome((0,)), 0.5)
+    assert states(actions) == ["training"] and sent(actions) == [("submit", 0, 0), "Heartbeat"]
+    assert s.state is S.TRAINING and s.merge_at == {0: 5}
+
+
+@pytest.mark.parametrize("T,alpha,what", [(4, 0.5, "must be less than sync_every=4"), (-1, 0.5, ">= 0"),
+                                          (True, 0.5, ">= 0"), (1.0, 0.5, ">= 0"), (1, 1.0, "0 <= alpha < 1"),
+                                          (1, -0.1, "0 <= alpha < 1"), (1, float("nan"), "0 <= alpha < 1")])
+def test_w15_overlap_steps_of_at_least_h_or_a_bad_alpha_are_refused(T, alpha, what):
+    with pytest.raises(ValueError, match=what.replace("(", r"\(")):
+        WorkerSession(WID, 4, SPEC, overlap_steps=T, overlap_alpha=alpha)
+    assert WorkerSession(WID, 4, SPEC, overlap_steps=3, overlap_alpha=0.0).overlap_steps == 3
+
+
+# --------------------------------------------------------------------------- W16
+
+
+def test_w16_merge_a_result_within_the_window_is_held_then_merged_exactly_at_s_plus_t():
+    s = joined(H=4, T=2, alpha=0.25)
+    for t in (1.0, 2.0, 3.0):
+        s.step_done(t)
+    s.step_done(4.0)                                  # step 4: submit round 0, window until step 6
+    actions = s.on_message(result(0, 0), 4.5)         # applied, within the window: held
+    assert observe(actions) == [] and s.held == {0: {"x": "new"}} and s.waiting == {}
+    assert s.round_ids == [1] and s.next_close == [8] and s.rounds_synced == 1   # released at arrival (W7)
+    assert observe(s.step_done(5.0)) == [] and s.state is S.TRAINING
+    actions = s.step_done(6.0)
+    assert observe(actions) == [("merge", 0, ("a", "b", "c"), 0.25)]
+    assert actions[0].params == {"x": "new"} and s.held == {} and s.merge_at == {} and s.state is S.TRAINING
+
+
+def test_w16_merge_a_late_result_makes_the_worker_wait_at_s_plus_t_then_merges_at_once():
+    s = joined(H=4, T=1)
+    for t in (1.0, 2.0, 3.0, 4.0):
+        s.step_done(t)                                # step 4: submit
+    assert s.state is S.TRAINING
+    actions = s.step_done(5.0)                        # step 5: window over, no Result: wait (W5)
+    assert states(actions) == ["waiting"] and not s.may_train
+    assert sent(s.step_done(5.5)) == [] and s.sched_step == 5              # W4: does not move the schedule
+    actions = s.on_message(result(0, 0), 6.0)
+    assert observe(actions) == [("merge", 0, ("a", "b", "c"), 0.5), ("state", "training", "waiting")]
+
+
+def test_w16_merge_below_quorum_the_worker_still_pauses_at_the_end_of_the_window():
+    s = joined(H=2, T=1)
+    s.step_done(1.0)
+    s.step_done(2.0)                                  # submit + heartbeat
+    s.on_message(reply(below=True), 2.1)              # fresh: below quorum, but TRAINING is never paused (W6)
+    assert s.state is S.TRAINING
+    actions = s.step_done(3.0)                        # the window ends: wait, and pause at once
+    assert states(actions) == ["waiting", "paused"] and s.state is S.PAUSED
+    s.on_message(reply(below=False), 5.0)
+    assert s.state is S.WAITING and s.seconds_paused == 2.0
+    s.on_message(result(0, 0), 5.5)
+    assert s.state is S.TRAINING
+
+
+def test_w16_merge_never_before_the_round_applied():
+    s = joined(H=2, T=1)
+    s.step_done(1.0)
+    s.step_done(2.0)
+    for m in (result(0, 1), result(1, 0), Accepted(0, 0), reply()):      # anything but its applied Result
+        assert kinds(s.on_message(m, 2.5), "merge") == []
+    assert s.held == {} and s.waiting == {0: 0}
+    assert kinds(s.step_done(3.0), "merge") == [] and s.state is S.WAITING
+    actions = s.on_message(result(0, 0, "stop"), 3.5)                   # round ended without an apply
+    assert kinds(actions, "merge") == [] and s.merge_at == {} and s.state is S.STOPPING
+
+
+def test_w16_merge_comes_before_a_submission_of_the_same_step():
+    s = joined(H=2, layout=TWO, T=1)                  # offsets 1 and 2
+    s.step_done(1.0)                                  # step 1: submit fragment 0, merge at 2
+    s.on_message(result(0, 0), 1.5)
+    assert observe(s.step_done(2.0))[:3] == [("merge", 0, ("a",), 0.5), ("submit", 1, 0), ("send", "Heartbeat")]
+
+
+# --------------------------------------------------------------------------- W17
+
+
+def held_at_step_4(T=2, **kw) -> WorkerSession:
+    s = joined(H=4, T=T, **kw)
+    for t in (1.0, 2.0, 3.0, 4.0):
+        s.step_done(t)
+    s.on_message(result(0, 0), 4.5)
+    assert s.held and s.state is S.TRAINING
+    return s
+
+
+@pytest.mark.parametrize("how", ["command_stop", "save_and_stop", "request_stop", "gave_up"])
+def test_w17_stop_merges_every_held_result_before_the_stop(how):
+    s = held_at_step_4(timeout=12.0)
+    if how == "command_stop":
+        actions = s.on_message(reply(command=Command.STOP), 5.0)
+    elif how == "save_and_stop":
+        actions = s.on_message(reply(command=Command.SAVE_AND_STOP), 5.0)
+    elif how == "request_stop":
+        actions = s.request_stop(5.0, save=True)
+    else:
+        s.tick(5.0)                                   # a heartbeat nobody answers
+        actions = s.tick(17.5)
+    got = [t[0] for t in observe(actions) if t[0] in ("merge", "stop")]
+    assert got == ["merge", "stop"] and s.held == {}
+
+
+def test_w17_stop_applied_final_within_the_window_merges_then_drains():
+    s = held_at_step_4()
+    s.step_done(5.0)
+    s.step_done(6.0)                                  # merged at 6
+    s.step_done(7.0)
+    s.step_done(8.0)                                  # round 1 submitted
+    actions = s.on_message(result(0, 1, "applied_final"), 8.5)
+    assert [t[0] for t in observe(actions) if t[0] != "state"] == ["merge", "stop"]
+    assert kinds(actions, "stop") == [("stop", "drain", False)]
+
+
+def test_w17_stop_a_result_arriving_while_stopping_is_merged_at_once():
+    s = joined(H=4, T=2)
+    for t in (1.0, 2.0, 3.0, 4.0):
+        s.step_done(t)
+    s.on_message(err("stopped", "Heartbeat"), 4.2)   # a stop of unknown kind: asking
+    assert s.state is S.STOPPING
+    assert kinds(s.on_message(result(0, 0), 4.3), "merge") == [("merge", 0, ("a", "b", "c"), 0.5)]
+
+
+def test_w17_leave_and_rejoin_merge_held_results_a_failure_drops_them():
+    s = held_at_step_4()
+    assert [t[0] for t in observe(s.leave(5.0))] == ["merge", "send", "state"]
+    s = held_at_step_4()
+    actions = s.on_message(reply(command=Command.REJOIN), 5.0)
+    assert [t[0] for t in observe(actions)] == ["merge", "state", "send"] and s.state is S.JOINING
+    s = held_at_step_4()
+    assert kinds(s.fail("transport", "gone", 5.0), "merge") == [] and s.held == {}
+    assert kinds(s.leave(5.1), "merge") == []
+    s = held_at_step_4()
+    actions = s.on_message(err("tensor_mismatch", "Submit"), 5.0)
+    assert kinds(actions, "fail") == [("fail", "tensor_mismatch")] and kinds(actions, "merge") == []
+
+
+# --------------------------------------------------------------------------- W18
+
+
+def test_w18_welcome_a_parked_contribution_has_no_window_and_its_result_is_installed():
+    s = joined(H=4, T=2)
+    for t in (1.0, 2.0, 3.0, 4.0):
+        s.step_done(t)                                # submitted round 0, window until step 6
+    s.on_message(reply(command=Command.REJOIN), 4.5)
+    actions = s.on_message(welcome((0,), parked=((0, 0),)), 5.0)
+    assert s.merge_at == {} and s.state is S.WAITING and not s.may_train
+    assert kinds(actions, "install") == [("install", 0, ("a", "b", "c"), True, "Welcome")]
+    actions = s.on_message(result(0, 0), 5.5)
+    assert kinds(actions, "install") == [("install", 0, ("a", "b", "c"), False, "Result")]
+    assert kinds(actions, "merge") == [] and s.state is S.TRAINING
+
+
+def test_w18_welcome_after_a_resync_keeps_the_merged_schedule():
+    s = joined(H=4, T=1, hb=1.0)
+    for t in (1.0, 2.0, 3.0, 4.0):
+        s.step_done(t)
+    s.step_done(5.0)                                  # window over: WAITING, Result lost
+    t = 5.0
+    while s.state is S.WAITING:
+        t += 1.0
+        s.tick(t)
+        if s.awaiting_replies:
+            s.on_message(reply(), t)
+    assert s.state is S.JOINING and t == 22.0         # W9 as before: 16 intervals after the first tick
+    s.on_message(welcome((1,)), 22.5)                 # the round applied meanwhile: the Welcome brings it
+    assert s.state is S.TRAINING and s.merge_at == {} and s.waiting == {}
+
+
 # --------------------------------------------------------------------------- misuse
 
 
@@ -618,7 +813,7 @@ def test_events_before_start():
 
 
 def test_spec_section_14_names_only_tests_that_exist():
-    """Every rule W1-W14 of SPEC.md section 14 names tests, and each name matches a test here."""
+    """Every rule W1-W18 of SPEC.md section 14 names tests, and each name matches a test here."""
     import fnmatch
     import re
     from pathlib import Path
@@ -626,7 +821,7 @@ def test_spec_section_14_names_only_tests_that_exist():
     spec = (Path(__file__).resolve().parents[2] / "SPEC.md").read_text(encoding="utf-8")
     section = spec[spec.index("## 14. The worker session"):]
     rules = re.findall(r"^- \*\*(W\d+) [^*]+\.\*\*(.*?)(?=^- \*\*W|\Z)", section, re.S | re.M)
-    assert [r for r, _ in rules] == [f"W{i}" for i in range(1, 15)]
+    assert [r for r, _ in rules] == [f"W{i}" for i in range(1, 19)]
     tests = [name for name in globals() if name.startswith("test_")]
     for rule, text in rules:
         names = re.findall(r"`(test_\w+\*?)`", text)

@@ -1,7 +1,8 @@
 """Hypothesis drives a WorkerSession and the reference model side by side (SPEC.md section 14).
 
 Rules model what the world can do to a worker: time passes (monotonic), the
-driver finishes inner steps and ticks, the coordinator sends Welcomes (any round
+driver finishes inner steps and ticks (``overlap_steps`` 0, 1 or 2: W15-W18), the
+coordinator sends Welcomes (any round
 ids, parked lists, quorum flag, mode, 1-3 fragments, heartbeat interval; now and
 then a bad one), heartbeat replies with every command, Accepted, Results for the
 awaited (fragment, round) and for anything else with every outcome (and one the
@@ -11,10 +12,12 @@ the Stop done or fails. Tensors are placeholder strings: the session never
 touches them.
 
 After every event: the session's protocol actions equal the model's, in order,
-and so do the observables (state, waiting, retries, round ids, schedule,
-inner_step, rounds_synced, stop_reason, seconds_paused). Independently of the
-model: W5 (TRAINING implies nothing waiting or retrying; ``may_train`` only in
-TRAINING), no ``SubmitFragment`` for a fragment already waiting, no heartbeat
+and so do the observables (state, waiting, retries, merge steps and held Results,
+round ids, schedule, inner_step, rounds_synced, stop_reason, seconds_paused).
+Independently of the model: W5/W16 (TRAINING implies nothing retrying and every
+awaited or held Result within its overlap window; ``may_train`` only in
+TRAINING), no ``SubmitFragment`` for a fragment already waiting or merging, a
+``MergeParams`` only for a fragment whose ``applied`` Result came, no heartbeat
 while joining (W3), nothing emitted once STOPPED (but the one ``Leave`` of W13),
 at most one ``Stop`` per session, the state is one of ``SESSION_STATES``, and
 ``seconds_paused`` never decreases.
@@ -41,7 +44,7 @@ from diloco.wire.messages import (
     TensorSpec,
     Welcome,
 )
-from diloco.worker.actions import InstallParams, Send, StateChanged, Stop, SubmitFragment
+from diloco.worker.actions import InstallParams, MergeParams, Send, StateChanged, Stop, SubmitFragment
 from diloco.worker.session import WorkerSession
 from diloco.worker.states import SESSION_STATES, WorkerState
 from session_model import SessionModel, observe, session_observables
@@ -80,15 +83,20 @@ class SessionMachine(RuleBasedStateMachine):
         self.stops = 0
         self.last_paused = 0.0
         self.state_before: WorkerState | None = None
+        #: Fragments whose applied Result came and has not been merged yet (W16), seen from outside.
+        self.applied_unmerged: set[int] = set()
 
     @initialize(sync_every=st.integers(1, 4), timeout=st.sampled_from((12.0, 45.0, 600.0)),
                 restore=st.one_of(st.none(), st.tuples(st.sampled_from(LAYOUTS), st.sampled_from(("sync", "async")),
                                                        st.integers(0, 3), st.integers(0, 9))),
                 welcome=st.one_of(st.none(), st.tuples(st.sampled_from(LAYOUTS), st.sampled_from(("sync", "async")),
-                                                       st.sampled_from(INTERVALS_S), st.booleans())))
-    def start(self, sync_every, timeout, restore, welcome):
-        self.session = WorkerSession(WID, sync_every, SPEC, coordinator_timeout_s=timeout)
-        self.model = SessionModel(sync_every, NAMES, timeout)
+                                                       st.sampled_from(INTERVALS_S), st.booleans())),
+                overlap=st.sampled_from((0, 1, 1, 2)), alpha=st.sampled_from((0.0, 0.5, 0.875)))
+    def start(self, sync_every, timeout, restore, welcome, overlap, alpha):
+        overlap = min(overlap, sync_every - 1)   # W15: T < H
+        self.session = WorkerSession(WID, sync_every, SPEC, coordinator_timeout_s=timeout, overlap_steps=overlap,
+                                     overlap_alpha=alpha)
+        self.model = SessionModel(sync_every, NAMES, timeout, overlap, alpha)
         if restore is not None:
             layout, mode, rnd, step = restore
             F = len(layout)
@@ -119,6 +127,12 @@ class SessionMachine(RuleBasedStateMachine):
             if isinstance(a, InstallParams):
                 assert a.params is PARAMS or a.params == {n: f"{a.source}-{n}" for n in a.names} or \
                     a.params == {}, a
+            if isinstance(a, MergeParams):
+                # W16: only what an applied Result brought, once, and only with overlap
+                assert self.session.overlap_steps and a.alpha == self.session.overlap_alpha, a
+                assert a.fragment_id in self.applied_unmerged, f"a merge without its applied Result: {actions}"
+                assert a.params == {n: f"Result-{n}" for n in a.names}, a
+                self.applied_unmerged.discard(a.fragment_id)
         # W3: no heartbeat while joining (or stopped); in STOPPING only the one that asks (W12).
         state = before_state
         for a in actions:
@@ -135,10 +149,17 @@ class SessionMachine(RuleBasedStateMachine):
         assert self.stops <= 1, f"{what}: a second Stop: {actions}"
         self.state_before = self.session.state
 
-    def submits_respect_waiting(self, before: dict[int, int], actions, welcome: Welcome | None = None) -> None:
-        """No SubmitFragment for a fragment already waiting (released ones may be submitted again)."""
+    def submits_respect_waiting(self, before: dict[int, int], actions, welcome: Welcome | None = None,
+                                merging: frozenset = frozenset()) -> None:
+        """No SubmitFragment for a fragment already waiting or merging (released and merged ones may be)."""
         waiting = dict(before)
+        merging = set(merging)
         for a in actions:
+            if isinstance(a, MergeParams):
+                merging.discard(a.fragment_id)
+                waiting.pop(a.fragment_id, None)
+            if isinstance(a, SubmitFragment):
+                assert a.fragment_id not in merging, f"submitted fragment {a.fragment_id} before its merge: {actions}"
             if isinstance(a, InstallParams):
                 if a.source == "Welcome" and welcome is not None:
                     waiting = {f: r for f, r in welcome.parked}
@@ -149,10 +170,17 @@ class SessionMachine(RuleBasedStateMachine):
                 waiting[a.fragment_id] = a.round_id
 
     def deliver(self, msg, what: str) -> None:
-        before = dict(self.session.waiting)
+        before, merging = dict(self.session.waiting), frozenset(self.session.held)
+        joining = self.session.state is WorkerState.JOINING
+        if isinstance(msg, Result) and before.get(msg.fragment_id) == msg.round_id \
+                and msg.outcome in ("applied", "applied_final") and self.session.state not in (
+                    None, WorkerState.JOINING, WorkerState.STOPPED):
+            self.applied_unmerged.add(msg.fragment_id)
         actions = self.session.on_message(msg, self.now)
         self.check(what, actions, self.model.message(msg, self.now))
-        self.submits_respect_waiting(before, actions, msg if isinstance(msg, Welcome) else None)
+        self.submits_respect_waiting(before, actions, msg if isinstance(msg, Welcome) else None, merging)
+        if isinstance(msg, Welcome) and joining:
+            self.applied_unmerged.clear()
 
     # ------------------------------------------------------------ time and the driver
 
@@ -163,19 +191,19 @@ class SessionMachine(RuleBasedStateMachine):
     @rule(dt=st.sampled_from(STEPS_S), transport=st.one_of(st.none(), st.sampled_from((0.0, 0.5, 3.0, 1e9))))
     def tick(self, dt, transport):
         self.now += dt
-        before = dict(self.session.waiting)
+        before, merging = dict(self.session.waiting), frozenset(self.session.held)
         actions = self.session.tick(self.now, transport)
         self.check(f"tick({transport})", actions, self.model.tick(self.now, transport))
-        self.submits_respect_waiting(before, actions)
+        self.submits_respect_waiting(before, actions, merging=merging)
 
     @rule(dt=st.sampled_from(STEPS_S), n=st.integers(1, 3))
     def step_done(self, dt, n):
         self.now += dt
         for _ in range(n):
-            before = dict(self.session.waiting)
+            before, merging = dict(self.session.waiting), frozenset(self.session.held)
             actions = self.session.step_done(self.now)
             self.check("step_done", actions, self.model.step_done(self.now))
-            self.submits_respect_waiting(before, actions)
+            self.submits_respect_waiting(before, actions, merging=merging)
 
     @rule(roll=st.integers(0, 20), save=st.booleans())
     def request_stop(self, roll, save):
@@ -246,6 +274,13 @@ class SessionMachine(RuleBasedStateMachine):
         f, r = data.draw(st.sampled_from(sorted(self.session.waiting.items())))
         self.result(f, r, outcome, r + bump)
 
+    @precondition(lambda self: self.session.state is WorkerState.TRAINING and self.session.waiting)
+    @rule(data=st.data(), outcome=st.sampled_from(("applied",) * 4 + ("applied_final", "stop")))
+    def result_within_the_window(self, data, outcome):
+        """Overlap (W16): the Result comes while the worker trains on."""
+        f, r = data.draw(st.sampled_from(sorted(self.session.waiting.items())))
+        self.result(f, r, outcome, r + 1)
+
     @rule(f=st.integers(0, 2), r=st.integers(0, 6), outcome=st.sampled_from(OUTCOMES), nxt=st.integers(0, 7))
     def result_any(self, f, r, outcome, nxt):
         self.result(f, r, outcome, nxt)
@@ -278,7 +313,10 @@ class SessionMachine(RuleBasedStateMachine):
         for _ in range(n):
             if not self.session.may_train:
                 break
+            submitted = set(self.session.merge_at)
             self.step_done(dt, 1)
+            if set(self.session.merge_at) - submitted:
+                break  # overlap: give the Result a chance to come within the window (W16)
 
     # ------------------------------------------------------------ invariants
 
@@ -290,10 +328,24 @@ class SessionMachine(RuleBasedStateMachine):
     def w5_never_train_on_a_stale_base(self):
         s = self.session
         if s.state is WorkerState.TRAINING:
-            assert not s.waiting and not s.retry_at, f"W5: TRAINING with waiting={s.waiting} retry={s.retry_at}"
+            # W5, W16: with overlap an awaited or held Result is allowed only within its window.
+            assert not s.retry_at, f"W5: TRAINING with retry={s.retry_at}"
+            for f in list(s.waiting) + list(s.held):
+                assert s.merge_at.get(f, -1) > s.sched_step, (
+                    f"W5/W16: TRAINING at step {s.sched_step} with fragment {f} outstanding "
+                    f"(waiting={s.waiting} held={sorted(s.held)} merge_at={s.merge_at})")
+            if not s.overlap_steps:
+                assert not s.waiting and not s.held
         assert s.may_train == (s.state is WorkerState.TRAINING)
         if s.state in (WorkerState.WAITING, WorkerState.PAUSED):
             assert not s.may_train
+
+    @invariant()
+    def w15_windows_are_at_most_overlap_steps_long(self):
+        s = self.session
+        assert set(s.held) <= set(s.merge_at) and not (set(s.held) & set(s.waiting))
+        for f, at in s.merge_at.items():
+            assert at - s.sched_step <= s.overlap_steps, f"W15: merge of {f} at {at}, now step {s.sched_step}"
 
     @invariant()
     def seconds_paused_never_decreases(self):
