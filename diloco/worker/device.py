@@ -58,3 +58,38 @@ def loss_on_device(loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
     def on_device(model: torch.nn.Module, batch: Any) -> torch.Tensor:
         return loss_fn(model, to_device(batch, device))
     return on_device
+
+
+class DeviceGlobal:
+    """The global params' copy on the model's device, so that pseudo-gradients are computed there.
+
+    Kept only when a parameter lives off the CPU (the fp32 CPU copy stays the master: checkpoints,
+    deltas and the bit-for-bit agreement with the coordinator are computed from it). A
+    pseudo-gradient ``global - local`` is then one subtraction on the device and one copy to the
+    CPU for the wire, into pinned memory where CUDA is (an asynchronous copy, waited for once).
+    On the CPU it is exactly ``global - local`` in fp32, as before.
+    """
+
+    def __init__(self, params: dict[str, torch.Tensor]) -> None:
+        self.active = any(p.device.type != "cpu" for p in params.values())
+        self._copy: dict[str, torch.Tensor] = {}
+
+    def set(self, name: str, cpu_value: torch.Tensor, device: torch.device) -> None:
+        """The global value of ``name`` changed (an install, a merge, a restore): mirror it on ``device``."""
+        if self.active:
+            self._copy[name] = cpu_value.to(device, torch.float32)
+
+    def pseudo_gradients(self, names, params: dict[str, torch.Tensor],
+                         global_cpu: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``global - local`` for ``names``, as fp32 CPU tensors ready for the wire."""
+        if not self.active:
+            return {n: global_cpu[n] - params[n].detach().to("cpu", torch.float32) for n in names}
+        pin = torch.cuda.is_available()
+        out = {}
+        for n in names:
+            diff = self._copy[n] - params[n].detach().to(torch.float32)
+            buf = torch.empty(diff.shape, dtype=torch.float32, pin_memory=pin)
+            out[n] = buf.copy_(diff, non_blocking=pin)
+        if pin:
+            torch.cuda.synchronize()
+        return out

@@ -100,6 +100,7 @@ from diloco.worker.actions import (
     SubmitFragment,
 )
 from diloco.worker.checkpoint import WorkerCheckpoint, checkpoint_path, restore_worker, save_worker_checkpoint
+from diloco.worker.device import DeviceGlobal
 from diloco.worker.errors import DilocoWorkerError
 from diloco.worker.link import Link
 from diloco.worker.session import DEFAULT_COORDINATOR_TIMEOUT_S, DEFAULT_OVERLAP_ALPHA, WorkerSession
@@ -161,6 +162,7 @@ class DilocoWorker:
         #: ``--max-update-norm`` is compared with (NaN before the first submission).
         self.last_update_norm = math.nan
         self._global: Tensors = {}                    # fp32 copy of the global params
+        self._global_on_device = DeviceGlobal(self._params)  # its mirror on a GPU, for pseudo-gradients
         #: Times the driver wrote global params into the model (a Welcome, a Result, a restore):
         #: a multi-rank worker's leader broadcasts the model to its other ranks when this moves.
         self.params_written = 0
@@ -504,7 +506,7 @@ class DilocoWorker:
                 t = params[n]
                 p = self._params[n]
                 p.lerp_(t.to(p.device, p.dtype), 1.0 - action.alpha)
-                self._global[n] = t.detach().to("cpu", torch.float32).clone()
+                self._set_global(n, t)
         self.params_written += 1
 
     def _install(self, action: InstallParams) -> None:
@@ -516,12 +518,17 @@ class DilocoWorker:
             for n in action.names:
                 t = params[n]
                 self._params[n].copy_(t)
-                self._global[n] = t.detach().to("cpu", torch.float32).clone()
+                self._set_global(n, t)
         self.params_written += 1
 
+    def _set_global(self, name: str, value: torch.Tensor) -> None:
+        self._global[name] = value.detach().to("cpu", torch.float32).clone()
+        self._global_on_device.set(name, self._global[name], self._params[name].device)
+
     def _submit(self, action: SubmitFragment) -> None:
-        tensors = {n: self._global[n] - self._params[n].detach().to("cpu", torch.float32)
-                   for n in self.session.fragments[action.fragment_id]}
+        # global - local, on the model's device when it has one, copied to the CPU for the wire.
+        tensors = self._global_on_device.pseudo_gradients(self.session.fragments[action.fragment_id], self._params,
+                                                          self._global)
         self.last_update_norm = math.sqrt(sum(float(torch.linalg.vector_norm(t)) ** 2 for t in tensors.values()))
         enc = compression.encode(tensors, self.wire_dtype)  # the run's wire dtype, from the Welcome
         self.link.post(Submit(self.worker_id, action.fragment_id, action.round_id, enc.values, self.wire_dtype,
@@ -581,7 +588,9 @@ class DilocoWorker:
     def _restore(self) -> None:
         ckpt = restore_worker(self.checkpoint_path, self.worker_id, self.sync_every, self.model,
                               self.inner_optimizer)
-        self._global = {n: t.to(torch.float32).clone() for n, t in ckpt.global_params.items()}
+        self._global = {}
+        for n, t in ckpt.global_params.items():
+            self._set_global(n, t)
         self.session.restore(fragments=ckpt.fragments, round_ids=ckpt.round_ids, next_close=ckpt.next_close,
                              sched_step=ckpt.sched_step, inner_step=ckpt.inner_step,
                              rounds_synced=ckpt.rounds_synced, mode=ckpt.mode)

@@ -115,3 +115,23 @@ def test_a_multi_rank_worker_needs_an_id():
     proc = _worker_cli(env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
     assert proc.returncode == 2, proc.stderr
     assert "needs --id" in proc.stderr
+
+
+def test_pseudo_gradients_on_the_device_path_equal_the_cpu_path():
+    """The device mirror's arithmetic (forced on, on the CPU) gives global - local exactly, as fp32 on the CPU."""
+    from diloco.worker.device import DeviceGlobal
+
+    g = torch.Generator().manual_seed(0)
+    params = {"a": torch.nn.Parameter(torch.randn(3, 4, generator=g)), "b": torch.nn.Parameter(torch.randn(5, generator=g))}
+    global_cpu = {n: torch.randn(p.shape, generator=g) for n, p in params.items()}
+    plain = DeviceGlobal(params)
+    assert not plain.active  # everything on the CPU: no mirror is kept
+    want = plain.pseudo_gradients(["a", "b"], params, global_cpu)
+    mirrored = DeviceGlobal(params)
+    mirrored.active = True
+    for n, t in global_cpu.items():
+        mirrored.set(n, t, torch.device("cpu"))
+    got = mirrored.pseudo_gradients(["a", "b"], params, global_cpu)
+    for n in params:
+        assert got[n].device.type == "cpu" and got[n].dtype == torch.float32
+        assert torch.equal(got[n], want[n]) and torch.equal(want[n], global_cpu[n] - params[n].detach())
