@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from diloco.worker.metrics import batch_size
 from diloco.worker.worker import DilocoWorker
 
 
@@ -90,6 +91,7 @@ def run_training(worker: DilocoWorker, batches: Iterable[Any],
                     after_backward(model)
                 opt.step()
                 losses.append(float(loss.detach()))
+                worker.report(loss=losses[-1], samples=batch_size(batch))
                 if not worker.step_done():
                     reason = None
                     break
