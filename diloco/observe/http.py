@@ -16,6 +16,7 @@ coordinator's loop, which only publishes snapshots. ``close()`` stops it.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from importlib import resources
 from typing import Callable, Iterable
@@ -69,11 +70,17 @@ class _QuietHandler(WSGIRequestHandler):
         pass  # the server's stdout is for the run's events
 
 
+class _WSGIServer6(WSGIServer):
+    address_family = socket.AF_INET6
+
+
 class DashboardServer:
     """``make_app`` on ``host:port`` (port 0: a free one; ``address`` says which), on a daemon thread."""
 
     def __init__(self, observatory, host: str, port: int) -> None:
-        self._server: WSGIServer = make_server(host, port, make_app(observatory), handler_class=_QuietHandler)
+        server_class = _WSGIServer6 if ":" in host else WSGIServer
+        self._server: WSGIServer = make_server(host, port, make_app(observatory), server_class=server_class,
+                                               handler_class=_QuietHandler)
         self._server.timeout = REQUEST_TIMEOUT_S
         self.host, self.port = self._server.server_address[:2]
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},

@@ -21,12 +21,15 @@ ages; wall-clock times only in ``started_at``.
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import threading
 import time
 from typing import Any, Callable
 
 from diloco.wire.messages import Error, Message
+
+log = logging.getLogger("diloco.observe")
 
 #: Upper bounds of the round-duration histogram, seconds (Prometheus ``le`` buckets; +Inf implied).
 ROUND_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
@@ -77,7 +80,13 @@ class Observatory:
         return round(now_s - self.t0, 3)
 
     def __call__(self, kind: str, now_s: float, info: dict) -> None:
-        """The coordinator's observer (loop thread)."""
+        """The coordinator's observer (loop thread). Never raises: watching must not break the run."""
+        try:
+            self._on_event(kind, now_s, info)
+        except Exception:
+            log.exception("observatory: event %s not recorded", kind)
+
+    def _on_event(self, kind: str, now_s: float, info: dict) -> None:
         t = self.rel(now_s)
         self._dirty = True
         if kind == "apply":
@@ -155,7 +164,10 @@ class Observatory:
             return
         self._dirty = False
         self._next_sample = now + self.sample_interval_s
-        self.publish(now)
+        try:
+            self.publish(now)
+        except Exception:  # watching must not break the run
+            log.exception("observatory: snapshot not published")
 
     def publish(self, now_s: float) -> None:
         c = self.coordinator
