@@ -71,6 +71,8 @@ def run_training(worker: DilocoWorker, batches: Iterable[Any],
     model, opt = worker.model, worker.inner_optimizer
     losses: list[float] = []
     reason: str | None = None
+    # What the heartbeats carry (a multi-rank worker's other ranks send none: they have no report).
+    report = getattr(worker, "report", None)
     try:
         worker.join()
         if not worker.stopped:
@@ -91,7 +93,8 @@ def run_training(worker: DilocoWorker, batches: Iterable[Any],
                     after_backward(model)
                 opt.step()
                 losses.append(float(loss.detach()))
-                worker.report(loss=losses[-1], samples=batch_size(batch))
+                if report is not None:
+                    report(loss=losses[-1], samples=batch_size(batch))
                 if not worker.step_done():
                     reason = None
                     break
