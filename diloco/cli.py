@@ -26,11 +26,12 @@ from diloco.exits import (  # noqa: F401  (re-exported: the exit-code contract, 
     EXIT_USAGE,
     UsageError,
 )
+from diloco.observe import commands as observe_commands
 from diloco.planner import command as plan_command
 from diloco.sim import command as sim_command
 
 #: Modules that register subcommands, in the order ``--help`` lists them.
-COMMAND_MODULES = (demo_command, deploy_commands, sim_command, plan_command)
+COMMAND_MODULES = (demo_command, deploy_commands, observe_commands, sim_command, plan_command)
 
 
 def build_parser() -> argparse.ArgumentParser:

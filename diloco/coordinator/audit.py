@@ -43,6 +43,25 @@ def last_incarnation(path: pathlib.Path) -> int:
     return 0
 
 
+def last_run_id(path: pathlib.Path) -> str | None:
+    """The ``run_id`` of the last ``start`` line that has one (None if none): a resumed run keeps its id."""
+    found = None
+    try:
+        with open(path, "rb") as f:
+            for raw in f:
+                if b'"run_id"' not in raw:
+                    continue
+                try:
+                    value = json.loads(raw).get("run_id")
+                except (ValueError, AttributeError):
+                    continue
+                if isinstance(value, str):
+                    found = value
+    except FileNotFoundError:
+        return None
+    return found
+
+
 class AuditLog:
     """Owns ``events.jsonl``; call it as the coordinator's observer, ``flush()`` before sending."""
 

@@ -78,6 +78,7 @@ def _meta(coordinator: Coordinator, outer: list) -> dict:
         "outer": outer,
         "param_names": list(coordinator.store.params),
         "incarnation": coordinator.incarnation,
+        "run_id": coordinator.run_id,
     }
 
 
@@ -113,6 +114,8 @@ def restore_coordinator(meta: dict, tensors: dict[str, torch.Tensor], now_s: flo
     coordinator = Coordinator(config or saved, now_s, fsm=fsm, observer=observer)
     coordinator.install_params(params, outer)
     coordinator.incarnation = incarnation + 1
+    run_id = meta.get("run_id")
+    coordinator.run_id = run_id if isinstance(run_id, str) else None
     return coordinator
 
 

@@ -59,6 +59,7 @@ from diloco.core import (
     WorkerLeft,
 )
 from diloco.coordinator.config import CoordinatorConfig
+from diloco.coordinator.metrics import MetricsHistory
 from diloco.coordinator.outer import build_outer_optimizer
 from diloco.coordinator.params import (
     NonFinite,
@@ -160,6 +161,12 @@ class Coordinator:
         #: ``kick --ban``: ids, and (with authentication) keys, refused at join until ``unban``.
         self._banned_ids: set[str] = set()
         self._banned_keys: set[str] = set()
+        #: Workers' training figures from their heartbeats and per applied round (bounded; never the core's).
+        self.metrics = MetricsHistory()
+        #: The run's id (``diloco server`` sets it: new at a fresh start, kept across resumes), and clocks.
+        self.run_id: str | None = None
+        self.started_s = now_s
+        self.last_applied_s: float | None = None
 
     # ------------------------------------------------------------------ state
 
@@ -211,6 +218,15 @@ class Coordinator:
             banned_workers=sorted(self._banned_ids),
             banned_keys=sorted(self._key_names.get(k, k) for k in self._banned_keys),
         )
+        now = self.fsm.now_s
+        uptime = max(0.0, now - self.started_s)
+        view.update(
+            run_id=self.run_id, uptime_s=round(uptime, 3), config=self.config.to_dict(),
+            since_last_apply_s=None if self.last_applied_s is None else round(now - self.last_applied_s, 3),
+            rounds_per_hour=round(self.stats.rounds_applied * 3600.0 / uptime, 3) if uptime > 0 else 0.0,
+        )
+        for m in view.get("members", []):
+            m["metrics"] = self.metrics.member_view(m["worker_id"], now)
         return view
 
     # ----------------------------------------------------------------- inputs
@@ -328,6 +344,8 @@ class Coordinator:
             command = Command.REJOIN
         else:
             self._step(HeartbeatSeen(wid), out)
+            if msg.metrics:
+                self.metrics.record(wid, self.fsm.now_s, msg.metrics)
         out.append((peer, HeartbeatReply(self.fsm.below_min_workers, self.fsm.min_workers,
                                          self.fsm.phase.value, command)))
 
@@ -627,6 +645,8 @@ class Coordinator:
             released = delta
         self._released[fid] = (effect.round_id + 1, released)
         self.stats.rounds_applied += 1
+        self.last_applied_s = now
+        self.metrics.round_applied(now, fid, effect.round_id, effect.contributors)
         self._notify("apply", now, fragment_id=fid, round_id=effect.round_id,
                      contributors=list(effect.contributors))
 

@@ -4,7 +4,7 @@ Exit codes follow ``diloco.exits``: 0 ok; 1 the command ran and the
 coordinator refused it (or a worker failed); 2 bad usage or input; 3 the
 coordinator did not answer within ``--timeout``; 130 interrupted.
 
-About 470 lines, most of them ``register``: every flag with its help text,
+About 490 lines, most of them ``register``: every flag with its help text,
 which reads best as one list in the order ``--help`` shows it. The server
 and the worker themselves are ``server.py`` and ``worker_main.py``.
 """
@@ -181,6 +181,15 @@ def register(subparsers) -> None:
                         "join, poison or stop the run")
     p.add_argument("--io-threads", type=_positive_int, default=None, metavar="N",
                    help="ZeroMQ I/O threads (CURVE encryption runs on them; default 1, or 2 with --auth)")
+    p.add_argument("--http", default=None, metavar="HOST:PORT",
+                   help="serve a read-only live dashboard at http://HOST:PORT/, its JSON at /api/status and "
+                        "Prometheus metrics at /metrics (off by default; port 0 picks a free port, printed). "
+                        "Loopback only (e.g. 127.0.0.1:8080) unless --auth or --insecure is given, as for --bind; "
+                        "the page itself has no authentication: put it behind your own proxy to share it")
+    p.add_argument("--log-dir", default=None, metavar="DIR",
+                   help="append a JSONL metrics log to DIR/metrics.jsonl: one line per applied round, per worker "
+                        "metrics sample (step, steps/s, loss, samples from its heartbeats) and per membership "
+                        "event; rotated past 16 MiB (4 old files kept). `diloco plot-log DIR` draws it")
     p.set_defaults(handler=cmd_server)
 
     # ------------------------------------------------------------- worker
@@ -358,8 +367,11 @@ def cmd_server(args) -> int:
         resume=args.resume, keep=args.keep,
         max_message_bytes=None if args.max_message_mb is None else int(args.max_message_mb * (1 << 20)),
         max_update_norm=args.max_update_norm, wire_dtype=args.wire_dtype,
-        auth_dir=args.auth, io_threads=args.io_threads,
+        auth_dir=args.auth, io_threads=args.io_threads, http=args.http, log_dir=args.log_dir,
     )
+    if args.http is not None and args.auth is None and not args.insecure and not _is_loopback_bind(f"tcp://{args.http}"):
+        raise UsageError(f"--http {args.http}: serving the dashboard beyond loopback needs --auth DIR or --insecure "
+                         f"(it shows the run to anyone who reaches the port)")
     if args.auth is None and not _is_loopback_bind(args.bind):
         if not args.insecure:
             raise UsageError(f"--bind {args.bind}: listening beyond loopback needs --auth DIR (see `diloco keygen "

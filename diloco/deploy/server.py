@@ -18,10 +18,12 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from typing import TextIO
 
+from diloco import __version__
 from diloco.coordinator import Coordinator, CoordinatorConfig
-from diloco.coordinator.audit import AuditLog, Tee
+from diloco.coordinator.audit import AuditLog, Tee, last_run_id
 from diloco.coordinator.checkpoint import DEFAULT_KEEP, find_newest, list_checkpoints, restore_coordinator
 from diloco.coordinator.runner import serve
 from diloco.core import ConfigError, Mode
@@ -62,6 +64,10 @@ class ServerSettings:
     auth_dir: str | None = None
     #: ZeroMQ I/O threads (default 1, or 2 with authentication: CURVE runs on them).
     io_threads: int | None = None
+    #: ``--http HOST:PORT``: the dashboard, /api/status and /metrics (None: off). Port 0 picks a free one.
+    http: str | None = None
+    #: ``--log-dir DIR``: the JSONL metrics log DIR/metrics.jsonl (None: off).
+    log_dir: str | None = None
 
 
 class EventPrinter:
@@ -130,9 +136,13 @@ class _StatusEndpoint:
     def lost_peers(self) -> list[str]:
         return self.inner.lost_peers()
 
+    def transport_stats(self) -> dict:
+        return self.inner.stats()
+
     def send(self, peer: str, message: Message) -> None:
         if isinstance(message, AdminReply) and "phase" in message.data:
-            message = dataclasses.replace(message, data={**message.data, "transport": self.inner.stats()})
+            message = dataclasses.replace(message, data={**message.data, "transport": self.inner.stats(),
+                                                         "version": __version__})
         self.inner.send(peer, message)
 
     def close(self) -> None:
@@ -285,18 +295,23 @@ def run_server(s: ServerSettings, out: TextIO = sys.stdout, stop_event: threadin
             audit = AuditLog(s.checkpoint_dir)
         except OSError as exc:
             raise ServerError(f"--checkpoint-dir {s.checkpoint_dir}: cannot open its audit log: {exc}") from None
+    tee = Tee(printer, audit)
     try:
-        coordinator = make_coordinator(s, printer, time.monotonic(), observer=Tee(printer, audit), out=out)
+        coordinator = make_coordinator(s, printer, time.monotonic(), observer=tee, out=out)
     except BaseException:
         if audit is not None:
             audit.close()
         raise
+    if coordinator.run_id is None:
+        # A fresh run gets a new id; a resumed one keeps its checkpoint's (or its audit log's).
+        coordinator.run_id = (last_run_id(audit.path) if audit is not None and s.resume is not None
+                              else None) or uuid.uuid4().hex[:12]
     if audit is not None:
         audit.attach(coordinator)
         audit.record("start", resumed_from=str(coordinator.resumed_from) if coordinator.resumed_from else None,
                      skipped=[str(p) for p, _ in coordinator.resume_skipped],
                      open_rounds=list(coordinator.fsm.open_round_ids()), min_workers=coordinator.fsm.min_workers,
-                     mode=coordinator.config.fsm.mode.value, pid=os.getpid())
+                     mode=coordinator.config.fsm.mode.value, pid=os.getpid(), run_id=coordinator.run_id)
         audit.flush()
     warm_up(coordinator.config)
     overrides = {}
@@ -332,14 +347,36 @@ def run_server(s: ServerSettings, out: TextIO = sys.stdout, stop_event: threadin
         print(f"  durable rounds: every applied round is written to {s.checkpoint_dir} (newest {s.keep} kept) "
               f"before any worker hears of it; audit log {os.path.join(s.checkpoint_dir, 'events.jsonl')}",
               file=out, flush=True)
+    print(f"  run id {coordinator.run_id}", file=out, flush=True)
+    observing = None
+    if s.http is not None or s.log_dir is not None:
+        from diloco.observe.setup import ObserveError, start_observing
+
+        try:
+            observing = start_observing(coordinator, tee, version=__version__, http=s.http, log_dir=s.log_dir,
+                                        out=out)
+        except BaseException as exc:
+            endpoint.close()
+            if audit is not None:
+                audit.close()
+            if isinstance(exc, ObserveError):
+                raise ServerError(str(exc)) from None
+            raise
+    served = _StatusEndpoint(endpoint)
+    if observing is not None:
+        from diloco.observe.observatory import ObservedEndpoint
+
+        served = ObservedEndpoint(served, observing.observatory)
     stop_event = stop_event or threading.Event()
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, lambda *_: stop_event.set())
     try:
-        serve(_StatusEndpoint(endpoint), coordinator, checkpoint_dir=s.checkpoint_dir, stop_event=stop_event,
+        serve(served, coordinator, checkpoint_dir=s.checkpoint_dir, stop_event=stop_event,
               linger_s=s.linger_s, keep=s.keep, audit=audit)
     finally:
+        if observing is not None:
+            observing.close()
         endpoint.close()
         if audit is not None:
             audit.close()

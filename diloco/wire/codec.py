@@ -53,7 +53,15 @@ from diloco.wire.messages import (
     TensorSpec,
 )
 
-from diloco.wire.schemas import MAX_STR_LEN, SCHEMAS, TENSOR_FIELD, FieldError, is_int, message_class
+from diloco.wire.schemas import (
+    MAX_STR_LEN,
+    OPTIONAL_FIELDS,
+    SCHEMAS,
+    TENSOR_FIELD,
+    FieldError,
+    is_int,
+    message_class,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -167,6 +175,8 @@ def encode(message: Message, *, chunk_bytes: int = CHUNK_BYTES,
     for fname, kind in schema.items():
         value = getattr(message, fname)
         if kind is not TENSOR_FIELD:
+            if value is None and fname in OPTIONAL_FIELDS.get(name, ()):
+                continue  # an optional field left out: peers that predate it still read the message
             header[fname] = _wire_value(value)
             continue
         for tname, t in value.items():
@@ -264,6 +274,9 @@ def decode(frames: Sequence[Any], *, max_message_bytes: int = MAX_MESSAGE_BYTES)
             tensor_fields.append(fname)
             continue
         if fname not in header:
+            if fname in OPTIONAL_FIELDS.get(mtype, ()):
+                values[fname] = None
+                continue
             raise fail(f"field {fname!r} is missing")
         try:
             values[fname] = check(header[fname])

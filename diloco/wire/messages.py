@@ -28,6 +28,17 @@ WIRE_DTYPE_NAMES = ("fp32", "bf16", "int8")
 Tensors = dict[str, "torch.Tensor"]
 
 
+#: The keys a ``Heartbeat``'s ``metrics`` may hold: key -> (kind, meaning). "int" values are
+#: integers >= 0, "float" values finite numbers (``steps_per_s`` also >= 0).
+HEARTBEAT_METRICS: dict[str, tuple[str, str]] = {
+    "step": ("int", "the worker's inner step"),
+    "steps_per_s": ("float", "inner steps per second over the last half minute or so"),
+    "loss": ("float", "the last training loss reported"),
+    "eval_loss": ("float", "the last evaluation loss reported"),
+    "samples": ("int", "samples trained on (batches x batch size when known, else inner steps)"),
+}
+
+
 #: Codes only the coordinator and the transports use (the rest are the core's reject reasons).
 TRANSPORT_ERROR_CODES: dict[str, str] = {
     "BAD_MESSAGE": "undecodable bytes, a missing or mistyped field, an unknown message type",
@@ -102,9 +113,14 @@ class Join:
 
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
-    """I am alive. Answered by ``HeartbeatReply``."""
+    """I am alive. Answered by ``HeartbeatReply``.
+
+    ``metrics`` (optional; omitted from the header when None): the worker's latest
+    training figures, keys of ``HEARTBEAT_METRICS`` only (SPEC.md section 11).
+    """
 
     worker_id: str
+    metrics: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)

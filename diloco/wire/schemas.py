@@ -12,7 +12,7 @@ import dataclasses
 import math
 from typing import Any, Callable
 
-from diloco.wire.messages import MESSAGE_TYPES, WIRE_DTYPE_NAMES, Command, ErrorCode, TensorSpec
+from diloco.wire.messages import HEARTBEAT_METRICS, MESSAGE_TYPES, WIRE_DTYPE_NAMES, Command, ErrorCode, TensorSpec
 
 #: Longest string field (worker ids, names, details) the decoder accepts.
 MAX_STR_LEN = 1 << 16
@@ -124,13 +124,41 @@ def _plain_map(v: Any) -> dict:
     return _plain(v)
 
 
+def _metrics(v: Any) -> dict | None:
+    """``Heartbeat.metrics``: a map of known keys (``HEARTBEAT_METRICS``) to finite numbers."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise FieldError(f"a map of metrics (keys {sorted(HEARTBEAT_METRICS)})")
+    out = {}
+    for key, value in v.items():
+        kind = HEARTBEAT_METRICS.get(key) if isinstance(key, str) else None
+        if kind is None:
+            raise FieldError(f"a map of metrics with keys among {sorted(HEARTBEAT_METRICS)}; "
+                             f"{key!r:.60} is not one")
+        if kind[0] == "int":
+            if not is_int(value) or value < 0 or value >= 1 << 62:
+                raise FieldError(f"metric {key!r} to be an integer >= 0, not {value!r:.60}")
+        else:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise FieldError(f"metric {key!r} to be a finite number, not {value!r:.60}")
+            if key == "steps_per_s" and value < 0:
+                raise FieldError(f"metric 'steps_per_s' to be >= 0, not {value!r}")
+            value = float(value)
+        out[key] = value
+    return out
+
+
+#: Fields a sender may leave out (they are then None); encoders omit them when None.
+OPTIONAL_FIELDS: dict[str, frozenset[str]] = {"Heartbeat": frozenset({"metrics"})}
+
 #: Marks a field that carries tensors: its frames follow the header, listed in the tensor table.
 TENSOR_FIELD = object()
 
 #: Per message type: field name -> checker (or TENSOR_FIELD). SPEC.md section 11 lists the same.
 SCHEMAS: dict[str, dict[str, Any]] = {
     "Join": {"worker_id": _str, "protocol_version": _int, "spec": _spec, "params": TENSOR_FIELD},
-    "Heartbeat": {"worker_id": _str},
+    "Heartbeat": {"worker_id": _str, "metrics": _metrics},
     "Submit": {"worker_id": _str, "fragment_id": _int, "round_id": _int, "tensors": TENSOR_FIELD,
                "wire_dtype": _wire_dtype, "scales": TENSOR_FIELD},
     "Leave": {"worker_id": _str},

@@ -10,12 +10,13 @@ Without one, the training thread does it all itself between steps.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 from diloco.transport.base import AuthRefused, TransportError
 from diloco.wire.endpoints import WorkerEndpoint
-from diloco.wire.messages import Message
+from diloco.wire.messages import Heartbeat, Message
 from diloco.worker.errors import DilocoWorkerError
 
 #: How long the communication thread waits for a message before it ticks the session.
@@ -36,6 +37,8 @@ class Link:
         self._outbox_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._closing = threading.Event()
+        #: Called for every outgoing ``Heartbeat``: the worker's latest training metrics (or None).
+        self.heartbeat_metrics: Callable[[], dict[str, Any] | None] | None = None
 
     # -- the communication thread
 
@@ -94,6 +97,8 @@ class Link:
         return out
 
     def send(self, message: Message) -> None:
+        if self.heartbeat_metrics is not None and type(message) is Heartbeat and message.metrics is None:
+            message = dataclasses.replace(message, metrics=self.heartbeat_metrics())
         try:
             self.endpoint.send(message)
         except AuthRefused as exc:

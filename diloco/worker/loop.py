@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from diloco.worker.metrics import batch_size
 from diloco.worker.worker import DilocoWorker
 
 
@@ -70,6 +71,8 @@ def run_training(worker: DilocoWorker, batches: Iterable[Any],
     model, opt = worker.model, worker.inner_optimizer
     losses: list[float] = []
     reason: str | None = None
+    # What the heartbeats carry (a multi-rank worker's other ranks send none: they have no report).
+    report = getattr(worker, "report", None)
     try:
         worker.join()
         if not worker.stopped:
@@ -90,6 +93,8 @@ def run_training(worker: DilocoWorker, batches: Iterable[Any],
                     after_backward(model)
                 opt.step()
                 losses.append(float(loss.detach()))
+                if report is not None:
+                    report(loss=losses[-1], samples=batch_size(batch))
                 if not worker.step_done():
                     reason = None
                     break

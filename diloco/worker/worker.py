@@ -103,6 +103,7 @@ from diloco.worker.checkpoint import WorkerCheckpoint, checkpoint_path, restore_
 from diloco.worker.device import DeviceGlobal
 from diloco.worker.errors import DilocoWorkerError
 from diloco.worker.link import Link
+from diloco.worker.metrics import TrainingMetrics
 from diloco.worker.session import DEFAULT_COORDINATOR_TIMEOUT_S, DEFAULT_OVERLAP_ALPHA, WorkerSession
 from diloco.worker.states import WorkerState
 
@@ -154,6 +155,9 @@ class DilocoWorker:
         self._clock = clock or time.monotonic
         self._on_state = on_state
         self._on_outage = on_outage
+        #: The training figures every heartbeat carries (``report``; SPEC.md section 11).
+        self.metrics = TrainingMetrics(self._clock)
+        self.link.heartbeat_metrics = lambda: self.metrics.snapshot(self.session.inner_step)
 
         #: Tensor payload bytes sent (Join params, pseudo-gradients) and received (Welcome, Results).
         self.bytes_sent = 0
@@ -276,6 +280,12 @@ class DilocoWorker:
         With ``save=True`` it writes its checkpoint first (needs a ``checkpoint_dir``).
         """
         self._stop_request = bool(save)
+
+    def report(self, *, loss: float | None = None, eval_loss: float | None = None,
+               samples: int | None = None) -> None:
+        """Tell the coordinator (on the next heartbeats) the latest training or evaluation loss,
+        and/or ``samples`` more samples trained on; it shows them in ``status`` and the dashboard."""
+        self.metrics.report(loss=loss, eval_loss=eval_loss, samples=samples)
 
     def join(self) -> None:
         """Join the run: Join (with the params if the run has none yet), take the Welcome's params.
