@@ -9,13 +9,13 @@ import torch
 from diloco.testing import joined, make_coordinator
 from diloco.wire import codec
 from diloco.wire.codec import CodecError
-from diloco.wire.messages import HEARTBEAT_METRICS, ErrorCode, Heartbeat
+from diloco.wire.messages import HEARTBEAT_METRICS, PROTOCOL_VERSION, ErrorCode, Heartbeat
 from diloco.worker.link import Link
 from diloco.worker.metrics import TrainingMetrics, batch_size
 
 
 def _header(metrics) -> list[bytes]:
-    return [msgpack.packb({"v": 2, "type": "Heartbeat", "worker_id": "w1", "metrics": metrics, "tensors": []})]
+    return [msgpack.packb({"v": PROTOCOL_VERSION, "type": "Heartbeat", "worker_id": "w1", "metrics": metrics, "tensors": []})]
 
 
 def test_metrics_round_trip_and_are_left_out_of_the_header_when_none():

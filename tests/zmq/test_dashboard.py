@@ -90,8 +90,12 @@ def test_the_dashboard_shows_the_phase_the_reason_both_workers_and_their_loss(cl
 
 def test_metrics_follow_rounds_and_a_killed_worker(cluster, tmp_path):
     _, http, workers = _start(cluster, tmp_path)
-    first = wait_until(lambda: (lambda m: m if m.get(("diloco_rounds_applied", ())) else None)(_scrape(http)),
-                       90, "an applied round in /metrics")
+    # A worker's series appear with its first heartbeat that carries metrics (one heartbeat
+    # interval after it trained a step), which may come after the first applied round.
+    first = wait_until(lambda: (lambda m: m if m.get(("diloco_rounds_applied", ()))
+                                and all(("diloco_worker_step", (("worker", w),)) in m for w in ("w1", "w2"))
+                                else None)(_scrape(http)),
+                       90, "an applied round and both workers' step in /metrics")
     assert first[("diloco_live_workers", ())] == 2 and first[("diloco_min_workers", ())] == 2
     assert first[("diloco_below_min_workers", ())] == 0
     assert first[("diloco_phase", (("phase", "running"),))] == 1
