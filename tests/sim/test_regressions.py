@@ -17,7 +17,7 @@ PINNED = {
     4: "left reported after its effects (light faults, sync)",
     3: "left reported after its effects (heavy faults, sync)",
     # Async: several held contributions applied in one step, each Result carrying its own
-    # version's params (coordinator fix b11fb08 by another helper; the checker first expected
+    # version's params (coordinator fix b11fb08; the checker first expected
     # end-of-step params).
     48: "async: several applies in one step, each Result with its own next round",
     155: "async heavy: same",
