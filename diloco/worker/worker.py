@@ -54,6 +54,8 @@ through the communication thread, which owns the socket. With an injected
 ``clock`` (tests with a fake clock) or ``comm_thread=False``, the training
 thread pumps the endpoint itself between steps and while it waits; then one
 inner step must take well under the coordinator's heartbeat timeout.
+``on_state`` may be called from either thread, never two calls at once, and
+always in the order the session moved: its last call is the worker's state.
 
 Stopping
 --------
