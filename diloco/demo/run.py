@@ -40,6 +40,7 @@ from diloco.coordinator import Coordinator, CoordinatorConfig, OuterConfig
 from diloco.coordinator.runner import CoordinatorThread
 from diloco.core import FSMConfig
 from diloco.data import Corpus, derive_seed
+from diloco.demo.waits import PROGRESS_EVERY_S, describe_worker, wait_until
 from diloco.models import build_model, evaluate_loss, param_bytes
 from diloco.plots.timeline import TimelineRecorder, WorkerState
 from diloco.transport.inproc import InprocNetwork
@@ -66,6 +67,10 @@ class DemoConfig:
     heartbeat_timeout_s: float = 1.5
     #: How long the run stays paused before the replacement is started.
     replacement_delay_s: float = 2.0
+    #: How long any wait of the demo may go without progress (a step, an applied round, a
+    #: worker's move) -- and how long the survivors may take to pause -- before it fails
+    #: with an error naming what it waited for and where each worker is.
+    stall_timeout_s: float = 120.0
     #: Skip the two baselines (faster; the table then shows DiLoCo only).
     baselines: bool = True
     seed: int = 0
@@ -89,6 +94,8 @@ class DemoConfig:
                          "(rounds before the kill and after the replacement)")
         if not 0 < self.heartbeat_timeout_s <= 60:
             bad("heartbeat_timeout_s", "a number of seconds in (0, 60]")
+        if not 0 < self.stall_timeout_s < float("inf"):
+            bad("stall_timeout_s", "a finite number of seconds > 0")
 
 
 class DemoUI(Protocol):
@@ -126,7 +133,15 @@ class _Run:
         self.rounds_applied = 0
         self.below = False
         self.below_event = threading.Event()
-        self.errors: list[BaseException] = []
+        self.errors: list[tuple[str, BaseException]] = []
+        #: The workers by id (for the diagnostics of a wait that fails), and the killed one.
+        self.workers: dict[str, DilocoWorker] = {}
+        self.killed: set[str] = set()
+        #: When a worker last finished an inner step (and which), and when anything last
+        #: moved: a step, an applied round, a worker's state change.
+        self.last_step: dict[str, tuple[float, int]] = {}
+        self.last_progress = time.monotonic()
+        self.coordinator_thread: CoordinatorThread | None = None
         self.losses: dict[int, list[float]] = {}
         self.samplers = worker_samplers(corpus, cfg.workers, self.s, cfg.seed)
         self.net = InprocNetwork()
@@ -145,8 +160,15 @@ class _Run:
 
     # Called from the coordinator thread after each event it handles.
     def _observe(self, what: str, now_s: float, info: dict) -> None:
-        t = self.now()
+        try:
+            self._observe_event(what, info)
+        except Exception as exc:  # the demo's bookkeeping must never stop the coordinator's loop
+            self.errors.append((f"recording the coordinator's {what!r} event", exc))
+
+    def _observe_event(self, what: str, info: dict) -> None:
         with self.lock:
+            t = self.now()  # under the lock: each worker's recorded times never go backwards
+            self.last_progress = time.monotonic()
             if what == "apply":
                 self.rounds_applied += 1
                 self.recorder.applied_round(t, info["fragment_id"], info["round_id"])
@@ -172,15 +194,18 @@ class _Run:
     def _on_state(self, worker_id: str, state: str, _t: float) -> None:
         mapped = WorkerState(state)  # the worker's vocabulary is the timeline's
         with self.lock:
-            if self.recorder.state_of(worker_id) is WorkerState.DEAD:
+            if worker_id in self.killed:
                 return
+            # (A live worker the coordinator declared dead -- silent too long on a loaded
+            # machine -- joins again, and its moves count again.)
             self.recorder.set_state(worker_id, mapped, self.now())
+            self.last_progress = time.monotonic()
 
     def worker(self, index: int, worker_id: str, kill: threading.Event | None) -> None:
         try:
             self._train(index, worker_id, kill)
         except BaseException as exc:  # reported by run(); a demo must not hang on a dead thread
-            self.errors.append(exc)
+            self.errors.append((worker_id, exc))
 
     def _train(self, index: int, worker_id: str, kill: threading.Event | None) -> None:
         s = self.s
@@ -189,6 +214,7 @@ class _Run:
         endpoint = self.net.connect(worker_id)
         w = DilocoWorker(model, opt, endpoint, worker_id=worker_id, sync_every=self.cfg.sync_every,
                          on_state=self._on_state, coordinator_timeout_s=30.0)
+        self.workers[worker_id] = w
         w.join()
         if w.stopped:
             raise RuntimeError(f"{worker_id}: could not join the demo's coordinator ({w.stop_reason})")
@@ -207,6 +233,7 @@ class _Run:
             if kill is not None and kill.is_set():
                 endpoint.close()  # a crash: no goodbye, heartbeats just stop
                 with self.lock:
+                    self.killed.add(worker_id)
                     self.recorder.set_state(worker_id, WorkerState.DEAD, self.now())
                 self.log(f"{worker_id} killed (crash: no Leave, its heartbeats stop)")
                 self.ui.finish(name, "killed")
@@ -214,6 +241,8 @@ class _Run:
             loss = inner_step(model, opt, sched, sampler, s)
             self.losses.setdefault(step + start_round * self.cfg.sync_every, []).append(loss)
             self.ui.advance(name, step, loss)
+            self.last_step[worker_id] = (time.monotonic(), step)
+            self.last_progress = time.monotonic()
             if not w.step_done():
                 break
         w.leave()
@@ -223,27 +252,30 @@ class _Run:
     def run(self) -> tuple[BaselineResult, float, int]:
         cfg = self.cfg
         thread = CoordinatorThread(self.net.coordinator(), self.coordinator, tick_interval_s=0.02)
+        self.coordinator_thread = thread
         thread.start()
-        kill = threading.Event()
-        victim = cfg.workers - 1
-        threads = []
-        for i in range(cfg.workers):
-            wid = f"worker-{i + 1}"
-            t = threading.Thread(target=self.worker, args=(i, wid, kill if cfg.faults and i == victim else None),
-                                 name=wid, daemon=True)
-            t.start()
-            threads.append(t)
-        if cfg.faults:
-            self._inject_fault(kill, victim, threads)
-        deadline = time.monotonic() + 3600
-        for t in threads:
-            while t.is_alive() and time.monotonic() < deadline:
-                t.join(0.2)
-                if self.errors:
-                    break
-        self._shutdown(thread)
-        if self.errors:
-            raise DemoError(f"a worker failed: {self.errors[0]!r}") from self.errors[0]
+        try:
+            kill = threading.Event()
+            victim = cfg.workers - 1
+            threads = []
+            for i in range(cfg.workers):
+                wid = f"worker-{i + 1}"
+                t = threading.Thread(target=self.worker, args=(i, wid, kill if cfg.faults and i == victim else None),
+                                     name=wid, daemon=True)
+                t.start()
+                threads.append(t)
+            if cfg.faults:
+                self._inject_fault(kill, victim, threads)
+            self._wait("the workers to finish their inner steps",
+                       lambda: not any(t.is_alive() for t in threads),
+                       lambda: [t.name for t in threads if t.is_alive()], stall=True)
+        except BaseException:
+            for w in list(self.workers.values()):
+                w.request_stop()  # their threads end at their next turn
+            raise
+        finally:
+            self._shutdown(thread)
+        self._raise_errors()
         status = self.coordinator.status()
         wall = self.now()
         timeline = self.recorder.finish(wall)
@@ -253,22 +285,21 @@ class _Run:
     def _inject_fault(self, kill: threading.Event, victim: int, threads: list[threading.Thread]) -> None:
         cfg = self.cfg
         kill_round = max(1, int(self.target_rounds * 0.35))
-        while self.rounds_applied < kill_round and not self.errors:
-            time.sleep(0.05)
+        everyone = [f"worker-{i + 1}" for i in range(cfg.workers)]
+        self._wait(f"round {kill_round} to be applied (the kill comes after it)",
+                   lambda: self.rounds_applied >= kill_round, lambda: everyone, stall=True)
         self.log(f"round {self.rounds_applied} applied: killing worker-{victim + 1} "
                  f"(min_workers={cfg.workers}, so the run must pause)")
         kill.set()
-        if not self.below_event.wait(timeout=cfg.heartbeat_timeout_s * 10 + 30):
-            raise DemoError("the coordinator never noticed the killed worker")
+        survivors = [w for w in everyone if w != f"worker-{victim + 1}"]
+        self._wait(f"the coordinator to notice that worker-{victim + 1} is gone", self.below_event.is_set,
+                   lambda: everyone, limit_s=cfg.heartbeat_timeout_s * 10 + 30)
         # Let the survivors reach their sync point and sit there paused (R10), so the
         # pause is visible, then keep it a little longer before the replacement comes.
-        survivors = [f"worker-{i + 1}" for i in range(cfg.workers) if i != victim]
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and not self.errors:
-            with self.lock:
-                if all(self.recorder.state_of(w) is WorkerState.PAUSED for w in survivors):
-                    break
-            time.sleep(0.05)
+        self._wait("the survivors to report PAUSED at their sync point",
+                   lambda: self._all_in(survivors, WorkerState.PAUSED),
+                   lambda: [w for w in survivors if self._recorded(w) is not WorkerState.PAUSED],
+                   limit_s=cfg.stall_timeout_s, report_every_s=PROGRESS_EVERY_S)
         self.log(f"{', '.join(survivors)} paused at their sync point: below quorum nothing is applied")
         time.sleep(cfg.replacement_delay_s)
         wid = f"worker-{cfg.workers + 1}"
@@ -277,12 +308,45 @@ class _Run:
         t.start()
         threads.append(t)
 
+    # ------------------------------------------------------------------ bounded waits
+
+    def _wait(self, what: str, done, who, *, limit_s: float | None = None, stall: bool = False,
+              report_every_s: float | None = None) -> None:
+        """Wait until ``done()``, at most ``limit_s`` (or, with ``stall``, ``stall_timeout_s``
+        without progress); a failure names ``what`` and where the workers ``who()`` are."""
+        wait_until(what, done, where=lambda: self._where(who()), check=self._raise_errors,
+                   last_progress=lambda: self.last_progress, note=self.log, error=DemoError,
+                   limit_s=limit_s, stall_s=self.cfg.stall_timeout_s if stall else None,
+                   report_every_s=report_every_s)
+
+    def _raise_errors(self) -> None:
+        if self.errors:
+            where, exc = self.errors[0]
+            raise DemoError(f"{where} failed: {exc!r}") from exc
+        thread = self.coordinator_thread
+        if thread is not None and thread.error is not None:
+            raise DemoError(f"the coordinator's loop failed: {thread.error!r}") from thread.error
+
+    def _recorded(self, worker_id: str) -> WorkerState | None:
+        with self.lock:
+            return self.recorder.state_of(worker_id)
+
+    def _all_in(self, worker_ids: list[str], state: WorkerState) -> bool:
+        return all(self._recorded(w) is state for w in worker_ids)
+
+    def _where(self, worker_ids: list[str]) -> str:
+        now = time.monotonic()
+        return "; ".join(describe_worker(w, self._recorded(w), None if w in self.killed else self.workers.get(w),
+                                         self.last_step.get(w), now) for w in worker_ids) or "no worker is late"
+
     def _shutdown(self, thread: CoordinatorThread) -> None:
         admin = self.net.connect("demo-admin")
         admin.send(AdminRequest("shutdown", {"kind": "drain"}))
         admin.recv(5.0)
         admin.close()
         thread.stop(5.0)
+        if thread.is_alive():
+            self.log("the coordinator did not stop within 5 s (left running in the background)")
 
     def _result(self, status: dict, wall: float) -> BaselineResult:
         cfg, s = self.cfg, self.s

@@ -54,6 +54,8 @@ through the communication thread, which owns the socket. With an injected
 ``clock`` (tests with a fake clock) or ``comm_thread=False``, the training
 thread pumps the endpoint itself between steps and while it waits; then one
 inner step must take well under the coordinator's heartbeat timeout.
+``on_state`` may be called from either thread, never two calls at once, and
+always in the order the session moved: its last call is the worker's state.
 
 Stopping
 --------
@@ -177,6 +179,10 @@ class DilocoWorker:
         self._wake = threading.Condition(self._lock)
         #: What the communication thread's events ask of the model, for the training thread.
         self._model_queue: collections.deque[Action] = collections.deque()
+        #: The session's moves not yet reported to ``on_state``, in the session's order (``_report_states``).
+        self._states_pending: collections.deque[WorkerState] = collections.deque()
+        self._states_lock = threading.Lock()
+        self._reporting_states = False
         self._error: DilocoWorkerError | None = None
         self._stop_request: bool | None = None        # save? (set by request_stop, any thread or a signal)
         self._training_thread: int | None = None
@@ -303,7 +309,7 @@ class DilocoWorker:
         self.link.start(self._pump, lambda: self.session.state is S.STOPPED, self._comm_failed)
         try:
             with self._lock:
-                actions = self.session.start(self._clock())
+                actions = self._took(self.session.start(self._clock()))
             self._run(actions)
             self._wait_until_trainable()
         except DilocoWorkerError as exc:
@@ -323,7 +329,7 @@ class DilocoWorker:
             return False
         try:
             with self._lock:
-                actions = self.session.step_done(self._clock())
+                actions = self._took(self.session.step_done(self._clock()))
             self._run_model_queue()  # what earlier events asked (a Welcome's params) comes first
             self._run(actions)
             if not self.uses_comm_thread:
@@ -340,14 +346,14 @@ class DilocoWorker:
         self._left = True
         self.link.stop()
         with self._lock:
-            actions = self.session.leave(self._clock())
+            actions = self._took(self.session.leave(self._clock()))
         for a in actions:
             if isinstance(a, MergeParams):
                 self._merge(a)  # W17: the model the caller keeps holds every Result received
         self.link.close([a.message for a in actions if isinstance(a, Send)])
         for a in actions:
             if isinstance(a, StateChanged):
-                self._state_changed(a.state)
+                self._report_states()
 
     def save_checkpoint(self) -> None:
         """Write ``<checkpoint_dir>/worker-<id>.ckpt`` now (atomic)."""
@@ -400,7 +406,7 @@ class DilocoWorker:
         save, self._stop_request = self._stop_request, None
         if save is not None:
             with self._lock:
-                actions = self.session.request_stop(self._clock(), save=save)
+                actions = self._took(self.session.request_stop(self._clock(), save=save))
             self._run(actions)
 
     # ------------------------------------------------------------------ the endpoint
@@ -418,13 +424,13 @@ class DilocoWorker:
             while msg is not None:
                 msg = compression.mark_delta(msg)  # a delta Result is decoded at install, in order
                 with self._lock:
-                    actions = self.session.on_message(msg, self._clock())
+                    actions = self._took(self.session.on_message(msg, self._clock()))
                     if isinstance(msg, Welcome) and any(isinstance(a, InstallParams) for a in actions):
                         self.wire_dtype = msg.wire_dtype  # adopted with the Welcome the session took
                 self._run(actions)
                 msg = self.link.recv(0.0)
         with self._lock:
-            actions = self.session.tick(self._clock(), self.link.transport_silence())
+            actions = self._took(self.session.tick(self._clock(), self.link.transport_silence()))
         self._run(actions)
 
     def _comm_failed(self, exc: BaseException) -> None:
@@ -455,7 +461,7 @@ class DilocoWorker:
                 else:
                     self.link.send(action.message)
             elif isinstance(action, StateChanged):
-                self._state_changed(action.state)
+                self._report_states()
             elif isinstance(action, InstallParams):
                 self._install(action)
             elif isinstance(action, MergeParams):
@@ -554,17 +560,51 @@ class DilocoWorker:
                     log.warning("worker %s: asked to save a checkpoint but has no checkpoint_dir", self.worker_id)
         finally:
             with self._lock:
-                actions = self.session.stopped_done(self._clock())
+                actions = self._took(self.session.stopped_done(self._clock()))
             self._run(actions)
 
     def _fail(self, exc: DilocoWorkerError) -> None:
         with self._lock:
-            actions = self.session.fail(exc.code or "error", str(exc), self._clock())
+            actions = self._took(self.session.fail(exc.code or "error", str(exc), self._clock()))
         for a in actions:
             if isinstance(a, StateChanged):
-                self._state_changed(a.state)
+                self._report_states()
 
     # ------------------------------------------------------------------ callbacks
+
+    def _took(self, actions: list[Action]) -> list[Action]:
+        """Note the session's moves in ``actions`` (called holding ``_lock``, so in the session's order)."""
+        for a in actions:
+            if isinstance(a, StateChanged):
+                self._states_pending.append(a.state)
+        return actions
+
+    def _report_states(self) -> None:
+        """Report every move not reported yet, in the session's order (a ``StateChanged`` action).
+
+        Both threads carry out the session's actions, each after releasing ``_lock``, so a
+        thread's ``StateChanged`` can come late: the training thread's WAITING after the
+        communication thread's PAUSED, and an observer would be left believing the worker is
+        WAITING. So the moves are queued in the order the session made them (``_took``) and
+        reported one at a time by whichever thread gets here first; a thread that finds
+        another one reporting leaves its moves to it (no thread waits for a slow callback).
+        """
+        with self._states_lock:
+            if self._reporting_states:
+                return
+            self._reporting_states = True
+        try:
+            while True:
+                with self._states_lock:
+                    if not self._states_pending:
+                        self._reporting_states = False
+                        return
+                    state = self._states_pending.popleft()
+                self._state_changed(state)
+        except BaseException:
+            with self._states_lock:
+                self._reporting_states = False
+            raise
 
     def _state_changed(self, state: WorkerState) -> None:
         if self._on_state is None:

@@ -187,3 +187,29 @@ def test_drain_finishes_the_round_in_flight_then_stops_everyone():
     for w in (a, b):
         assert w.sync_history[-1][1:] == (0, 1, "applied_final")
         assert all(torch.equal(p, final[n]) for n, p in w.model.named_parameters())
+
+
+def test_on_state_reports_the_moves_in_order_when_the_training_thread_is_slow_to_report():
+    """The demo hang: the training thread submits at its sync point (WAITING) but is
+    descheduled before its ``on_state`` call; meanwhile the communication thread gets a
+    fresh reply saying the run is below quorum and moves the session to PAUSED. The
+    observer must still see WAITING then PAUSED, ending on the session's state; it used to
+    see PAUSED then WAITING, and a demo waiting for "paused" waited forever."""
+    import threading
+    H = 3
+    reported: list[str] = []
+    with Run(min_workers=2, heartbeat_timeout_s=1.0) as run:
+        w = run.worker("alone", linear(1), sync_every=H,
+                       on_state=lambda wid, s, t: on_state(s))
+
+        def on_state(state: str) -> None:
+            if state == "waiting" and threading.current_thread().name == "worker-alone":
+                # Descheduled here: the communication thread goes on, the session pauses.
+                wait_for(lambda: w.session.state.value == "paused", 10.0, "the session to pause")
+            reported.append(state)
+
+        run.start(w, batches(seed=1), max_steps=100)
+        wait_for(lambda: "paused" in reported and "waiting" in reported, 15.0, "both moves reported")
+        time.sleep(0.3)  # a late report would land here
+        assert w.state == "paused"
+        assert reported[-2:] == ["waiting", "paused"], reported
