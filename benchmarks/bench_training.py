@@ -36,12 +36,22 @@ the time from its Welcome to its last step; and whether the quorum held (no
 pause, every round applied); and the final held-out loss of each run's
 coordinator params. Goals: idle share < 5% with T >= 1, loss within 1% of T = 0.
 
+DyLU (``--dylu``, SPEC.md section 14 "DyLU"): k = 2 workers at H = 10, one of them made
+twice as slow (it sleeps, after each inner step, as long as a step takes on this machine,
+measured first), for a fixed number of outer rounds (``--dylu-rounds``, default 60), once
+without and once with ``CoordinatorConfig(dylu=True, sync_every=H)``. Per worker it reports
+the idle share (as above), its H in force at the end and its steps; the run's wall time,
+whether the quorum held (every round applied from both, no pause) and the final held-out
+loss of the coordinator's params; then DyLU again for as many rounds as fit in the wall
+time of the run without it (the same time budget).
+
 Usage::
 
     python benchmarks/bench_training.py            # 1000 inner steps (the reference calibration), 30-60+ min
     python benchmarks/bench_training.py --quick    # 200 steps, smoke run, a few minutes
     python benchmarks/bench_training.py --wire fp32,bf16,int8   # the wire dtypes compared (~5 min)
     python benchmarks/bench_training.py --overlap  # T = 0, 1, 2 at 1000 steps, about 5 minutes
+    python benchmarks/bench_training.py --dylu     # one worker 2x slower, without and with DyLU, ~4 minutes
 
 Progress goes to stderr; the report to stdout, whose last line is::
 
@@ -57,6 +67,10 @@ fp32, left out -- and the final held-out loss, ending with::
 or, with ``--overlap``::
 
     RESULT bench_training_overlap idle_t0=R idle_t1=R idle_t2=R loss_t1_vs_t0=R loss_t2_vs_t0=R
+or, with ``--dylu``::
+
+    RESULT bench_training_dylu idle_off=R idle_on=R loss_off=X loss_on=X loss_on_same_wall=X \
+        rounds_on_same_wall=N wall_off=S wall_on=S
 """
 
 from __future__ import annotations
@@ -443,6 +457,129 @@ def overlap_main(args) -> int:
     return 0
 
 
+class _DyluBench(_RealDiloco):
+    """``--dylu``: k workers for a fixed number of rounds, worker ``slow`` sleeping ``slow_s`` after each step."""
+
+    def __init__(self, k: int, H: int, rounds: int, outer_lr: float, s: TrainSettings, corpus: Corpus, seed: int,
+                 *, dylu: bool, slow: int, slow_s: float) -> None:
+        super().__init__(k, H, rounds * H, outer_lr, s, corpus, seed)
+        self.slow, self.slow_s = slow, slow_s
+        self.coordinator = Coordinator(
+            CoordinatorConfig(FSMConfig(min_workers=k), OuterConfig("nesterov", outer_lr, OUTER_MOMENTUM),
+                              dylu=dylu, sync_every=H if dylu else None),
+            now_s=time.monotonic(), observer=self._observe)
+        #: Contributors of each applied round (every one must have all k: the quorum gate is untouched).
+        self.apply_sizes: list[int] = []
+
+    def _observe(self, what: str, now_s: float, info: dict) -> None:
+        if what == "apply":
+            self.apply_sizes.append(len(info["contributors"]))
+        self.probe.observe(what, now_s, info)
+
+    def _train(self, index: int, worker_id: str) -> None:
+        torch.set_num_threads(1)
+        s = self.s
+        model = build_model(s.model, derive_seed(self.seed, "model"))
+        opt, sched = inner_optimizer(model, s, self.steps)
+        log = self.state_log[worker_id]
+        w = DilocoWorker(model, opt, self.net.connect(worker_id), worker_id=worker_id, sync_every=self.H,
+                         coordinator_timeout_s=120.0,
+                         on_state=lambda _w, state, _t: log.append((state, time.perf_counter())))
+        self.workers[worker_id] = w
+        w.join()
+        t_joined = time.perf_counter()
+        sampler = self.samplers[index]
+        done = 0
+        while w.rounds_synced < self.rounds:
+            loss = inner_step(model, opt, sched, sampler, s)
+            if index == self.slow:
+                time.sleep(self.slow_s)
+            done += 1
+            with self.lock:
+                self.losses[done].append(loss)
+            if not w.step_done():
+                break
+        self.span[worker_id] = (t_joined, time.perf_counter())
+        self.steps_done[worker_id] = done
+        w.leave()
+
+
+def calibrate_step_s(s: TrainSettings, corpus: Corpus, seed: int, n: int = 12) -> float:
+    """Seconds one inner step takes here (one torch thread; median of ``n`` after 3 warm-ups)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = build_model(s.model, derive_seed(seed, "model"))
+        opt, sched = inner_optimizer(model, s, n + 3)
+        sampler = worker_samplers(corpus, 1, s, seed)[0]
+        times = []
+        for i in range(n + 3):
+            t0 = time.perf_counter()
+            inner_step(model, opt, sched, sampler, s)
+            if i >= 3:
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def dylu_main(args) -> int:
+    """``--dylu``: one worker of k twice as slow, a fixed number of rounds, without and with DyLU."""
+    k, H, rounds = args.overlap_k, args.overlap_h, args.dylu_rounds
+    s = TrainSettings(batch_size=args.overlap_batch_size, lr=args.lr, eval_every=rounds * H)
+    corpus = default_corpus()
+    step_s = calibrate_step_s(s, corpus, args.seed)
+    slow = k - 1
+    print(f"bench_training --dylu: k={k} workers, H={H}, {rounds} rounds, batch {s.batch_size}, seed {args.seed}, "
+          f"outer Nesterov lr {args.outer_lr_h10:g}; worker-{slow + 1} sleeps {step_s * 1000:.0f} ms after each "
+          f"inner step (one step's time here: 2x slower); in-process transport, torch {torch.__version__}")
+    rows = {}
+    t_all = time.perf_counter()
+    # Off and on for the same rounds; then on again for as many rounds as fit in the wall time
+    # off took (the same time budget: what DyLU buys is rounds).
+    for label in ("off", "on", "on, same wall"):
+        dylu = label != "off"
+        n = rounds if label != "on, same wall" else max(
+            rounds, round(rounds * rows["off"]["wall"] / rows["on"]["wall"]))
+        note(f"DyLU {label}: k={k} H={H}, {n} rounds")
+        bench = _DyluBench(k, H, n, args.outer_lr_h10, s, corpus, args.seed, dylu=dylu, slow=slow,
+                           slow_s=step_s)
+        run = bench.run()
+        idle = bench.idle_shares()
+        workers = bench.workers
+        contributors_ok = all(n == k for n in bench.apply_sizes)
+        quorum = (run.status["rounds_applied"] == n and all(w.seconds_paused == 0 for w in workers.values())
+                  and contributors_ok)
+        rows[label] = dict(idle=idle, loss=run.result.final_eval_loss, wall=run.result.wall_s, quorum=quorum,
+                           rounds=run.status["rounds_applied"], steps=dict(bench.steps_done),
+                           h={wid: w.effective_sync_every for wid, w in workers.items()},
+                           oddities=[o for o in run.oddities if " did " not in o])
+        note(f"DyLU {label} done: final eval loss {run.result.final_eval_loss:.4f}, idle "
+             f"{', '.join(f'{v:.3f}' for v in idle.values())}, {run.result.wall_s:.0f} s")
+    print()
+    header = (f"{'DyLU':>13} {'worker':>9} {'slow':>4} {'H at end':>8} {'steps':>6} {'idle share':>10} "
+              f"{'rounds':>6} {'quorum held':>11} {'final loss':>10} {'wall s':>7}")
+    print(header)
+    print("-" * len(header))
+    for label, r in rows.items():
+        for i, wid in enumerate(sorted(r["idle"])):
+            print(f"{label:>13} {wid:>9} {'yes' if i == slow else '':>4} {r['h'][wid]:>8} {r['steps'][wid]:>6} "
+                  f"{r['idle'][wid]:>10.3f} {r['rounds']:>6} {'yes' if r['quorum'] else 'NO':>11} "
+                  f"{r['loss']:>10.4f} {r['wall']:>7.0f}")
+        for o in r["oddities"]:
+            print(f"  odd (DyLU {label}): {o}")
+    fast_idle = {label: max(v for i, (wid, v) in enumerate(sorted(r["idle"].items())) if i != slow)
+                 for label, r in rows.items()}  # the others' idle share: what DyLU is for
+    print(f"idle share: time WAITING or PAUSED at sync points / time from the Welcome to the last step, per "
+          f"worker; final loss: held-out loss of the coordinator's params at the end. total wall "
+          f"{time.perf_counter() - t_all:.0f} s")
+    print(f"RESULT bench_training_dylu idle_off={fast_idle['off']:.4f} idle_on={fast_idle['on']:.4f} "
+          f"loss_off={rows['off']['loss']:.4f} loss_on={rows['on']['loss']:.4f} "
+          f"loss_on_same_wall={rows['on, same wall']['loss']:.4f} rounds_on_same_wall={rows['on, same wall']['rounds']} "
+          f"wall_off={rows['off']['wall']:.1f} wall_on={rows['on']['wall']:.1f}")
+    return 0
+
+
 # --------------------------------------------------------------------------- helpers
 
 
@@ -567,6 +704,10 @@ def main(argv: list[str] | None = None) -> int:
                              "per dtype, bytes per round and final loss (defaults then: --k 2, --steps 300)")
     parser.add_argument("--overlap", action="store_true",
                         help="measure overlap_steps T = 0, 1, 2 instead (idle share, final loss; about 5 minutes)")
+    parser.add_argument("--dylu", action="store_true",
+                        help="one worker 2x slower, without and with DyLU (idle share, final loss; ~4 minutes; "
+                             "--overlap-k, --overlap-h and --overlap-batch-size set k, H and the batch)")
+    parser.add_argument("--dylu-rounds", type=int, default=60, help="--dylu: outer rounds (default %(default)s)")
     parser.add_argument("--overlap-k", type=int, default=2, help="--overlap: workers (default %(default)s)")
     parser.add_argument("--overlap-h", type=int, default=10, help="--overlap: H (default %(default)s)")
     parser.add_argument("--overlap-batch-size", type=int, default=8,
@@ -574,6 +715,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.overlap:
         return overlap_main(args)
+    if args.dylu:
+        return dylu_main(args)
     if args.wire is not None:
         dtypes = [d.strip() for d in args.wire.split(",") if d.strip()]
         if not dtypes or any(d not in ("fp32", "bf16", "int8") for d in dtypes):

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from diloco.core import ConfigError, FSMConfig, Mode
 from diloco.coordinator.outer import OuterConfig
-from diloco.wire.messages import WIRE_DTYPE_NAMES
+from diloco.wire.messages import MAX_SYNC_EVERY, WIRE_DTYPE_NAMES
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +24,11 @@ class CoordinatorConfig:
     #: (``diloco.wire.compression``; SPEC.md section 11, "Wire dtypes"). The outer step is
     #: fp32 whatever it is. ``diloco server`` defaults to ``DEFAULT_SERVER_WIRE_DTYPE``.
     wire_dtype: str = "fp32"
+    #: DyLU (SPEC.md section 14, "DyLU"): tell each worker to take H_w = max(1, floor(v_w / v_max * H))
+    #: inner steps per round, H = ``sync_every`` (required with it), v its measured speed.
+    dylu: bool = False
+    #: The reference H of DyLU: the fastest worker's inner steps per round (``diloco server --sync-every``).
+    sync_every: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.fsm, FSMConfig):
@@ -43,6 +48,14 @@ class CoordinatorConfig:
             object.__setattr__(self, "max_update_norm", float(m))
         if not isinstance(self.wire_dtype, str) or self.wire_dtype not in WIRE_DTYPE_NAMES:
             raise ConfigError("wire_dtype", self.wire_dtype, f"one of {list(WIRE_DTYPE_NAMES)}")
+        if not isinstance(self.dylu, bool):
+            raise ConfigError("dylu", self.dylu, "true or false")
+        h = self.sync_every
+        if h is not None and (isinstance(h, bool) or not isinstance(h, int) or not 1 <= h <= MAX_SYNC_EVERY):
+            raise ConfigError("sync_every", h, f"an integer from 1 to {MAX_SYNC_EVERY}, or None")
+        if self.dylu and h is None:
+            raise ConfigError("sync_every", h, "the reference H (inner steps per round of the fastest worker): "
+                                               "DyLU needs it")
         if self.fsm.mode is Mode.ASYNC and self.outer.name == "nesterov":
             object.__setattr__(self, "outer", OuterConfig("delayed_nesterov", self.outer.lr,
                                                           self.outer.momentum, self.outer.delay))
@@ -50,12 +63,13 @@ class CoordinatorConfig:
     def to_dict(self) -> dict:
         return {"fsm": self.fsm.to_dict(), "outer": self.outer.to_dict(),
                 "heartbeat_interval_s": self.heartbeat_interval_s, "max_update_norm": self.max_update_norm,
-                "wire_dtype": self.wire_dtype}
+                "wire_dtype": self.wire_dtype, "dylu": self.dylu, "sync_every": self.sync_every}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CoordinatorConfig":
-        # ``max_update_norm`` and ``wire_dtype`` are newer than some checkpoints: absent means
-        # no limit, and fp32 (what those runs sent).
+        # ``max_update_norm``, ``wire_dtype``, ``dylu`` and ``sync_every`` are newer than some
+        # checkpoints: absent means no limit, fp32 (what those runs sent), no DyLU.
         return cls(fsm=FSMConfig.from_dict(d["fsm"]), outer=OuterConfig(**d["outer"]),
                    heartbeat_interval_s=d["heartbeat_interval_s"], max_update_norm=d.get("max_update_norm"),
-                   wire_dtype=d.get("wire_dtype", "fp32"))
+                   wire_dtype=d.get("wire_dtype", "fp32"), dylu=d.get("dylu", False),
+                   sync_every=d.get("sync_every"))

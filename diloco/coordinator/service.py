@@ -13,7 +13,7 @@ What the coordinator owns: the global fp32 params and their fragments
 running sums of open rounds, async contributions held below quorum, and the
 map from worker ids to transport peers.
 
-Why one class of about 700 lines: every handler and effect executor below
+Why one class of about 740 lines: every handler and effect executor below
 reads and writes the same few maps (peers, held contributions, running
 sums, key bindings), in the order SPEC.md section 5 fixes; split across
 files they would have to pass that state around or share it implicitly.
@@ -59,6 +59,7 @@ from diloco.core import (
     WorkerLeft,
 )
 from diloco.coordinator.config import CoordinatorConfig
+from diloco.coordinator.dylu import SpeedTable
 from diloco.coordinator.metrics import MetricsHistory
 from diloco.coordinator.outer import build_outer_optimizer
 from diloco.coordinator.params import (
@@ -163,6 +164,8 @@ class Coordinator:
         self._banned_keys: set[str] = set()
         #: Workers' training figures from their heartbeats and per applied round (bounded; never the core's).
         self.metrics = MetricsHistory()
+        #: DyLU: each member's smoothed training speed, for its H_w (``dylu.py``; never the core's).
+        self.speeds = SpeedTable()
         #: The run's id (``diloco server`` sets it: new at a fresh start, kept across resumes), and clocks.
         self.run_id: str | None = None
         self.started_s = now_s
@@ -227,7 +230,15 @@ class Coordinator:
         )
         for m in view.get("members", []):
             m["metrics"] = self.metrics.member_view(m["worker_id"], now)
+            if self.config.dylu:
+                m["sync_every"] = self.sync_every_of(m["worker_id"])
         return view
+
+    def sync_every_of(self, worker_id: str) -> int | None:
+        """DyLU: the H_w this worker is told (None when the run does not use DyLU)."""
+        if not self.config.dylu:
+            return None
+        return self.speeds.sync_every(worker_id, self.config.sync_every)
 
     # ----------------------------------------------------------------- inputs
 
@@ -346,8 +357,11 @@ class Coordinator:
             self._step(HeartbeatSeen(wid), out)
             if msg.metrics:
                 self.metrics.record(wid, self.fsm.now_s, msg.metrics)
+                if self.config.dylu:
+                    self.speeds.report(wid, msg.metrics.get("train_steps_per_s"))
         out.append((peer, HeartbeatReply(self.fsm.below_min_workers, self.fsm.min_workers,
-                                         self.fsm.phase.value, command)))
+                                         self.fsm.phase.value, command,
+                                         self.sync_every_of(wid) if command is Command.CONTINUE else None)))
 
     def _on_join(self, peer: str, msg: Join, out: Outgoing) -> None:
         if msg.protocol_version != PROTOCOL_VERSION:
@@ -540,6 +554,7 @@ class Coordinator:
                 self._welcome(effect, peer, join, out, now)
             elif kind is DeclareDead:
                 self._peers.pop(effect.worker_id, None)
+                self.speeds.forget(effect.worker_id)
                 self._notify("dead", now, worker_id=effect.worker_id, last_seen_s=effect.last_seen_s)
             elif kind is DiscardContribution:
                 self._discard(effect)
@@ -555,6 +570,7 @@ class Coordinator:
                 self._notify("stop", now, kind=effect.kind.value)
         if type(event) is WorkerLeft:
             self._peers.pop(event.worker_id, None)
+            self.speeds.forget(event.worker_id)
         self._released.clear()
         return effects
 
@@ -577,6 +593,7 @@ class Coordinator:
             # holds it (the store's tensors change in place at every outer step). Always fp32.
             params={n: t.clone() for n, t in store.params.items()},
             wire_dtype=self.config.wire_dtype,
+            sync_every=self.sync_every_of(effect.worker_id),
         )))
         self.stats.bytes_sent += _nbytes(store.params)
         self._notify("join", now, worker_id=effect.worker_id, parked=list(effect.parked))

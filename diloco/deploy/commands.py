@@ -4,7 +4,7 @@ Exit codes follow ``diloco.exits``: 0 ok; 1 the command ran and the
 coordinator refused it (or a worker failed); 2 bad usage or input; 3 the
 coordinator did not answer within ``--timeout``; 130 interrupted.
 
-About 490 lines, most of them ``register``: every flag with its help text,
+About 505 lines, most of them ``register``: every flag with its help text,
 which reads best as one list in the order ``--help`` shows it. The server
 and the worker themselves are ``server.py`` and ``worker_main.py``.
 """
@@ -166,6 +166,14 @@ def register(subparsers) -> None:
                         f"256 values); the outer step is fp32 whatever it is, and coordinator and workers hold "
                         f"bit-identical params. Workers adopt it from the coordinator (default "
                         f"{DEFAULT_WIRE_DTYPE}; on --resume: the saved one)")
+    p.add_argument("--dylu", action="store_true", default=None,
+                   help="DyLU (dynamic local updates): each worker takes H_w = max(1, floor(v_w / v_max * H)) inner "
+                        "steps per round, v_w its measured training speed, H --sync-every (needed with it); slower "
+                        "workers sync after fewer steps instead of keeping the others waiting (on --resume: "
+                        "default the saved setting)")
+    p.add_argument("--sync-every", type=_positive_int, default=None, metavar="H",
+                   help="with --dylu: the inner steps per round of the fastest worker (workers' own --sync-every "
+                        "is replaced by their H_w)")
     p.add_argument("--max-update-norm", type=_update_norm, default=None, metavar="X",
                    help="refuse a contribution whose L2 norm (over all its tensors) exceeds X (update_too_large); "
                         "off by default. Use it when workers you do not fully trust can reach the run, or to "
@@ -367,6 +375,7 @@ def cmd_server(args) -> int:
         resume=args.resume, keep=args.keep,
         max_message_bytes=None if args.max_message_mb is None else int(args.max_message_mb * (1 << 20)),
         max_update_norm=args.max_update_norm, wire_dtype=args.wire_dtype,
+        dylu=args.dylu, sync_every=args.sync_every,
         auth_dir=args.auth, io_threads=args.io_threads, http=args.http, log_dir=args.log_dir,
     )
     if args.http is not None and args.auth is None and not args.insecure and not _is_loopback_bind(f"tcp://{args.http}"):

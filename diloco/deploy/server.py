@@ -60,6 +60,10 @@ class ServerSettings:
     #: ``--wire-dtype``: fp32, bf16 or int8 (None: not given, so ``DEFAULT_WIRE_DTYPE``, or on resume
     #: the checkpoint's).
     wire_dtype: str | None = None
+    #: ``--dylu``: each worker takes H_w = max(1, floor(v_w / v_max * H)) inner steps per round (None: not
+    #: given, so off, or on resume the checkpoint's); ``--sync-every H`` is its reference H.
+    dylu: bool | None = None
+    sync_every: int | None = None
     #: ``--auth DIR``: CURVE keys and roles (``diloco.transport.zmq.auth.ServerAuth``); None: no authentication.
     auth_dir: str | None = None
     #: ZeroMQ I/O threads (default 1, or 2 with authentication: CURVE runs on them).
@@ -171,8 +175,13 @@ def build_config(s: ServerSettings, base: CoordinatorConfig | None = None) -> Co
         if fsm.mode is Mode.SYNC and outer.name == "delayed_nesterov" and "name" not in outer_changes:
             outer = dataclasses.replace(outer, name="nesterov")
         max_norm = base.max_update_norm if s.max_update_norm is None else (s.max_update_norm or None)
+        dylu = base.dylu if s.dylu is None else s.dylu
+        sync_every = base.sync_every if s.sync_every is None else s.sync_every
+        if dylu and sync_every is None:
+            raise ServerError("--dylu needs --sync-every H: the inner steps per round of the fastest worker "
+                              "(slower workers get fewer)")
         return CoordinatorConfig(fsm=fsm, outer=outer, heartbeat_interval_s=hb_interval, max_update_norm=max_norm,
-                                 wire_dtype=wire_dtype)
+                                 wire_dtype=wire_dtype, dylu=dylu, sync_every=sync_every)
     except (ConfigError, ValueError) as exc:
         raise ServerError(str(exc)) from None
 
@@ -329,6 +338,10 @@ def run_server(s: ServerSettings, out: TextIO = sys.stdout, stop_event: threadin
           f"heartbeat timeout {cfg.fsm.heartbeat_timeout_s:g} s (workers beat every {cfg.heartbeat_interval_s:g} s), "
           f"outer {cfg.outer.name} lr {cfg.outer.lr:g} momentum {cfg.outer.momentum:g}", file=out, flush=True)
     print(f"  {wire_line(cfg)}", file=out, flush=True)
+    if cfg.dylu:
+        print(f"  DyLU: each worker takes H_w = max(1, floor(v_w / v_max * {cfg.sync_every})) inner steps per round "
+              f"(v: its training speed; the fastest keeps {cfg.sync_every}; no measurement yet: {cfg.sync_every})",
+              file=out, flush=True)
     if cfg.max_update_norm is not None:
         print(f"  max update norm {cfg.max_update_norm:g}: contributions with a larger L2 norm are refused "
               f"(update_too_large)", file=out, flush=True)

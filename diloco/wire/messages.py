@@ -36,7 +36,12 @@ HEARTBEAT_METRICS: dict[str, tuple[str, str]] = {
     "loss": ("float", "the last training loss reported"),
     "eval_loss": ("float", "the last evaluation loss reported"),
     "samples": ("int", "samples trained on (batches x batch size when known, else inner steps)"),
+    "train_steps_per_s": ("float", "inner steps per second of training time (waits at the barrier, pauses "
+                                   "and joins left out): the worker's speed for DyLU; sent in DyLU runs only"),
 }
+
+#: Largest H (inner steps per round) a ``Welcome`` or ``HeartbeatReply`` may ask for (DyLU).
+MAX_SYNC_EVERY = 1 << 30
 
 
 #: Codes only the coordinator and the transports use (the rest are the core's reject reasons).
@@ -173,6 +178,9 @@ class Welcome:
     params: Tensors
     #: The run's wire dtype: encode every ``Submit`` in it (``WIRE_DTYPE_NAMES``).
     wire_dtype: str = "fp32"
+    #: DyLU (SPEC.md section 14, "DyLU"): the inner steps per round this worker should take,
+    #: adopted at a round boundary. None (left out of the header): the run does not use DyLU.
+    sync_every: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +190,8 @@ class HeartbeatReply:
     #: The run's phase (diloco.core.Phase value).
     phase: str
     command: Command = Command.CONTINUE
+    #: DyLU: this worker's H_w now (as ``Welcome.sync_every``); None: the run does not use DyLU.
+    sync_every: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,15 @@ import dataclasses
 import math
 from typing import Any, Callable
 
-from diloco.wire.messages import HEARTBEAT_METRICS, MESSAGE_TYPES, WIRE_DTYPE_NAMES, Command, ErrorCode, TensorSpec
+from diloco.wire.messages import (
+    HEARTBEAT_METRICS,
+    MAX_SYNC_EVERY,
+    MESSAGE_TYPES,
+    WIRE_DTYPE_NAMES,
+    Command,
+    ErrorCode,
+    TensorSpec,
+)
 
 #: Longest string field (worker ids, names, details) the decoder accepts.
 MAX_STR_LEN = 1 << 16
@@ -50,6 +58,15 @@ def _float(v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise FieldError("a finite number")
     return float(v)
+
+
+def _sync_every(v: Any) -> int | None:
+    """DyLU's H_w (``Welcome``/``HeartbeatReply.sync_every``): an integer in 1..MAX_SYNC_EVERY, or nil."""
+    if v is None:
+        return None
+    if not is_int(v) or not 1 <= v <= MAX_SYNC_EVERY:
+        raise FieldError(f"an integer from 1 to {MAX_SYNC_EVERY} (inner steps per round)")
+    return v
 
 
 def _int_tuple(v: Any) -> tuple[int, ...]:
@@ -142,15 +159,17 @@ def _metrics(v: Any) -> dict | None:
         else:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise FieldError(f"metric {key!r} to be a finite number, not {value!r:.60}")
-            if key == "steps_per_s" and value < 0:
-                raise FieldError(f"metric 'steps_per_s' to be >= 0, not {value!r}")
+            if key in ("steps_per_s", "train_steps_per_s") and value < 0:
+                raise FieldError(f"metric {key!r} to be >= 0, not {value!r}")
             value = float(value)
         out[key] = value
     return out
 
 
 #: Fields a sender may leave out (they are then None); encoders omit them when None.
-OPTIONAL_FIELDS: dict[str, frozenset[str]] = {"Heartbeat": frozenset({"metrics"})}
+OPTIONAL_FIELDS: dict[str, frozenset[str]] = {"Heartbeat": frozenset({"metrics"}),
+                                               "Welcome": frozenset({"sync_every"}),
+                                               "HeartbeatReply": frozenset({"sync_every"})}
 
 #: Marks a field that carries tensors: its frames follow the header, listed in the tensor table.
 TENSOR_FIELD = object()
@@ -164,9 +183,10 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "Leave": {"worker_id": _str},
     "Welcome": {"worker_id": _str, "round_ids": _int_tuple, "parked": _pair_tuple, "mode": _str,
                 "fragments": _names_tuple, "min_workers": _int, "below_min_workers": _bool,
-                "heartbeat_interval_s": _float, "params": TENSOR_FIELD, "wire_dtype": _wire_dtype},
+                "heartbeat_interval_s": _float, "params": TENSOR_FIELD, "wire_dtype": _wire_dtype,
+                "sync_every": _sync_every},
     "HeartbeatReply": {"below_min_workers": _bool, "min_workers": _int, "phase": _str,
-                       "command": _enum(Command)},
+                       "command": _enum(Command), "sync_every": _sync_every},
     "Accepted": {"fragment_id": _int, "round_id": _int},
     "Result": {"fragment_id": _int, "round_id": _int, "outcome": _str, "next_round_id": _int,
                "params": TENSOR_FIELD, "delta": _bool, "wire_dtype": _wire_dtype, "scales": TENSOR_FIELD},

@@ -20,6 +20,8 @@ from typing import Any, Callable
 RATE_WINDOW_S = 30.0
 #: Snapshots kept for the rate (heartbeats are seconds apart; this bounds the memory).
 RATE_POINTS = 64
+#: DyLU's speed (``train_steps_per_s``) is measured over the durations of the last this many steps.
+TRAIN_STEPS_KEPT = 32
 
 
 def batch_size(batch: Any) -> int | None:
@@ -47,6 +49,20 @@ class TrainingMetrics:
         self._samples = 0
         self._counted_samples = False
         self._rate: collections.deque[tuple[float, int]] = collections.deque(maxlen=RATE_POINTS)
+        #: Seconds each of the last inner steps took, from "may train" to its ``step_done``.
+        self._step_s: collections.deque[float] = collections.deque(maxlen=TRAIN_STEPS_KEPT)
+
+    def step_took(self, seconds: float) -> None:
+        """One inner step took ``seconds`` of training time (no waiting at the barrier in it)."""
+        if math.isfinite(seconds) and seconds >= 0:
+            with self._lock:
+                self._step_s.append(float(seconds))
+
+    def train_steps_per_s(self) -> float | None:
+        """Inner steps per second of training time over the last steps (None before the first)."""
+        with self._lock:
+            total = sum(self._step_s)
+            return len(self._step_s) / total if self._step_s and total > 0 else None
 
     def report(self, *, loss: float | None = None, eval_loss: float | None = None,
                samples: int | None = None) -> None:
@@ -64,8 +80,13 @@ class TrainingMetrics:
                 self._samples += int(samples)
                 self._counted_samples = True
 
-    def snapshot(self, step: int) -> dict[str, Any]:
-        """The heartbeat's ``metrics`` map for inner step ``step``, now."""
+    def snapshot(self, step: int, train_rate: bool = False) -> dict[str, Any]:
+        """The heartbeat's ``metrics`` map for inner step ``step``, now.
+
+        ``train_rate``: add ``train_steps_per_s`` (DyLU runs only: a coordinator that predates
+        the key would refuse the heartbeat).
+        """
+        speed = self.train_steps_per_s() if train_rate else None
         now = self._clock()
         with self._lock:
             rate = self._rate
@@ -81,4 +102,6 @@ class TrainingMetrics:
             if self._eval_loss is not None:
                 out["eval_loss"] = self._eval_loss
             out["samples"] = self._samples if self._counted_samples else int(step)
+        if speed is not None:
+            out["train_steps_per_s"] = speed
         return out

@@ -2,7 +2,7 @@
 
 (One state machine in one file, as ``diloco/core/round_fsm.py`` is: its rules
 W1-W18 share one small state, and splitting them across files would make a
-reader chase that state; hence over 400 lines, about 790.)
+reader chase that state; hence over 400 lines, about 850.)
 
 The coordinator has ``RoundFSM``; a worker has this. Events come in as data --
 a decoded coordinator message, a clock reading, "finished an inner step", a
@@ -21,6 +21,11 @@ worker already waits for it there. ``DEFAULT_OVERLAP_ALPHA`` = 0.5 is the
 mixing factor of Douillard et al. 2025, "Streaming DiLoCo with overlapping
 communication: Towards a Distributed Free Lunch" (arXiv:2501.18512), section
 2.3. With T = 0 (the default) every rule is exactly as before.
+
+DyLU (W19): a coordinator run with ``--dylu`` names in its ``Welcome`` and heartbeat
+replies how many inner steps per round this worker should take (``sync_every``, H_w);
+the session adopts it only at a period boundary (nothing outstanding, right after the
+last fragment's close) by placing itself on the schedule again with H_w.
 
 Time is whatever the caller says it is (``now``, seconds, never decreasing).
 """
@@ -95,6 +100,13 @@ _WAITING = (S.WAITING, S.PAUSED)
 _RUNNING = (S.TRAINING, S.WAITING, S.PAUSED)
 
 
+def _valid_h(value: object) -> int | None:
+    """A coordinator's H_w (W19) if it is an integer >= 1, else None (the decoder checks it on the wire)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return None
+    return value
+
+
 class SessionError(Exception):
     """The caller broke the session's contract (an event in a state that cannot take it)."""
 
@@ -145,7 +157,15 @@ class WorkerSession:
         self.overlap_steps = overlap_steps
         self.overlap_alpha = float(overlap_alpha)
         self.worker_id = worker_id
+        #: H in force: the worker's own until a DyLU coordinator's H_w is adopted (W19).
         self.sync_every = sync_every
+        #: The worker's own H (``--sync-every``): in force again when the coordinator names none.
+        self.own_sync_every = sync_every
+        #: DyLU (W19): the H_w the coordinator named last (None: it names none).
+        self.target_sync_every: int | None = None
+        #: Schedule step of the last period boundary (the last fragment's submission, or a placement
+        #: by a Welcome); None when unknown (restored, or the period's H_w already adopted).
+        self._boundary_step: int | None = None
         self.spec = tuple(spec)
         if not self.spec:
             raise ValueError("the model has no parameters to train")
@@ -461,6 +481,7 @@ class WorkerSession:
         self.min_workers = msg.min_workers
         self.below_min_workers = bool(msg.below_min_workers)
         self.heartbeat_interval_s = float(msg.heartbeat_interval_s)
+        self.target_sync_every = _valid_h(getattr(msg, "sync_every", None))
         self._place_on_schedule(ids_same, same_layout)
         self.waiting = {int(f): int(r) for f, r in msg.parked}
         self.merge_at.clear()  # W18: a parked contribution has no overlap window (nothing is held: W17)
@@ -480,13 +501,52 @@ class WorkerSession:
         self._go(S.WAITING if self.waiting or (self.due(now) and not self.overlap_steps) else S.TRAINING)
 
     def _place_on_schedule(self, ids_same: bool, same_layout: bool) -> None:
-        F, H = len(self.fragments), self.sync_every
+        F = len(self.fragments)
         if self.mode == "sync":
             if ids_same and len(self.next_close) == F:
-                return  # our own schedule is consistent with the run's rounds: keep it
-            self.next_close, self.sched_step = schedule.sync_place(self.round_ids, H)
+                return  # our own schedule is consistent with the run's rounds: keep it (W19: H_w waits)
+            self.sync_every = self._wanted_sync_every()  # a placement is a period boundary (W19)
+            self.next_close, self.sched_step = schedule.sync_place(self.round_ids, self.sync_every)
+            self._boundary_step = self.sched_step
         elif not (same_layout and len(self.next_close) == F):
-            self.next_close = schedule.async_place(self.sched_step, F, H)
+            self.sync_every = self._wanted_sync_every()
+            self.next_close = schedule.async_place(self.sched_step, F, self.sync_every)
+            self._boundary_step = self.sched_step
+
+    def _wanted_sync_every(self) -> int:
+        """W19: the coordinator's H_w (else the worker's own H), at least ``overlap_steps + 1`` (W15)."""
+        h = self.target_sync_every if self.target_sync_every is not None else self.own_sync_every
+        return max(h, self.overlap_steps + 1)
+
+    def _adopt_sync_every(self) -> None:
+        """W19: at a period boundary, take the H the coordinator names by placing the schedule again.
+
+        A boundary: nothing waiting, held, merging or to be retried, and no step trained on
+        the schedule since the last fragment's submission (with overlap, at most T: the
+        window just ended). Sync: the closes follow from the round ids with the new H
+        (``schedule.sync_place``), so the order in which fragments close -- by (round,
+        fragment), whatever H -- is the same for every member; async: counted from the
+        boundary. The steps trained since the boundary (overlap) still count.
+        """
+        base = self._boundary_step
+        if base is None or self.waiting or self.held or self.merge_at or self.retry_at:
+            return
+        progress = self.sched_step - base
+        if not 0 <= progress <= self.overlap_steps:
+            return
+        h = self._wanted_sync_every()
+        if h == self.sync_every and self.target_sync_every is None:
+            return  # not a DyLU run (or no longer one, and already back at the worker's own H)
+        old = self.sync_every
+        self.sync_every = h
+        if self.mode == "sync":
+            self.next_close, placed = schedule.sync_place(self.round_ids, h)
+            self.sched_step = placed + progress
+        else:
+            self.next_close = schedule.async_place(base, len(self.fragments), h)
+        self._boundary_step = None
+        if h != old:
+            self._note("info", f"DyLU: {h} inner steps per round from now on (was {old})")
 
     # ------------------------------------------------------------------ messages
 
@@ -499,6 +559,8 @@ class WorkerSession:
         self.below_min_workers = bool(msg.below_min_workers)
         self.min_workers = msg.min_workers
         command = command_of(msg.command)
+        if command is Command.CONTINUE:
+            self.target_sync_every = _valid_h(getattr(msg, "sync_every", None))  # W19: adopted at a boundary
         if self.state is S.STOPPING:
             if self._ask_deadline is None:
                 return  # the stop's kind is settled and its Stop emitted: a second Stop would repeat it
@@ -606,6 +668,7 @@ class WorkerSession:
         for f in sorted(self.held):
             if self.sched_step >= self.merge_at[f]:
                 self._merge(f)  # W16: its window ended (merged before anything is submitted)
+        self._adopt_sync_every()  # W19: only at a period boundary
         due = self.due(now)
         if due:
             for f in due:
@@ -636,6 +699,8 @@ class WorkerSession:
         elif self.state is S.TRAINING:
             self._go(S.WAITING)
         self._out.append(SubmitFragment(fid, rid))
+        if fid == len(self.fragments) - 1:
+            self._boundary_step = self.sched_step  # W19: the period's last close
         self.waiting[fid] = rid
         self._unacked.append(fid)
         self._last_submit = (fid, rid)

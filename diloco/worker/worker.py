@@ -159,7 +159,10 @@ class DilocoWorker:
         self._on_outage = on_outage
         #: The training figures every heartbeat carries (``report``; SPEC.md section 11).
         self.metrics = TrainingMetrics(self._clock)
-        self.link.heartbeat_metrics = lambda: self.metrics.snapshot(self.session.inner_step)
+        self.link.heartbeat_metrics = lambda: self.metrics.snapshot(
+            self.session.inner_step, train_rate=self.session.target_sync_every is not None)
+        #: When the worker last became free to train (DyLU's speed: a step's time from then).
+        self._trainable_since: float | None = None
 
         #: Tensor payload bytes sent (Join params, pseudo-gradients) and received (Welcome, Results).
         self.bytes_sent = 0
@@ -212,6 +215,11 @@ class DilocoWorker:
     def coordinator_timeout_s(self) -> float:
         """How long a silent coordinator is waited for before the worker gives up (W11)."""
         return self.session.coordinator_timeout_s
+
+    @property
+    def effective_sync_every(self) -> int:
+        """Inner steps per round in force: ``sync_every``, or the H_w a DyLU coordinator named (W19)."""
+        return self.session.sync_every
 
     @property
     def inner_step(self) -> int:
@@ -328,8 +336,12 @@ class DilocoWorker:
         if state is S.STOPPED:
             return False
         try:
+            now = self._clock()
+            if self._trainable_since is not None:
+                self.metrics.step_took(now - self._trainable_since)  # this step's training time
+                self._trainable_since = None
             with self._lock:
-                actions = self._took(self.session.step_done(self._clock()))
+                actions = self._took(self.session.step_done(now))
             self._run_model_queue()  # what earlier events asked (a Welcome's params) comes first
             self._run(actions)
             if not self.uses_comm_thread:
@@ -386,6 +398,7 @@ class DilocoWorker:
                 if state is S.STOPPED:
                     return False
                 if state is S.TRAINING:
+                    self._trainable_since = self._clock()
                     return True
                 if self.uses_comm_thread:
                     self._wake.wait(self.poll_interval_s)

@@ -46,7 +46,7 @@ def test_a_bad_metrics_field_is_refused_with_a_precise_error(metrics, words):
 
 
 def test_only_the_documented_keys_exist():
-    assert set(HEARTBEAT_METRICS) == {"step", "steps_per_s", "loss", "eval_loss", "samples"}
+    assert set(HEARTBEAT_METRICS) == {"step", "steps_per_s", "loss", "eval_loss", "samples", "train_steps_per_s"}
 
 
 def test_training_metrics_snapshot_rates_losses_and_samples():

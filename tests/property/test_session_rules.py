@@ -1,4 +1,4 @@
-"""One focused, time-exact example per worker-session rule (SPEC.md section 14, W1-W18).
+"""One focused, time-exact example per worker-session rule (SPEC.md section 14, W1-W19).
 
 Each test is named after the rule it checks and drives a ``WorkerSession`` by
 hand with a fake clock (plain numbers: the session never reads a clock).
@@ -7,6 +7,8 @@ lines dropped); ``sent`` keeps only what goes on the wire.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -809,11 +811,98 @@ def test_events_before_start():
                   mode="sync")
 
 
+# --------------------------------------------------------------------------- W19
+
+
+def dylu_reply(h, below=False) -> HeartbeatReply:
+    return HeartbeatReply(below, 2, "running", Command.CONTINUE, h)
+
+
+def test_w19_dylu_a_welcome_naming_h_w_places_the_worker_with_it():
+    s = WorkerSession(WID, 4, SPEC)
+    s.start(0.0)
+    s.on_message(dataclasses.replace(welcome((3,)), sync_every=2), 0.0)
+    assert s.sync_every == 2 and s.own_sync_every == 4
+    assert s.next_close == [8] and s.sched_step == 6            # round 3 closes at 3*2 + 2
+    assert sent(s.step_done(1.0)) == [] and sent(s.step_done(2.0)) == [("submit", 0, 3), "Heartbeat"]
+
+
+def test_w19_dylu_a_new_h_w_is_adopted_only_at_the_round_boundary():
+    s = joined(H=4)
+    s.step_done(1.0)
+    s.on_message(dylu_reply(2), 1.1)                           # mid-round: noted, not adopted
+    assert s.target_sync_every == 2 and s.sync_every == 4 and s.next_close == [4]
+    assert sent(s.step_done(2.0)) == [] and sent(s.step_done(3.0)) == []
+    assert sent(s.step_done(4.0)) == [("submit", 0, 0), "Heartbeat"]      # the round keeps its H
+    s.on_message(dylu_reply(2), 4.1)
+    assert s.sync_every == 4                                   # waiting: still mid-round
+    s.on_message(result(0, 0), 4.5)                            # released: the boundary
+    assert s.sync_every == 2 and s.round_ids == [1] and s.next_close == [4] and s.sched_step == 2
+    assert s.state is S.TRAINING
+    assert sent(s.step_done(5.0)) == [] and sent(s.step_done(6.0)) == [("submit", 0, 1), "Heartbeat"]
+    s.on_message(dylu_reply(3), 6.1)
+    s.on_message(result(0, 1), 6.5)
+    assert s.sync_every == 3 and s.next_close == [9] and s.sched_step == 6
+
+
+def test_w19_dylu_with_fragments_waits_for_the_period_s_last_close():
+    s = joined(H=4, layout=TWO)                                # closes at 2 and 4
+    s.step_done(1.0)
+    s.on_message(dylu_reply(2), 1.5)
+    s.step_done(2.0)                                           # fragment 0 submits
+    s.on_message(result(0, 0), 2.5)
+    assert s.sync_every == 4 and s.next_close == [6, 4]        # fragment 1's round is open: no change
+    s.step_done(3.0)
+    s.step_done(4.0)                                           # fragment 1 submits: the period's last close
+    s.on_message(result(1, 0), 4.5)
+    assert s.sync_every == 2 and s.next_close == [3, 4] and s.sched_step == 2   # (round, fragment) order kept
+    assert sent(s.step_done(5.0)) == [("submit", 0, 1), "Heartbeat"]
+
+
+def test_w19_dylu_a_reply_naming_no_h_returns_to_the_worker_s_own_at_the_next_boundary():
+    s = WorkerSession(WID, 4, SPEC)
+    s.start(0.0)
+    s.on_message(dataclasses.replace(welcome(), sync_every=1), 0.0)
+    assert s.sync_every == 1
+    s.step_done(1.0)                                           # submit round 0
+    s.on_message(reply(), 1.1)                                 # a coordinator without DyLU
+    s.on_message(result(0, 0), 1.5)
+    assert s.sync_every == 4 and s.target_sync_every is None and s.next_close == [8] and s.sched_step == 4
+
+
+def test_w19_dylu_h_w_is_at_least_overlap_steps_plus_one():
+    s = WorkerSession(WID, 4, SPEC, overlap_steps=2)
+    s.start(0.0)
+    s.on_message(dataclasses.replace(welcome(), sync_every=1), 0.0)
+    assert s.sync_every == 3 and s.next_close == [3]
+
+
+def test_w19_dylu_async_counts_the_new_h_from_the_boundary():
+    s = joined(H=4, mode="async")
+    s.on_message(dylu_reply(2), 0.0)                           # before any step: at the boundary, adopted
+    assert s.sync_every == 2 and s.next_close == [2]
+    s.step_done(1.0)
+    s.on_message(dylu_reply(3), 1.5)                           # mid-round: waits
+    s.step_done(2.0)
+    s.on_message(result(0, 0, nxt=7), 2.5)
+    assert s.sync_every == 3 and s.next_close == [5] and s.sched_step == 2
+
+
+def test_w19_dylu_ignores_a_bad_h_w_and_a_run_without_dylu_changes_nothing():
+    s = joined(H=4)
+    s.on_message(dylu_reply(0), 0.5)
+    assert s.target_sync_every is None
+    for t in (1.0, 2.0, 3.0, 4.0):
+        s.step_done(t)
+    s.on_message(result(0, 0), 4.5)
+    assert s.sync_every == 4 and s.next_close == [8] and s.sched_step == 4
+
+
 # --------------------------------------------------------------------------- the spec names these tests
 
 
 def test_spec_section_14_names_only_tests_that_exist():
-    """Every rule W1-W18 of SPEC.md section 14 names tests, and each name matches a test here."""
+    """Every rule W1-W19 of SPEC.md section 14 names tests, and each name matches a test here."""
     import fnmatch
     import re
     from pathlib import Path
@@ -821,7 +910,7 @@ def test_spec_section_14_names_only_tests_that_exist():
     spec = (Path(__file__).resolve().parents[2] / "SPEC.md").read_text(encoding="utf-8")
     section = spec[spec.index("## 14. The worker session"):]
     rules = re.findall(r"^- \*\*(W\d+) [^*]+\.\*\*(.*?)(?=^- \*\*W|\Z)", section, re.S | re.M)
-    assert [r for r, _ in rules] == [f"W{i}" for i in range(1, 19)]
+    assert [r for r, _ in rules] == [f"W{i}" for i in range(1, 20)]
     tests = [name for name in globals() if name.startswith("test_")]
     for rule, text in rules:
         names = re.findall(r"`(test_\w+\*?)`", text)
