@@ -4,7 +4,7 @@ Exit codes follow ``diloco.exits``: 0 ok; 1 the command ran and the
 coordinator refused it (or a worker failed); 2 bad usage or input; 3 the
 coordinator did not answer within ``--timeout``; 130 interrupted.
 
-About 505 lines, most of them ``register``: every flag with its help text,
+About 480 lines, most of them ``register``: every flag with its help text,
 which reads best as one list in the order ``--help`` shows it. The server
 and the worker themselves are ``server.py`` and ``worker_main.py``.
 """
@@ -26,56 +26,28 @@ DEFAULT_WIRE_DTYPE = "int8"
 WIRE_DTYPES = ("fp32", "bf16", "int8")  # diloco.wire.messages.WIRE_DTYPE_NAMES (a test checks they agree)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} is not >= 1")
-    return v
+def _flag_value(kind: type, ok, expected: str):
+    """An argparse ``type``: ``kind(text)`` (int or float) that ``ok`` accepts, else an error saying what is expected."""
+    noun = "an integer" if kind is int else "a number"
+
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"{v} is not {expected}")
+        return v
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"{v} is not a finite number > 0")
-    return v
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"{v} is not >= 0")
-    return v
-
-
-def _overlap_alpha(text: str) -> float:
-    """``--overlap-alpha``: 0 <= A < 1."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 <= v < 1:
-        raise argparse.ArgumentTypeError(f"{v} is not in [0, 1): the weight of the local params at a merge")
-    return v
-
-
-def _update_norm(text: str) -> float:
-    """``--max-update-norm``: a finite number > 0, or 0 for no limit."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 <= v < float("inf"):
-        raise argparse.ArgumentTypeError(f"{v} is not a finite number > 0 (or 0 for no limit)")
-    return v
+_positive_int = _flag_value(int, lambda v: v >= 1, ">= 1")
+_non_negative_int = _flag_value(int, lambda v: v >= 0, ">= 0")
+_positive_float = _flag_value(float, lambda v: 0 < v < float("inf"), "a finite number > 0")
+#: ``--overlap-alpha``: 0 <= A < 1.
+_overlap_alpha = _flag_value(float, lambda v: 0 <= v < 1, "in [0, 1): the weight of the local params at a merge")
+#: ``--max-update-norm``: a finite number > 0, or 0 for no limit.
+_update_norm = _flag_value(float, lambda v: 0 <= v < float("inf"), "a finite number > 0 (or 0 for no limit)")
 
 
 def _add_client_keys(p: argparse.ArgumentParser, role: str) -> None:
