@@ -65,7 +65,7 @@ class RankInfo:
         return info
 
 
-#: An ``init_method`` for launchers other than torchrun (for example ``file:///shared/dir/group``:
+#: An ``init_method`` for launchers other than torchrun (for example ``file:///mnt/nfs/diloco/group``:
 #: a file store, so no rendezvous server listens anywhere); torchrun's ``env://`` by default.
 INIT_METHOD_ENV = "DILOCO_GROUP_INIT"
 

@@ -52,7 +52,7 @@ def restores(snap: dict) -> RoundFSM:
     return fsm
 
 
-def refused(snap: dict, pattern: str) -> None:
+def assert_refused(snap: dict, pattern: str) -> None:
     with pytest.raises(SnapshotError, match=pattern):
         RoundFSM.restore(snap)
 
@@ -84,13 +84,13 @@ def test_a_worker_id_of_exactly_max_worker_id_len_restores_one_longer_is_refused
     fsm = restores(sync_snap())
     assert fsm.is_member(LONG) and fsm.status().parked_workers == (LONG,)
     too_long = LONG + "W"
-    refused(edited(sync_snap(), lambda s: s["members"][0].__setitem__(0, too_long)),
+    assert_refused(edited(sync_snap(), lambda s: s["members"][0].__setitem__(0, too_long)),
             r"^snapshot\.members\[0\]\[0\]='WWWWWWW': expected a worker id string$")
-    refused(edited(sync_snap(), lambda s: s["fragments"][0].__setitem__("contributed", [too_long])),
+    assert_refused(edited(sync_snap(), lambda s: s["fragments"][0].__setitem__("contributed", [too_long])),
             r"^snapshot\.fragments\[0\]\.contributed\[0\]='WWWWWWW'")
-    refused(edited(async_snap(), lambda s: s["fragments"][0].__setitem__("held", [[too_long, 0]])),
+    assert_refused(edited(async_snap(), lambda s: s["fragments"][0].__setitem__("held", [[too_long, 0]])),
             r"^snapshot\.fragments\[0\]\.held\[0\]\[0\]='WWWWWWW'")
-    refused(edited(async_snap(), lambda s: s["fragments"][0]["last_base"].append([too_long, 0])),
+    assert_refused(edited(async_snap(), lambda s: s["fragments"][0]["last_base"].append([too_long, 0])),
             r"^snapshot\.fragments\[0\]\.last_base\[2\]\[0\]='WWWWWWW'")
 
 
@@ -107,11 +107,11 @@ def test_a_last_base_from_minus_one_to_the_version_restores_outside_is_refused()
     a base held right now. Below -1 or above the version no machine can get."""
     restores(async_snap())                                  # LONG's last base == version 2
     restores(edited(async_snap(), _set_last_base("B", -1)))
-    refused(edited(async_snap(), _set_last_base("B", -2)),
+    assert_refused(edited(async_snap(), _set_last_base("B", -2)),
             r"^snapshot\.fragments\[0\]\.last_base\[\d\]\[1\]=-2: expected an integer -1\.\.2$")
-    refused(edited(async_snap(), _set_last_base("B", 3)),
+    assert_refused(edited(async_snap(), _set_last_base("B", 3)),
             r"^snapshot\.fragments\[0\]\.last_base\[\d\]\[1\]=3: expected an integer -1\.\.2$")
-    refused(edited(async_snap(), _set_last_base("B", True)), r"last_base\[\d\]\[1\]=True")
+    assert_refused(edited(async_snap(), _set_last_base("B", True)), r"last_base\[\d\]\[1\]=True")
 
 
 def test_a_joiner_at_version_zero_has_last_base_minus_one_and_survives_a_restore():
@@ -132,9 +132,9 @@ def test_a_held_base_from_zero_to_the_version_restores_outside_is_refused():
             _set_last_base(LONG, base)(s)
         return edit
     restores(edited(async_snap(), set_held(0)))
-    refused(edited(async_snap(), set_held(-1)),
+    assert_refused(edited(async_snap(), set_held(-1)),
             r"^snapshot\.fragments\[0\]\.held\[0\]\[1\]=-1: expected an integer 0\.\.2$")
-    refused(edited(async_snap(), set_held(3)),
+    assert_refused(edited(async_snap(), set_held(3)),
             r"^snapshot\.fragments\[0\]\.held\[0\]\[1\]=3: expected an integer 0\.\.2$")
 
 
@@ -151,13 +151,13 @@ def test_min_workers_up_to_max_workers_and_members_up_to_max_workers_restore():
     snap = machine(J("A"), J("B"), min_workers=2, max_workers=2).snapshot()
     fsm = restores(snap)
     assert fsm.min_workers == 2 and fsm.phase is Phase.RUNNING
-    refused(edited(snap, lambda s: s.__setitem__("min_workers", 3)),
+    assert_refused(edited(snap, lambda s: s.__setitem__("min_workers", 3)),
             r"^snapshot\.min_workers=3: expected an integer 1\.\.2$")
-    refused(edited(snap, lambda s: s["members"].append(["C", 0.0])),
+    assert_refused(edited(snap, lambda s: s["members"].append(["C", 0.0])),
             r"^snapshot\.members: 3 members > max_workers=2$")
     one = edited(snap, lambda s: (s.__setitem__("min_workers", 1), s["members"].pop()))
     assert restores(one).min_workers == 1
-    refused(edited(one, lambda s: s.__setitem__("min_workers", 0)),
+    assert_refused(edited(one, lambda s: s.__setitem__("min_workers", 0)),
             r"^snapshot\.min_workers=0: expected an integer 1\.\.2$")
 
 
@@ -182,7 +182,7 @@ def test_an_async_snapshot_missing_a_members_last_base_is_refused():
     snap = fsm.snapshot()
     truncated = edited(snap, lambda s: s["fragments"][0].__setitem__(
         "last_base", [p for p in s["fragments"][0]["last_base"] if p[0] != "B"]))
-    refused(truncated, r"^snapshot\.fragments\[0\]\.last_base: member 'B' has none \(P3\)$")
+    assert_refused(truncated, r"^snapshot\.fragments\[0\]\.last_base: member 'B' has none \(P3\)$")
     with pytest.raises(SnapshotError):
         RoundFSM.resume(truncated)
 
@@ -208,16 +208,16 @@ SHAPES = [
 # Plain ids: mutmut passes node ids back to pytest, which cannot find ids holding regex escapes.
 @pytest.mark.parametrize("base, edit, pattern", SHAPES, ids=[f"shape{i}" for i in range(len(SHAPES))])
 def test_a_field_of_the_wrong_type_or_length_is_named_by_its_path(base, edit, pattern):
-    refused(edited(base(), edit), pattern)
+    assert_refused(edited(base(), edit), pattern)
 
 
 def test_a_snapshot_field_of_the_wrong_shape_is_named_with_its_path_and_type():
     snap = sync_snap()
-    refused(edited(snap, lambda s: s.__setitem__("members", "AB")),
+    assert_refused(edited(snap, lambda s: s.__setitem__("members", "AB")),
             r"^snapshot\.members must be a list, got str$")
-    refused(edited(snap, lambda s: s["members"].__setitem__(1, 5)),
+    assert_refused(edited(snap, lambda s: s["members"].__setitem__(1, 5)),
             r"^snapshot\.members\[1\] must be a list, got int$")
-    refused(edited(snap, lambda s: s["fragments"].__setitem__(0, ["round_id", 1])),
+    assert_refused(edited(snap, lambda s: s["fragments"].__setitem__(0, ["round_id", 1])),
             r"^snapshot\.fragments\[0\] must be a dict, got list$")
-    refused(edited(async_snap(), lambda s: s["fragments"][0]["held"].__setitem__(0, {"A": 2})),
+    assert_refused(edited(async_snap(), lambda s: s["fragments"][0]["held"].__setitem__(0, {"A": 2})),
             r"^snapshot\.fragments\[0\]\.held\[0\] must be a list, got dict$")
