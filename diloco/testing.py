@@ -5,6 +5,7 @@ spell out ``Join(worker_id, PROTOCOL_VERSION, spec_of(params), params)`` and
 ``Coordinator(CoordinatorConfig(FSMConfig(...), ...), ...)`` itself. They are
 here once:
 
+* :func:`fsm_after` -- a ``RoundFSM`` after some events (the core's tests);
 * :func:`join_message` -- a ``Join`` from a worker's params (spec and params) or
   from a spec alone (a spec-only join, ``params={}``);
 * :func:`make_coordinator` -- a ``Coordinator`` from ``FSMConfig`` keywords plus
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from diloco.coordinator.service import Observer
 
 __all__ = [
+    "fsm_after",
     "join_message",
     "make_coordinator",
     "joined",
@@ -46,6 +48,16 @@ __all__ = [
 Outbox = list[tuple[str, Any]]
 
 _FROM_FIRST = object()
+
+
+def fsm_after(*events: Any, **config: Any):
+    """A ``RoundFSM(FSMConfig(**config))`` that has stepped through ``events`` (their effects dropped)."""
+    from diloco.core import FSMConfig, RoundFSM
+
+    fsm = RoundFSM(FSMConfig(**config))
+    for event in events:
+        fsm.step(event)
+    return fsm
 
 
 def join_message(

@@ -18,13 +18,13 @@ import math
 import pytest
 
 from diloco.core import (
-    InvalidEventError,
     ClockWentBackwardsError,
     ConfigError,
     ContributionSubmitted,
     DriverError,
     FSMConfig,
     HeartbeatSeen,
+    InvalidEventError,
     LeaveCause,
     MachineStoppedError,
     MinWorkersChanged,
@@ -41,6 +41,7 @@ from diloco.core import (
     WorkerJoined,
     WorkerLeft,
 )
+from diloco.testing import fsm_after
 
 R = RejectReason
 J, S, L = WorkerJoined, ContributionSubmitted, WorkerLeft
@@ -48,10 +49,7 @@ J, S, L = WorkerJoined, ContributionSubmitted, WorkerLeft
 
 def machine(*events, **config) -> RoundFSM:
     config.setdefault("heartbeat_timeout_s", 10.0)
-    fsm = RoundFSM(FSMConfig(**config))
-    for ev in events:
-        fsm.step(ev)
-    return fsm
+    return fsm_after(*events, **config)
 
 
 def sync_running_at_round_1() -> RoundFSM:

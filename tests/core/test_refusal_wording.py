@@ -11,7 +11,6 @@ import pytest
 
 from diloco.core import (
     ContributionSubmitted,
-    FSMConfig,
     Mode,
     Phase,
     Reject,
@@ -22,15 +21,12 @@ from diloco.core import (
     SnapshotError,
     WorkerJoined,
 )
+from diloco.testing import fsm_after
 
 J, S = WorkerJoined, ContributionSubmitted
 
 
-def machine(*events, **config) -> RoundFSM:
-    fsm = RoundFSM(FSMConfig(**config))
-    for e in events:
-        fsm.step(e)
-    return fsm
+machine = fsm_after
 
 
 def test_a_second_drain_is_refused_with_a_detail_saying_the_run_is_already_draining():

@@ -9,7 +9,6 @@ import re
 
 from diloco.core import (
     ContributionSubmitted,
-    FSMConfig,
     Mode,
     Reject,
     RejectReason,
@@ -17,16 +16,13 @@ from diloco.core import (
     WorkerJoined,
     WorkerLeft,
 )
+from diloco.testing import fsm_after
 
 J, S, L = WorkerJoined, ContributionSubmitted, WorkerLeft
 R = RejectReason
 
 
-def machine(*events, **config) -> RoundFSM:
-    fsm = RoundFSM(FSMConfig(**config))
-    for e in events:
-        fsm.step(e)
-    return fsm
+machine = fsm_after
 
 
 def detail(fsm: RoundFSM, event, reason: RejectReason) -> str:

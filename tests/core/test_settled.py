@@ -12,7 +12,6 @@ from diloco.core import (
     DeclareDead,
     DiscardContribution,
     DiscardReason,
-    FSMConfig,
     HeartbeatSeen,
     LeaveCause,
     MinWorkersChanged,
@@ -24,7 +23,6 @@ from diloco.core import (
     RejectReason,
     ReleaseOutcome,
     ReleaseWorker,
-    RoundFSM,
     ShutdownKind,
     ShutdownRequested,
     StopRun,
@@ -33,16 +31,13 @@ from diloco.core import (
     WorkerLeft,
     quorum_decision,
 )
+from diloco.testing import fsm_after
 
 J, S, L = WorkerJoined, ContributionSubmitted, WorkerLeft
 R = RejectReason
 
 
-def machine(*events, **config) -> RoundFSM:
-    fsm = RoundFSM(FSMConfig(**config))
-    for e in events:
-        fsm.step(e)
-    return fsm
+machine = fsm_after
 
 
 def reason(effects) -> RejectReason:

@@ -13,7 +13,6 @@ from diloco.core import (
     ApplyRound,
     ContributionSubmitted,
     DeclareDead,
-    FSMConfig,
     HeartbeatSeen,
     Mode,
     Phase,
@@ -28,16 +27,13 @@ from diloco.core import (
     WorkerJoined,
     WorkerLeft,
 )
+from diloco.testing import fsm_after
 
 J, S, L, T = WorkerJoined, ContributionSubmitted, WorkerLeft, Ticked
 LONG = "W" * 6  # exactly max_worker_id_len below
 
 
-def machine(*events, **config) -> RoundFSM:
-    fsm = RoundFSM(FSMConfig(**config))
-    for e in events:
-        fsm.step(e)
-    return fsm
+machine = fsm_after
 
 
 def edited(snap: dict, edit) -> dict:

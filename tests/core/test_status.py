@@ -10,7 +10,6 @@ import json
 
 from diloco.core import (
     ContributionSubmitted,
-    FSMConfig,
     HeartbeatSeen,
     LeaveCause,
     MinWorkersChanged,
@@ -25,16 +24,14 @@ from diloco.core import (
     quorum_decision,
 )
 from diloco.core.status import FragmentStatus, MemberStatus
+from diloco.testing import fsm_after
 
 J, S, L, T = WorkerJoined, ContributionSubmitted, WorkerLeft, Ticked
 
 
 def machine(*events, **config) -> RoundFSM:
     config.setdefault("heartbeat_timeout_s", 100.0)
-    fsm = RoundFSM(FSMConfig(**config))
-    for e in events:
-        fsm.step(e)
-    return fsm
+    return fsm_after(*events, **config)
 
 
 def sync_machine() -> RoundFSM:
