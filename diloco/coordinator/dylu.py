@@ -34,25 +34,37 @@ def dylu_sync_every(speed: float | None, fastest: float | None, sync_every: int)
 
 
 class SpeedTable:
-    """Each member's smoothed speed (at most one entry per member: the coordinator drops leavers)."""
+    """Each member's smoothed speed (at most one entry per member: the coordinator drops leavers).
+
+    The fastest speed is cached: every heartbeat reply asks for it, so it must not cost a scan of
+    all members each time. It is recomputed only when the fastest member slows down or leaves.
+    """
 
     def __init__(self, smoothing: float = SMOOTHING) -> None:
         self.smoothing = smoothing
         self.speeds: dict[str, float] = {}
+        self._fastest: float | None = None
 
     def report(self, worker_id: str, train_steps_per_s: float | None) -> None:
         if train_steps_per_s is None or not math.isfinite(train_steps_per_s) or train_steps_per_s <= 0:
             return  # no measurement
         old = self.speeds.get(worker_id)
         v = float(train_steps_per_s)
-        self.speeds[worker_id] = v if old is None else old + self.smoothing * (v - old)
+        new = v if old is None else old + self.smoothing * (v - old)
+        self.speeds[worker_id] = new
+        if self._fastest is None or new >= self._fastest:
+            self._fastest = new
+        elif old is not None and old >= self._fastest:  # the fastest slowed down: someone else may lead
+            self._fastest = max(self.speeds.values())
 
     def forget(self, worker_id: str) -> None:
-        self.speeds.pop(worker_id, None)
+        old = self.speeds.pop(worker_id, None)
+        if old is not None and self._fastest is not None and old >= self._fastest:
+            self._fastest = max(self.speeds.values(), default=None)
 
     def fastest(self) -> float | None:
-        return max(self.speeds.values(), default=None)
+        return self._fastest
 
     def sync_every(self, worker_id: str, sync_every: int) -> int:
         """This worker's H_w (its own speed against the fastest member's)."""
-        return dylu_sync_every(self.speeds.get(worker_id), self.fastest(), sync_every)
+        return dylu_sync_every(self.speeds.get(worker_id), self._fastest, sync_every)

@@ -198,3 +198,21 @@ def test_a_worker_twice_as_slow_gets_half_the_steps_both_contribute_to_every_rou
         assert isinstance(run.handles["slow"].error, Killed)
         applies = [info for kind, info in list(run.events) if kind == "apply"]
         assert all(len(a["contributors"]) >= 2 for a in applies)
+
+
+def test_the_cached_fastest_speed_always_equals_a_scan_of_the_members():
+    """SpeedTable keeps the fastest speed without scanning every member on each heartbeat reply."""
+    import random
+
+    from diloco.coordinator.dylu import SpeedTable
+
+    rng = random.Random(0)
+    for _ in range(500):
+        table = SpeedTable()
+        for _ in range(30):
+            wid = f"w{rng.randrange(6)}"
+            if rng.random() < 0.2:
+                table.forget(wid)
+            else:
+                table.report(wid, rng.choice([None, 0.0, rng.uniform(0.1, 10.0)]))
+            assert table.fastest() == max(table.speeds.values(), default=None), table.speeds
