@@ -39,7 +39,7 @@ versions.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import msgpack
 
@@ -362,11 +362,7 @@ def error_for(exc: CodecError) -> Error:
     return Error(exc.code, exc.detail, exc.in_reply_to)
 
 
-def message_nbytes(frames: Iterable[Any]) -> int:
-    return sum(_nbytes(f) for f in frames)
-
-
 __all__ = [
     "CHUNK_BYTES", "MAX_MESSAGE_BYTES", "MAX_HEADER_BYTES", "WIRE_DTYPES", "SCHEMAS", "CodecError",
-    "encode", "decode", "error_for", "tensor_view", "message_nbytes",
+    "encode", "decode", "error_for", "tensor_view",
 ]
