@@ -41,7 +41,7 @@ from diloco.coordinator.runner import CoordinatorThread
 from diloco.core import FSMConfig
 from diloco.data import Corpus, derive_seed
 from diloco.demo.waits import PROGRESS_EVERY_S, describe_worker, wait_until
-from diloco.models import build_model, evaluate_loss, param_bytes
+from diloco.models import ModelConfig, build_model, evaluate_loss, param_bytes
 from diloco.plots.timeline import TimelineRecorder, WorkerState
 from diloco.transport.inproc import InprocNetwork
 from diloco.wire.messages import AdminRequest
@@ -56,7 +56,7 @@ class DemoConfig:
     #: Workers k (and min_workers when faults are on).
     workers: int = 4
     #: Inner steps per worker (and for each baseline).
-    steps: int = 300
+    steps: int = 1200
     #: Inner steps per outer round, H.
     sync_every: int = 10
     outer_lr: float = 0.7
@@ -76,7 +76,9 @@ class DemoConfig:
     seed: int = 0
     #: A text file to train on instead of the Python standard library's sources.
     data: pathlib.Path | None = None
-    settings: TrainSettings = field(default_factory=lambda: TrainSettings(batch_size=16, eval_every=50))
+    #: The demo's defaults, chosen by benchmarks/bench_demo.py (see ``diloco demo --help``).
+    settings: TrainSettings = field(default_factory=lambda: TrainSettings(
+        batch_size=8, lr=1e-3, eval_every=80, model=ModelConfig(seq_len=64)))
 
     def __post_init__(self) -> None:
         def bad(name, allowed):
@@ -125,6 +127,10 @@ class _Run:
         self.cfg, self.corpus, self.ui = cfg, corpus, ui
         self.s = cfg.settings
         self.target_rounds = cfg.steps // cfg.sync_every
+        # The victim crashes at a fixed step, halfway through the round after about a third
+        # of the run, so what it trained (and what its replacement inherits) is the same on
+        # every run with the same seed, however the threads are scheduled.
+        self.kill_step = max(1, int(self.target_rounds * 0.35)) * cfg.sync_every + cfg.sync_every // 2 + 1
         self.t0 = time.monotonic()
         self.recorder = TimelineRecorder()
         self.events: list[tuple[float, str]] = []
@@ -230,13 +236,16 @@ class _Run:
         name = f"DiLoCo {worker_id}"
         self.ui.phase(name, steps)
         for step in range(1, steps + 1):
-            if kill is not None and kill.is_set():
+            if kill is not None and step == self.kill_step:
                 endpoint.close()  # a crash: no goodbye, heartbeats just stop
                 with self.lock:
                     self.killed.add(worker_id)
                     self.recorder.set_state(worker_id, WorkerState.DEAD, self.now())
-                self.log(f"{worker_id} killed (crash: no Leave, its heartbeats stop)")
+                self.log(f"{worker_id} killed before its step {step}, mid-round "
+                         f"(crash: no Leave, its heartbeats stop; min_workers={self.cfg.workers}, "
+                         f"so the run must pause)")
                 self.ui.finish(name, "killed")
+                kill.set()
                 return
             loss = inner_step(model, opt, sched, sampler, s)
             self.losses.setdefault(step + start_round * self.cfg.sync_every, []).append(loss)
@@ -284,13 +293,9 @@ class _Run:
 
     def _inject_fault(self, kill: threading.Event, victim: int, threads: list[threading.Thread]) -> None:
         cfg = self.cfg
-        kill_round = max(1, int(self.target_rounds * 0.35))
         everyone = [f"worker-{i + 1}" for i in range(cfg.workers)]
-        self._wait(f"round {kill_round} to be applied (the kill comes after it)",
-                   lambda: self.rounds_applied >= kill_round, lambda: everyone, stall=True)
-        self.log(f"round {self.rounds_applied} applied: killing worker-{victim + 1} "
-                 f"(min_workers={cfg.workers}, so the run must pause)")
-        kill.set()
+        self._wait(f"worker-{victim + 1} to crash before its step {self.kill_step}", kill.is_set,
+                   lambda: everyone, stall=True)
         survivors = [w for w in everyone if w != f"worker-{victim + 1}"]
         self._wait(f"the coordinator to notice that worker-{victim + 1} is gone", self.below_event.is_set,
                    lambda: everyone, limit_s=cfg.heartbeat_timeout_s * 10 + 30)
@@ -386,17 +391,42 @@ def run_demo(cfg: DemoConfig, ui: DemoUI) -> DemoResult:
         diloco, paused_s, moved = run.run()
         baseline = single = None
         if cfg.baselines:
-            ui.phase("sync data parallel", cfg.steps)
-            baseline = train_sync_data_parallel(
-                cfg.workers, cfg.steps, settings=cfg.settings, corpus=corpus, seed=cfg.seed,
-                progress=lambda st, tot, loss: ui.advance("sync data parallel", st, loss))
-            ui.phase("single worker", cfg.steps)
-            single = train_single_worker(
-                cfg.steps, settings=cfg.settings, corpus=corpus, seed=cfg.seed,
-                progress=lambda st, tot, loss: ui.advance("single worker", st, loss))
+            baseline, single = _run_baselines(cfg, corpus, ui)
     finally:
         torch.set_num_threads(threads_before)
     return DemoResult(cfg, diloco, baseline, single, paused_s, moved, run.timeline, run.events)
+
+
+def _run_baselines(cfg: DemoConfig, corpus: Corpus, ui: DemoUI) -> tuple[BaselineResult, BaselineResult]:
+    """Synchronous data parallel and the single worker, side by side on two threads.
+
+    Each is deterministic on its own (own model, optimizer and samplers), so running
+    them at once changes nothing but the wall time: the single worker's steps fill the
+    second core while data parallel's k-times larger steps occupy the first.
+    """
+    results: dict[str, BaselineResult] = {}
+    errors: list[tuple[str, BaseException]] = []
+
+    def train(name: str, fn, *args) -> None:
+        try:
+            results[name] = fn(*args, settings=cfg.settings, corpus=corpus, seed=cfg.seed,
+                               progress=lambda st, tot, loss: ui.advance(name, st, loss))
+        except BaseException as exc:  # re-raised below, on the demo's thread
+            errors.append((name, exc))
+
+    jobs = (("sync data parallel", train_sync_data_parallel, cfg.workers, cfg.steps),
+            ("single worker", train_single_worker, cfg.steps))
+    threads = []
+    for name, fn, *args in jobs:
+        ui.phase(name, cfg.steps)
+        threads.append(threading.Thread(target=train, args=(name, fn, *args), name=name, daemon=True))
+        threads[-1].start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        name, exc = errors[0]
+        raise DemoError(f"the {name} baseline failed: {exc!r}") from exc
+    return results["sync data parallel"], results["single worker"]
 
 
 def baseline_bytes(result: BaselineResult) -> int:
