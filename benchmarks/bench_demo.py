@@ -24,9 +24,9 @@ Goals (the demo's promise): ``diloco / single <= 0.98`` and
 
 Usage::
 
-    python benchmarks/bench_demo.py                  # the grid in benchmarks/README.md (~40 min on 2 cores)
-    python benchmarks/bench_demo.py --quick          # two cells, a smoke run (~2 min)
-    python benchmarks/bench_demo.py --steps 1200 --batch 8 --seq-len 64 --lr 3e-3 --H 10,20 --outer-lr 0.7,1.0
+    python benchmarks/bench_demo.py                  # the 8-cell grid in benchmarks/README.md (~6 min on 2 cores)
+    python benchmarks/bench_demo.py --quick          # one 100-step cell, a smoke run (~15 s)
+    python benchmarks/bench_demo.py --steps 300 --batch 16 --seq-len 128 --lr 1e-3 --H 10 --outer-lr 0.7
 
 Every list flag takes comma-separated values; the grid is their product.
 The last line is ``RESULT bench_demo best=<cell> diloco_vs_single=R diloco_vs_sync=R``

@@ -95,7 +95,7 @@ def make_coordinator(
     """``Coordinator(CoordinatorConfig(FSMConfig(**fsm), outer=..., max_update_norm=..., wire_dtype=...), now_s,
     observer=...)``.
 
-    ``outer=None`` is the default outer optimizer (Nesterov, lr 0.7, momentum 0.9).
+    ``outer=None`` is the default outer optimizer (Nesterov, lr 0.7, momentum 0.8).
     """
     from diloco.coordinator import Coordinator, CoordinatorConfig, OuterConfig
     from diloco.core import FSMConfig

@@ -11,7 +11,7 @@ process, all deterministic given ``seed``.
 * :func:`simulate_diloco_reference` -- DiLoCo (Douillard et al. 2023,
   Algorithm 1) without networking: k replicas each with its own AdamW; every
   H inner steps the pseudo-gradients (global - local) are averaged, the outer
-  optimizer (Nesterov SGD, lr 0.7, momentum 0.9 by default) steps the global
+  optimizer (Nesterov SGD, lr 0.7, momentum 0.8 by default) steps the global
   params, and every replica restarts from them.
 
 Data. The train split of the corpus is cut into k i.i.d. shards

@@ -22,7 +22,7 @@ def simulate_diloco_reference(
     H: int,
     steps: int,
     outer_lr: float = 0.7,
-    outer_momentum: float = 0.9,
+    outer_momentum: float = 0.8,
     *,
     nesterov: bool = True,
     settings: TrainSettings | None = None,

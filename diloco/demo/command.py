@@ -29,7 +29,7 @@ and DIR/demo.json, and ends with a RESULT line. About 2.5 minutes on 2 cores
 with the defaults.
 
 The defaults (1200 steps of 8 sequences of 64 characters, inner lr 1e-3,
-H = 10, outer lr 0.7, momentum 0.9) come from a sweep of these settings
+H = 10, outer lr 0.7, momentum 0.8) come from a sweep of these settings
 (benchmarks/bench_demo.py; the table is in benchmarks/README.md): among those
 that fit in three minutes, they show DiLoCo ending clearly ahead of one
 worker and close to synchronous data parallel.
@@ -51,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sync-every", "-H", type=int, default=10, metavar="H",
                    help="inner steps per outer round (default 10)")
     p.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov learning rate (default 0.7)")
-    p.add_argument("--outer-momentum", type=float, default=0.9, help="outer Nesterov momentum (default 0.9)")
+    p.add_argument("--outer-momentum", type=float, default=0.8, help="outer Nesterov momentum (default 0.8)")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH,
                    help=f"sequences per worker per inner step (default {DEFAULT_BATCH})")
     p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, metavar="L",

@@ -21,14 +21,13 @@ import pathlib
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from diloco.baselines import (
     BaselineResult,
-    TrainSettings,
     comm_bytes_per_sync,
     inner_optimizer,
     inner_step,
@@ -40,65 +39,13 @@ from diloco.coordinator import Coordinator, CoordinatorConfig, OuterConfig
 from diloco.coordinator.runner import CoordinatorThread
 from diloco.core import FSMConfig
 from diloco.data import Corpus, derive_seed
+from diloco.demo.config import DemoConfig, DemoError
 from diloco.demo.waits import PROGRESS_EVERY_S, describe_worker, wait_until
-from diloco.models import ModelConfig, build_model, evaluate_loss, param_bytes
+from diloco.models import build_model, evaluate_loss, param_bytes
 from diloco.plots.timeline import TimelineRecorder, WorkerState
 from diloco.transport.inproc import InprocNetwork
 from diloco.wire.messages import AdminRequest
 from diloco.worker import DilocoWorker
-
-class DemoError(Exception):
-    """The demo could not run as configured (bad settings, a worker failed)."""
-
-
-@dataclass(frozen=True)
-class DemoConfig:
-    #: Workers k (and min_workers when faults are on).
-    workers: int = 4
-    #: Inner steps per worker (and for each baseline).
-    steps: int = 1200
-    #: Inner steps per outer round, H.
-    sync_every: int = 10
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    #: Kill one worker mid-run and bring in a replacement.
-    faults: bool = True
-    #: Seconds without a heartbeat before the coordinator declares a worker dead.
-    heartbeat_timeout_s: float = 1.5
-    #: How long the run stays paused before the replacement is started.
-    replacement_delay_s: float = 2.0
-    #: How long any wait of the demo may go without progress (a step, an applied round, a
-    #: worker's move) -- and how long the survivors may take to pause -- before it fails
-    #: with an error naming what it waited for and where each worker is.
-    stall_timeout_s: float = 120.0
-    #: Skip the two baselines (faster; the table then shows DiLoCo only).
-    baselines: bool = True
-    seed: int = 0
-    #: A text file to train on instead of the Python standard library's sources.
-    data: pathlib.Path | None = None
-    #: The demo's defaults, chosen by benchmarks/bench_demo.py (see ``diloco demo --help``).
-    settings: TrainSettings = field(default_factory=lambda: TrainSettings(
-        batch_size=8, lr=1e-3, eval_every=80, model=ModelConfig(seq_len=64)))
-
-    def __post_init__(self) -> None:
-        def bad(name, allowed):
-            raise DemoError(f"{name}={getattr(self, name)!r} is invalid: expected {allowed}")
-        for name in ("workers", "steps", "sync_every"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                bad(name, "an integer >= 1")
-        if self.faults and self.workers < 2:
-            bad("workers", "at least 2 with faults on (one is killed); use --no-faults for 1")
-        if self.steps < 2 * self.sync_every:
-            bad("steps", f"at least 2 * sync_every = {2 * self.sync_every} (two outer rounds)")
-        if self.faults and self.steps < 4 * self.sync_every:
-            bad("steps", f"at least 4 * sync_every = {4 * self.sync_every} with faults on "
-                         "(rounds before the kill and after the replacement)")
-        if not 0 < self.heartbeat_timeout_s <= 60:
-            bad("heartbeat_timeout_s", "a number of seconds in (0, 60]")
-        if not 0 < self.stall_timeout_s < float("inf"):
-            bad("stall_timeout_s", "a finite number of seconds > 0")
-
 
 class DemoUI(Protocol):
     def phase(self, name: str, total: int) -> None: ...

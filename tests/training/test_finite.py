@@ -143,7 +143,7 @@ def test_an_outer_step_that_overflows_is_refused_and_undone_exactly():
     assert state["state"], "round 0 should have left momentum buffers"
     events.clear()
 
-    # Round 1: a finite mean of 3e38 that Nesterov (lr 0.7, momentum 0.9) steps to -inf.
+    # Round 1: a finite mean of 3e38 that Nesterov (lr 0.7, momentum 0.8) steps to -inf.
     assert isinstance(only(c.handle("a", Submit("a", 0, 1, full(HUGE)), 0.0), Accepted), Accepted)
     out = c.handle("b", Submit("b", 0, 1, full(HUGE)), 0.0)
     results = {p: m for p, m in out if isinstance(m, Result)}

@@ -2,7 +2,7 @@
 
 DiLoCo (Douillard et al. 2023, Algorithm 1): the coordinator averages the
 round's pseudo-gradients and steps an outer optimizer on them; the paper's
-default is SGD with Nesterov momentum, lr 0.7, momentum 0.9, with torch's
+default is SGD with Nesterov momentum, lr 0.7, momentum 0.9 (0.8 here), with torch's
 semantics::
 
     buf = momentum * buf + g        (buf = g on the first step)
