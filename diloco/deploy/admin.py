@@ -124,5 +124,6 @@ def render_status(status: dict, address: str = "", *, width: int = 120) -> str:
         console.print(f"config: mode {fsm.get('mode', '?')}, {fsm.get('num_fragments', '?')} fragment(s), heartbeat "
                       f"timeout {fsm.get('heartbeat_timeout_s', '?')} s, outer {outer.get('name', '?')} lr "
                       f"{outer.get('lr', '?')} momentum {outer.get('momentum', '?')}, max update norm "
-                      f"{cfg.get('max_update_norm') or 'off'}", soft_wrap=True)
+                      f"{cfg.get('max_update_norm') or 'off'}, wire dtype {cfg.get('wire_dtype', 'fp32')}, "
+                      f"DyLU {'on at H ' + str(cfg.get('sync_every')) if cfg.get('dylu') else 'off'}", soft_wrap=True)
     return buf.getvalue().rstrip() + "\n"

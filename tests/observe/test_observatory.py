@@ -135,4 +135,10 @@ def test_status_renders_what_an_operator_acts_on():
     assert "run feedbeef (incarnation 1, diloco 0.1.0): up 1.1 h; last round none yet" in text
     assert "120" in text and "0.7500" in text and "3.5" in text
     assert "config: mode sync" in text
+    assert "outer nesterov lr 0.7 momentum 0.8, max update norm off, wire dtype fp32, DyLU off" in text
+    from diloco.coordinator import Coordinator, CoordinatorConfig
+    from diloco.core import FSMConfig
+
+    dylu = Coordinator(CoordinatorConfig(FSMConfig(min_workers=1), wire_dtype="int8", dylu=True, sync_every=20), 0.0)
+    assert "wire dtype int8, DyLU on at H 20" in render_status(dylu.status(), "tcp://127.0.0.1:5555")
 
