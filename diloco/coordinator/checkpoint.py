@@ -36,6 +36,7 @@ import torch
 
 from diloco.ckptio import flatten_named, read_safetensors, unflatten_named, write_safetensors
 from diloco.core import RoundFSM
+from diloco.coordinator.access import AccessList
 from diloco.coordinator.config import CoordinatorConfig
 from diloco.coordinator.service import Coordinator, Observer
 from diloco.tensorfile import CheckpointError, flatten, load_tensorfile
@@ -79,6 +80,8 @@ def _meta(coordinator: Coordinator, outer: list) -> dict:
         "param_names": list(coordinator.store.params),
         "incarnation": coordinator.incarnation,
         "run_id": coordinator.run_id,
+        # Key bindings and bans outlive a restart (access.py); absent in older checkpoints.
+        "access": coordinator.access.to_dict(),
     }
 
 
@@ -107,6 +110,7 @@ def restore_coordinator(meta: dict, tensors: dict[str, torch.Tensor], now_s: flo
         params = {name: tensors[f"param/{name}"].clone() for name in meta["param_names"]}
         outer = unflatten_named(meta["outer"], {k: t.clone() for k, t in tensors.items()})
         incarnation = int(meta.get("incarnation", 0))
+        access = AccessList.from_dict(meta.get("access", {}))
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, CheckpointError):
             raise
@@ -114,6 +118,7 @@ def restore_coordinator(meta: dict, tensors: dict[str, torch.Tensor], now_s: flo
     coordinator = Coordinator(config or saved, now_s, fsm=fsm, observer=observer)
     coordinator.install_params(params, outer)
     coordinator.incarnation = incarnation + 1
+    coordinator.access = access
     run_id = meta.get("run_id")
     coordinator.run_id = run_id if isinstance(run_id, str) else None
     return coordinator

@@ -15,7 +15,7 @@ map from worker ids to transport peers.
 
 Why one class of about 740 lines: every handler and effect executor below
 reads and writes the same few maps (peers, held contributions, running
-sums, key bindings), in the order SPEC.md section 5 fixes; split across
+sums), in the order SPEC.md section 5 fixes; split across
 files they would have to pass that state around or share it implicitly.
 The parts that own no coordinator state are elsewhere: the params, their
 fragments and the checks on incoming tensors (``params.py``), the outer
@@ -58,6 +58,7 @@ from diloco.core import (
     WorkerJoined,
     WorkerLeft,
 )
+from diloco.coordinator.access import AccessList
 from diloco.coordinator.config import CoordinatorConfig
 from diloco.coordinator.dylu import SpeedTable
 from diloco.coordinator.metrics import MetricsHistory
@@ -92,9 +93,6 @@ from diloco.wire.messages import (
 )
 
 Outgoing = list[tuple[str, Message]]
-
-#: Most worker-id-to-key bindings kept for ids that are no longer members (oldest forgotten first).
-MAX_BOUND_IDS = 100_000
 
 #: Observer hook: called as ``on_event(kind, now_s, info_dict)`` for applied rounds,
 #: quorum and phase changes, joins, deaths and the stop. The demo's timeline and
@@ -155,13 +153,8 @@ class Coordinator:
         #: ApplyRound in this step: params or an encoded delta). Results carry these copies,
         #: never the live tensors (see ``_release``).
         self._released: dict[int, tuple[int, compression.Encoded]] = {}
-        #: worker id -> public key of the authenticated key that first joined it (SPEC.md section 11, "Auth").
-        self._keys: dict[str, str] = {}
-        #: public key -> its key file's name, for refusals and ``status``.
-        self._key_names: dict[str, str] = {}
-        #: ``kick --ban``: ids, and (with authentication) keys, refused at join until ``unban``.
-        self._banned_ids: set[str] = set()
-        self._banned_keys: set[str] = set()
+        #: Key bindings and bans (``access.py``); checkpoints save and restore them.
+        self.access = AccessList()
         #: Workers' training figures from their heartbeats and per applied round (bounded; never the core's).
         self.metrics = MetricsHistory()
         #: DyLU: each member's smoothed training speed, for its H_w (``dylu.py``; never the core's).
@@ -218,8 +211,8 @@ class Coordinator:
             num_params=sum(t.numel() for t in self.store.params.values()) if self.store else 0,
             outer_optimizer=self.config.outer.name,
             wire_dtype=self.config.wire_dtype,
-            banned_workers=sorted(self._banned_ids),
-            banned_keys=sorted(self._key_names.get(k, k) for k in self._banned_keys),
+            banned_workers=sorted(self.access.banned_ids),
+            banned_keys=self.access.banned_key_names(),
         )
         now = self.fsm.now_s
         uptime = max(0.0, now - self.started_s)
@@ -265,7 +258,7 @@ class Coordinator:
             self._answer_after_stop(peer, message, out)
             return out
         if isinstance(message, (Heartbeat, Submit, Join, Leave)):
-            refusal = self._key_refusal(message, identity)
+            refusal = self.access.refusal(message, identity)
             if refusal is not None:
                 self._refuse(peer, out, *refusal, message)
                 return out
@@ -276,7 +269,7 @@ class Coordinator:
         elif isinstance(message, Join):
             self._on_join(peer, message, out)
             if identity is not None and self._peers.get(message.worker_id) == peer:
-                self._bind_key(message.worker_id, identity)
+                self.access.bind(message.worker_id, identity, self.fsm.is_member)
         elif isinstance(message, Leave):
             if self._peers.get(message.worker_id) == peer:
                 self._step(WorkerLeft(message.worker_id, LeaveCause.LEFT), out)
@@ -293,53 +286,6 @@ class Coordinator:
             if p == peer and not self.stopped and self.fsm.is_member(wid):
                 self._step(WorkerLeft(wid, LeaveCause.CRASHED), out)
         return out
-
-    # ------------------------------------------------------------- keys, bans
-
-    def _key_refusal(self, msg, identity) -> tuple[ErrorCode, str] | None:
-        """Why a worker message is refused before anything else: a banned id or key, or another key's id."""
-        wid = msg.worker_id
-        if not isinstance(wid, str):
-            return None  # the core rejects it with invalid_worker_id
-        if isinstance(msg, Join):
-            if wid in self._banned_ids:
-                return ErrorCode.BANNED, f"worker {wid!r} is banned (kick --ban); `diloco unban {wid}` lets it back"
-            if identity is not None and identity.public_key in self._banned_keys:
-                return ErrorCode.BANNED, (f"key {identity.name!r} is banned (kick --ban); `diloco unban` with a "
-                                          f"worker id it joined as lets it back")
-        bound = self._keys.get(wid)
-        if identity is not None and bound is not None and bound != identity.public_key:
-            return ErrorCode.WRONG_KEY, (f"worker id {wid!r} is bound to key {self._key_names.get(bound, '?')!r}, "
-                                         f"the key that first joined it; this message came with key "
-                                         f"{identity.name!r}")
-        return None
-
-    def _bind_key(self, worker_id: str, identity) -> None:
-        if worker_id in self._keys:
-            return
-        self._keys[worker_id] = identity.public_key
-        self._key_names[identity.public_key] = identity.name
-        if len(self._keys) > MAX_BOUND_IDS:
-            # Forget the oldest binding of an id that is no longer a member (a limit on what
-            # grows); at most max_workers members stand before it, so this stays cheap per join.
-            for wid in self._keys:
-                if not self.fsm.is_member(wid):
-                    del self._keys[wid]
-                    break
-
-    def _ban(self, worker_id: str) -> None:
-        self._banned_ids.add(worker_id)
-        key = self._keys.get(worker_id)
-        if key is not None:
-            self._banned_keys.add(key)
-
-    def _unban(self, worker_id: str) -> bool:
-        key = self._keys.get(worker_id)
-        found = worker_id in self._banned_ids or (key is not None and key in self._banned_keys)
-        self._banned_ids.discard(worker_id)
-        if key is not None:
-            self._banned_keys.discard(key)
-        return found
 
     # --------------------------------------------------------------- handlers
 
@@ -493,7 +439,7 @@ class Coordinator:
             if not isinstance(wid, str) or not wid:
                 return AdminReply(False, {}, f"kick: worker {wid!r} is not a worker id")
             if ban:
-                self._ban(wid)  # also an id that is not a member now: it is kept out from now on
+                self.access.ban(wid)  # also an id that is not a member now: it is kept out from now on
             if not self.fsm.is_member(wid):
                 if ban:
                     return AdminReply(True, self.status())
@@ -501,7 +447,7 @@ class Coordinator:
             effects = self._step(WorkerLeft(wid, LeaveCause.KICKED), sink)
         elif cmd == "unban":
             wid = args.get("worker_id")
-            if not isinstance(wid, str) or not self._unban(wid):
+            if not isinstance(wid, str) or not self.access.unban(wid):
                 return AdminReply(False, self.status(), f"worker {wid!r} is not banned")
             return AdminReply(True, self.status())
         else:

@@ -244,3 +244,44 @@ def test_resume_with_a_min_workers_above_the_saved_one_pauses_instead_of_failing
     again = make_coordinator(ServerSettings(resume=str(tmp_path), checkpoint_dir=str(tmp_path)),
                              EventPrinter(io.StringIO()), 100.0, out=io.StringIO())
     assert again.fsm.min_workers == 1 and again.fsm.rounds_applied == 3
+
+
+def test_bans_and_key_bindings_survive_a_restart(tmp_path):
+    """A ban and an id's key binding are the run's, not the process's: ``--resume`` keeps them."""
+    from diloco.coordinator.checkpoint import restore_coordinator
+    from diloco.transport.zmq.auth import KeyIdentity, Role
+    from diloco.wire.messages import AdminRequest, ErrorCode
+
+    k1, k2, k3 = (KeyIdentity(f"PUB{i}" * 8, f"k{i}", Role.WORKER) for i in (1, 2, 3))
+    c = make_coordinator(min_workers=1)
+    params = {"w": torch.zeros(2)}
+    c.handle("p1", join_message("w1", params), 1.0, identity=k1)
+    c.handle("p2", join_message("w2", params), 1.0, identity=k2)
+
+    def admin(coordinator, cmd, args, now):
+        (reply,) = [m for peer, m in coordinator.handle("admin", AdminRequest(cmd, args), now) if peer == "admin"]
+        return reply
+
+    assert admin(c, "kick", {"worker_id": "w2", "ban": True}, 2.0).ok
+    save_coordinator(c, tmp_path)
+
+    def refused(coordinator, wid, identity):
+        out = coordinator.handle("p9", join_message(wid, params), 4.0, identity=identity)
+        return [m.code for _, m in out if isinstance(m, Error)]
+
+    r = load_coordinator(tmp_path, 3.0)
+    assert r.status()["banned_workers"] == ["w2"] and r.status()["banned_keys"] == ["k2"]
+    assert refused(r, "w2", k3) == [ErrorCode.BANNED]       # the banned id
+    assert refused(r, "w9", k2) == [ErrorCode.BANNED]       # the banned key under a new id
+    assert refused(r, "w1", k3) == [ErrorCode.WRONG_KEY]    # w1 stays bound to k1
+    assert refused(r, "w1", k1) == []                       # its own key gets back in
+    assert admin(r, "unban", {"worker_id": "w2"}, 5.0).ok
+    assert refused(r, "w2", k2) == []
+
+    # A checkpoint written before bans were saved resumes with none; a malformed one is refused.
+    meta, tensors = coordinator_state(c)
+    old = {k: v for k, v in meta.items() if k != "access"}
+    assert restore_coordinator(old, tensors, 3.0).status()["banned_workers"] == []
+    for bad in ({"banned_ids": "w2"}, {"keys": {"w1": 7}}, ["w2"]):
+        with pytest.raises(CheckpointError, match="access state"):
+            restore_coordinator({**meta, "access": bad}, tensors, 3.0)
