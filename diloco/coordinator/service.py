@@ -13,7 +13,7 @@ What the coordinator owns: the global fp32 params and their fragments
 running sums of open rounds, async contributions held below quorum, and the
 map from worker ids to transport peers.
 
-Why one class of about 740 lines: every handler and effect executor below
+Why one class of about 690 lines: every handler and effect executor below
 reads and writes the same few maps (peers, held contributions, running
 sums), in the order SPEC.md section 5 fixes; split across
 files they would have to pass that state around or share it implicitly.

@@ -75,6 +75,9 @@ REJOIN_CODES = frozenset({ErrorCode.STALE_ROUND, ErrorCode.FUTURE_ROUND, ErrorCo
 STOP_CODES = frozenset({ErrorCode.STOPPED, ErrorCode.SHUTTING_DOWN})
 #: Heartbeat intervals of unpaused waiting before a worker suspects a lost Result (doubles each time).
 RESYNC_INTERVALS = 16
+#: ... up to this many: a worker that waited out a long straggler must not then take hours to
+#: notice a Result lost later (at the default 7.5 s interval, 256 intervals are 32 minutes).
+RESYNC_MAX_INTERVALS = 256
 #: Retries of a join answered ``already_member`` (Leave, then Join again).
 ALREADY_MEMBER_RETRIES = 3
 #: Default ``coordinator_timeout_s``: how long a silent coordinator is waited for (10 minutes).
@@ -719,7 +722,8 @@ class WorkerSession:
         again is safe (SPEC.md P1: an accepted contribution stays pending and the Welcome
         parks the worker on it; if it already applied, the Welcome brings the new params).
         Waiting for slow peers is normal, so the first resync comes after
-        ``RESYNC_INTERVALS`` heartbeat intervals and the delay doubles each time.
+        ``RESYNC_INTERVALS`` heartbeat intervals and the delay doubles each time, up to
+        ``RESYNC_MAX_INTERVALS``.
         """
         if self.state is not S.WAITING or not self.waiting or silence > 2 * self.heartbeat_interval_s:
             # (A silent coordinator is an outage, not a lost Result: joining again would not help.)
@@ -732,7 +736,7 @@ class WorkerSession:
             return False
         self._note("warning", f"no Result for {dict(self.waiting)} after {now - self._waiting_since:.1f} s at the "
                               f"sync point; leaving and joining again")
-        self._resync_after_s *= 2
+        self._resync_after_s = min(2 * self._resync_after_s, RESYNC_MAX_INTERVALS * self.heartbeat_interval_s)
         self._waiting_since = None
         self._send(Leave(self.worker_id), now)
         self._rejoin(now)

@@ -41,6 +41,7 @@ from diloco.worker.actions import (
 
 # The numbers of section 14, written out (not imported from the session).
 RESYNC_INTERVALS = 16
+RESYNC_MAX_INTERVALS = 256
 ALREADY_MEMBER_RETRIES = 3
 OUTAGE_NOTICE_S = 5.0
 OUTAGE_EVERY_S = 10.0
@@ -547,7 +548,7 @@ class SessionModel:
             self.wait_began = now
             return
         if now - self.wait_began >= self.resync_after:
-            self.resync_after *= 2
+            self.resync_after = min(2 * self.resync_after, RESYNC_MAX_INTERVALS * self.hb_s)
             self.wait_began = None
             self.sent("Leave", now)
             self.rejoin(now)

@@ -420,6 +420,22 @@ def test_w9_resync_after_exactly_16_intervals_then_32():
     assert _wait_answered(s, 49.0, 49.0) == 49.0
 
 
+def test_w9_resync_delay_stops_doubling_at_256_intervals():
+    s = joined(H=1, hb=1.0)
+    s.step_done(0.0)
+    s.on_message(reply(), 0.0)
+    s.on_message(Accepted(0, 0), 0.0)
+    t, resyncs = 0.0, []
+    for delay in (16, 32, 64, 128, 256, 256, 256):   # the Result stays lost: resync after resync
+        assert _wait_answered(s, t, t + delay - 1) is None
+        assert _wait_answered(s, t + delay, t + delay) == t + delay
+        resyncs.append(delay)
+        s.on_message(welcome(parked=((0, 0),)), t + delay + 0.5)
+        assert s.state is S.WAITING
+        t += delay + 1
+    assert resyncs[-3:] == [256, 256, 256]
+
+
 def test_w9_resync_not_while_paused_nor_while_the_coordinator_is_silent():
     s = joined(H=1, hb=1.0)
     s.step_done(0.0)
