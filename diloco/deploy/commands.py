@@ -168,8 +168,9 @@ def register(subparsers) -> None:
     p.add_argument("--http", default=None, metavar="HOST:PORT",
                    help="serve a read-only live dashboard at http://HOST:PORT/, its JSON at /api/status and "
                         "Prometheus metrics at /metrics (off by default; port 0 picks a free port, printed). "
-                        "Loopback only (e.g. 127.0.0.1:8080) unless --auth or --insecure is given, as for --bind; "
-                        "the page itself has no authentication: put it behind your own proxy to share it")
+                        "Loopback only (e.g. 127.0.0.1:8080) unless --auth or --insecure is given, as for --bind. "
+                        "With --auth DIR every path needs the token in DIR/http.token (made on first use, mode "
+                        "0600): open /?token=TOKEN once in a browser, or send 'Authorization: Bearer TOKEN'")
     p.add_argument("--log-dir", default=None, metavar="DIR",
                    help="append a JSONL metrics log to DIR/metrics.jsonl: one line per applied round, per worker "
                         "metrics sample (step, steps/s, loss, samples from its heartbeats) and per membership "

@@ -367,7 +367,7 @@ def run_server(s: ServerSettings, out: TextIO = sys.stdout, stop_event: threadin
 
         try:
             observing = start_observing(coordinator, tee, version=__version__, http=s.http, log_dir=s.log_dir,
-                                        out=out)
+                                        out=out, auth_dir=s.auth_dir)
         except BaseException as exc:
             endpoint.close()
             if audit is not None:

@@ -11,6 +11,11 @@ The server is ``wsgiref``'s (no HTTP parsing of ours), one request at a time
 on one daemon thread, each connection's socket timing out after
 ``REQUEST_TIMEOUT_S``: a slow or stuck client costs at most that, never the
 coordinator's loop, which only publishes snapshots. ``close()`` stops it.
+
+With a ``token`` (``diloco server --auth DIR``: ``token.py``) every path
+answers 401 unless the request carries it; ``/?token=TOKEN`` sets it as a
+cookie and redirects to the same path without it, so it leaves the address
+bar and the page's polling carries it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import make_wsgi_app
 
 from diloco.observe.prom import make_registry
+from diloco.observe.token import presented_token, set_cookie_header, token_matches
 
 #: Seconds a client may take to send its request or read the answer.
 REQUEST_TIMEOUT_S = 5.0
@@ -34,8 +40,8 @@ def dashboard_html() -> bytes:
     return resources.files("diloco.observe").joinpath("dashboard.html").read_bytes()
 
 
-def make_app(observatory) -> Callable:
-    """The WSGI app: ``/``, ``/api/status``, ``/metrics``; GET and HEAD only."""
+def make_app(observatory, token: str | None = None) -> Callable:
+    """The WSGI app: ``/``, ``/api/status``, ``/metrics``; GET and HEAD only; with ``token``, only for it."""
     metrics_app = make_wsgi_app(make_registry(observatory))
     page = dashboard_html()
 
@@ -45,6 +51,14 @@ def make_app(observatory) -> Callable:
         if method not in ("GET", "HEAD"):
             return _reply(start_response, "405 Method Not Allowed", b"read-only: GET or HEAD\n", "text/plain",
                           [("Allow", "GET, HEAD")])
+        if token is not None:
+            presented, in_query = presented_token(environ)
+            if not token_matches(presented, token):
+                return _reply(start_response, "401 Unauthorized", UNAUTHORIZED, "text/plain",
+                              [("WWW-Authenticate", 'Bearer realm="diloco"')])
+            if in_query:
+                return _reply(start_response, "303 See Other", b"", "text/plain",
+                              [("Location", path), set_cookie_header(token)])
         if path == "/metrics":
             return metrics_app(environ, start_response)
         if path == "/api/status":
@@ -55,6 +69,10 @@ def make_app(observatory) -> Callable:
         return _reply(start_response, "404 Not Found", b"not found: try /, /api/status or /metrics\n", "text/plain")
 
     return app
+
+
+UNAUTHORIZED = (b"401: this dashboard needs its token (the file http.token in the server's --auth directory): "
+                b"send 'Authorization: Bearer TOKEN', or open /?token=TOKEN once in a browser\n")
 
 
 def _reply(start_response: Callable, status: str, body: bytes, ctype: str, extra=()) -> list[bytes]:
@@ -77,9 +95,9 @@ class _WSGIServer6(WSGIServer):
 class DashboardServer:
     """``make_app`` on ``host:port`` (port 0: a free one; ``address`` says which), on a daemon thread."""
 
-    def __init__(self, observatory, host: str, port: int) -> None:
+    def __init__(self, observatory, host: str, port: int, token: str | None = None) -> None:
         server_class = _WSGIServer6 if ":" in host else WSGIServer
-        self._server: WSGIServer = make_server(host, port, make_app(observatory), server_class=server_class,
+        self._server: WSGIServer = make_server(host, port, make_app(observatory, token), server_class=server_class,
                                                handler_class=_QuietHandler)
         self._server.timeout = REQUEST_TIMEOUT_S
         self.host, self.port = self._server.server_address[:2]

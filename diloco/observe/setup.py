@@ -30,9 +30,20 @@ class Observing:
 
 
 def start_observing(coordinator, tee, *, version: str, http: str | None, log_dir: str | None,
-                    out: TextIO) -> Observing:
+                    out: TextIO, auth_dir: str | None = None) -> Observing:
     """Attach an ``Observatory`` to ``coordinator`` (through the server's observer ``tee``) and start
-    the HTTP server (``http``: HOST:PORT) and/or the metrics log (``log_dir``); prints where they are."""
+    the HTTP server (``http``: HOST:PORT; with ``auth_dir``, only for the token in it, ``token.py``)
+    and/or the metrics log (``log_dir``); prints where they are."""
+    token = token_file = None
+    if http is not None and auth_dir is not None:
+        from diloco.observe.token import TokenError, load_or_create_token
+
+        try:
+            token, token_file, created = load_or_create_token(auth_dir)
+        except (TokenError, OSError) as exc:
+            raise ObserveError(f"--http {http}: {exc}") from None
+        if created:
+            print(f"  dashboard token created: {token_file} (mode 0600)", file=out, flush=True)
     log = None
     if log_dir is not None:
         try:
@@ -46,7 +57,7 @@ def start_observing(coordinator, tee, *, version: str, http: str | None, log_dir
 
         try:
             host, port = parse_host_port(http)
-            server = DashboardServer(observatory, host, port)
+            server = DashboardServer(observatory, host, port, token)
         except (ValueError, OSError) as exc:
             if log is not None:
                 log.close()
@@ -61,6 +72,8 @@ def start_observing(coordinator, tee, *, version: str, http: str | None, log_dir
     observatory.publish(time.monotonic())
     if server is not None:
         server.start()
-        print(f"  dashboard {server.address}/ (read-only, no authentication): the live page at /, JSON at "
+        access = ("no authentication" if token is None else
+                  f"for the token in {token_file}: open /?token=TOKEN once, or send 'Authorization: Bearer TOKEN'")
+        print(f"  dashboard {server.address}/ (read-only, {access}): the live page at /, JSON at "
               f"/api/status, Prometheus at /metrics", file=out, flush=True)
     return Observing(observatory, server, log)
