@@ -23,9 +23,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from diloco.coordinator import OuterConfig
+
 pytestmark = pytest.mark.slow
 
-LR, MOMENTUM = 0.7, 0.9  # the server's default outer optimizer: SGD, Nesterov
+LR, MOMENTUM = OuterConfig().lr, OuterConfig().momentum  # the server's default outer optimizer: SGD, Nesterov
 
 
 def audit_lines(ck: Path) -> list[dict]:
