@@ -541,14 +541,15 @@ class Coordinator:
             wire_dtype=self.config.wire_dtype,
             sync_every=self.sync_every_of(effect.worker_id),
         )))
-        self.stats.bytes_sent += _nbytes(store.params)
+        self.stats.bytes_sent += compression.tensor_nbytes(store.params)
         self._notify("join", now, worker_id=effect.worker_id, parked=list(effect.parked))
 
     def _accept(self, effect: AcceptContribution, submit: Submit | None, tensors: Tensors | None,
                 peer: str | None, out: Outgoing) -> None:
         assert submit is not None and tensors is not None and peer is not None and self.store is not None
         self.stats.contributions_accepted += 1
-        self.stats.bytes_received += _nbytes(submit.tensors) + _nbytes(submit.scales)
+        nbytes = compression.tensor_nbytes
+        self.stats.bytes_received += nbytes(submit.tensors) + nbytes(submit.scales)
         if self._sync:
             self.store.accumulate(effect.fragment_id, tensors)
         else:
@@ -669,10 +670,6 @@ class Coordinator:
     def _notify(self, what: str, now: float, **info) -> None:
         if self._observer is not None:
             self._observer(what, now, info)
-
-
-def _nbytes(tensors: Tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _describe_mismatch(got, want) -> str:

@@ -75,7 +75,7 @@ class Encoded:
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self.values) + _nbytes(self.scales)
+        return tensor_nbytes(self.values) + tensor_nbytes(self.scales)
 
 
 def check_wire_dtype(wire_dtype: Any) -> str:
@@ -220,7 +220,7 @@ class DeltaParams(dict):
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self) + _nbytes(self.scales)
+        return tensor_nbytes(self) + tensor_nbytes(self.scales)
 
     def resolve(self, base: Mapping[str, torch.Tensor], names: Iterable[str], what: str) -> Tensors:
         names = list(names)
@@ -267,12 +267,13 @@ def _dtype(t: Any) -> str:
     return str(getattr(t, "dtype", t)).removeprefix("torch.")
 
 
-def _nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
+def tensor_nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    """Payload bytes of named tensors (what the coordinator and the worker count as sent or received)."""
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 __all__ = [
     "BLOCK", "WIRE_DTYPES", "DeltaParams", "Encoded", "EncodedMismatch", "EncodingError", "apply_delta",
     "check_wire_dtype", "decode", "dequantize_int8", "encode", "mark_delta", "quantize_int8",
-    "quantized_update", "scale_count",
+    "quantized_update", "scale_count", "tensor_nbytes",
 ]

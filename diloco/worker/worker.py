@@ -484,7 +484,7 @@ class DilocoWorker:
             elif isinstance(action, SendJoinWithParams):
                 params = {n: p.detach().to("cpu", torch.float32).clone() for n, p in self._params.items()}
                 self.link.post(Join(self.worker_id, PROTOCOL_VERSION, self.session.spec, params))
-                self.bytes_sent += _nbytes(params)
+                self.bytes_sent += compression.tensor_nbytes(params)
             elif isinstance(action, Stop):
                 self._stop(action)
             elif isinstance(action, OutageReport):
@@ -523,8 +523,8 @@ class DilocoWorker:
                 raise DilocoWorkerError(
                     f"{source}: parameter {n!r} has shape {list(t.shape)}; this model's has "
                     f"{list(self._params[n].shape)}", "bad_message")
-        self.bytes_received += received if received is not None else sum(_nbytes({n: params[n]})
-                                                                          for n in action.names)
+        self.bytes_received += (received if received is not None
+                                else compression.tensor_nbytes({n: params[n] for n in action.names}))
         return params
 
     def _merge(self, action: MergeParams) -> None:
@@ -659,7 +659,3 @@ class DilocoWorker:
                              rounds_synced=ckpt.rounds_synced, mode=ckpt.mode)
         log.info("worker %s: restored from %s (inner step %d, round ids %s)", self.worker_id,
                  self.checkpoint_path, ckpt.inner_step, ckpt.round_ids)
-
-
-def _nbytes(tensors: Tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())
