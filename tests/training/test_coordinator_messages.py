@@ -66,14 +66,14 @@ def test_key_bindings_of_departed_ids_are_bounded_oldest_first(monkeypatch):
     """SPEC.md section 11, A3: at most MAX_BOUND_IDS bindings of ids that are no longer members."""
     from types import SimpleNamespace
 
-    import diloco.coordinator.service as service
+    import diloco.coordinator.access as access
     from diloco.wire.messages import Leave
 
-    monkeypatch.setattr(service, "MAX_BOUND_IDS", 3)
+    monkeypatch.setattr(access, "MAX_BOUND_IDS", 3)
     c = make_coordinator(min_workers=1)
     key = SimpleNamespace(public_key="K" * 40, name="k")
     for i in range(6):
         c.handle(f"p{i}", join_message(f"w{i}", P0), float(i), identity=key)
         assert c.fsm.is_member(f"w{i}")
         c.handle(f"p{i}", Leave(f"w{i}"), float(i) + 0.5, identity=key)
-    assert list(c._keys) == ["w3", "w4", "w5"]
+    assert list(c.access.keys) == ["w3", "w4", "w5"]
