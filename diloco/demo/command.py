@@ -29,10 +29,11 @@ and DIR/demo.json, and ends with a RESULT line. About 2.5 minutes on 2 cores
 with the defaults.
 
 The defaults (1200 steps of 8 sequences of 64 characters, inner lr 1e-3,
-H = 10, outer lr 0.7, momentum 0.8) come from a sweep of these settings
-(benchmarks/bench_demo.py; the table is in benchmarks/README.md): among those
-that fit in three minutes, they show DiLoCo ending clearly ahead of one
-worker and close to synchronous data parallel.
+H = 10, outer lr 0.7, momentum 0.8) come from sweeps of these settings
+(benchmarks/bench_demo.py and bench_training.py --outer-sweep; the tables are
+in benchmarks/README.md): among those that fit in three minutes, they show
+DiLoCo ending clearly ahead of one worker and level with synchronous data
+parallel.
 """
 
 #: The demo's defaults (see DESCRIPTION and benchmarks/README.md, "bench_demo").
@@ -50,13 +51,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"inner steps per worker and per baseline (default {DEFAULT_STEPS})")
     p.add_argument("--sync-every", "-H", type=int, default=10, metavar="H",
                    help="inner steps per outer round (default 10)")
-    p.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov learning rate (default 0.7)")
-    p.add_argument("--outer-momentum", type=float, default=0.8, help="outer Nesterov momentum (default 0.8)")
-    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH,
+    p.add_argument("--outer-lr", type=float, default=0.7, metavar="X", help="outer Nesterov learning rate (default 0.7)")
+    p.add_argument("--outer-momentum", type=float, default=0.8, metavar="X", help="outer Nesterov momentum (default 0.8)")
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH, metavar="B",
                    help=f"sequences per worker per inner step (default {DEFAULT_BATCH})")
     p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, metavar="L",
                    help=f"characters per sequence, the model's context (default {DEFAULT_SEQ_LEN})")
-    p.add_argument("--lr", type=float, default=DEFAULT_LR,
+    p.add_argument("--lr", type=float, default=DEFAULT_LR, metavar="X",
                    help=f"peak inner AdamW learning rate, cosine schedule (default {DEFAULT_LR:g})")
     p.add_argument("--data", type=pathlib.Path, metavar="PATH",
                    help="train on this text file instead of the standard library's sources")

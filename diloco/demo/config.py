@@ -11,6 +11,7 @@ import pathlib
 from dataclasses import dataclass, field
 
 from diloco.baselines import TrainSettings
+from diloco.coordinator.outer import OuterConfig, OuterConfigError
 from diloco.models import ModelConfig
 
 
@@ -65,3 +66,7 @@ class DemoConfig:
             bad("heartbeat_timeout_s", "a number of seconds in (0, 60]")
         if not 0 < self.stall_timeout_s < float("inf"):
             bad("stall_timeout_s", "a finite number of seconds > 0")
+        try:  # the coordinator's own checks, so a bad --outer-lr is a usage error, not a crash mid-run
+            OuterConfig("nesterov", self.outer_lr, self.outer_momentum)
+        except OuterConfigError as exc:
+            raise DemoError(str(exc)) from None

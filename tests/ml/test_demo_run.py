@@ -68,6 +68,9 @@ def test_the_same_seed_gives_the_same_demo(tiny_settings):
     (["--lr", "0"], "lr"),
     (["--lr", "nan"], "lr"),
     (["--batch-size", "0"], "batch_size"),
+    (["--outer-lr", "-1"], "outer lr=-1.0 is invalid"),
+    (["--outer-lr", "nan"], "outer lr=nan is invalid"),
+    (["--outer-momentum", "1.5"], "outer momentum=1.5 is invalid"),
 ])
 def test_bad_demo_flags_exit_2_naming_the_setting(flags, message):
     proc = subprocess.run([sys.executable, "-m", "diloco", "demo", *flags], capture_output=True, text=True,
