@@ -6,7 +6,10 @@ bound to it: a message for that id under another key is refused (wrong_key).
 at join until ``unban``. Both are part of the run, not of one coordinator
 process: they are saved in every checkpoint (:meth:`AccessList.to_dict`) and
 restored on ``--resume``, so a restart does not let a banned worker back in or
-hand a bound id to another key.
+hand a bound id to another key. With a checkpoint directory a ban or unban is
+itself written (a checkpoint of the same round) before ``kick --ban`` or
+``unban`` is answered; a binding made since the newest checkpoint is made again
+by the key that joins that id first after a restart.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ class AccessList:
         #: ``kick --ban``: ids, and (with authentication) keys, refused at join until ``unban``.
         self.banned_ids: set[str] = set()
         self.banned_keys: set[str] = set()
+        #: Counts bans and unbans, so the runner writes a checkpoint before confirming one.
+        self.ban_changes = 0
 
     def refusal(self, msg, identity) -> tuple[ErrorCode, str] | None:
         """Why a worker message is refused before anything else: a banned id or key, or another key's id."""
@@ -65,6 +70,7 @@ class AccessList:
                     break
 
     def ban(self, worker_id: str) -> None:
+        self.ban_changes += 1
         self.banned_ids.add(worker_id)
         key = self.keys.get(worker_id)
         if key is not None:
@@ -77,6 +83,7 @@ class AccessList:
         self.banned_ids.discard(worker_id)
         if key is not None:
             self.banned_keys.discard(key)
+        self.ban_changes += found
         return found
 
     def banned_key_names(self) -> list[str]:

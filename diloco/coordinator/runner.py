@@ -37,8 +37,8 @@ def serve(endpoint: CoordinatorEndpoint, coordinator: Coordinator, *,
     """Run until the run stops (and the linger passes) or ``stop_event`` is set.
 
     With ``checkpoint_dir``, every step that applied a round (``rounds_applied``
-    moved: applied or refused outer steps) is written to a checkpoint before any
-    of the step's messages is sent, keeping the newest ``keep`` files; then the
+    moved: applied or refused outer steps) or banned or unbanned a worker is
+    written to a checkpoint before any of the step's messages is sent, keeping the newest ``keep`` files; then the
     step's ``audit`` lines are appended and fsync'd. A failed write raises: nothing
     of that step is announced (restart with ``--resume``).
     """
@@ -50,6 +50,7 @@ def serve(endpoint: CoordinatorEndpoint, coordinator: Coordinator, *,
         item = endpoint.recv(tick_interval_s)
         now = clock()
         rounds_before = coordinator.fsm.rounds_applied
+        bans_before = coordinator.access.ban_changes
         if item is None:
             out = coordinator.tick(now)
         else:
@@ -74,10 +75,12 @@ def serve(endpoint: CoordinatorEndpoint, coordinator: Coordinator, *,
                     path = _persist(coordinator, checkpoint_dir, keep)
                     log.info("checkpoint written to %s", path)
                 saved = True
-        if (checkpoint_dir is not None and coordinator.fsm.rounds_applied != rounds_before
-                and coordinator.store is not None and not saved):
+        changed = (coordinator.fsm.rounds_applied != rounds_before
+                   or coordinator.access.ban_changes != bans_before)
+        if checkpoint_dir is not None and changed and coordinator.store is not None and not saved:
             # Persist before announce (SPEC.md section 5): the step's Results go out only once
-            # the round they announce is on disk.
+            # the round they announce is on disk -- and a ban or unban is confirmed to the
+            # operator only once a restart would keep it.
             try:
                 _persist(coordinator, checkpoint_dir, keep)
             except BaseException:

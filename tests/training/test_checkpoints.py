@@ -285,3 +285,32 @@ def test_bans_and_key_bindings_survive_a_restart(tmp_path):
     for bad in ({"banned_ids": "w2"}, {"keys": {"w1": 7}}, ["w2"]):
         with pytest.raises(CheckpointError, match="access state"):
             restore_coordinator({**meta, "access": bad}, tensors, 3.0)
+
+
+def test_a_ban_and_an_unban_are_on_disk_before_the_operator_hears_of_them(tmp_path):
+    from diloco.wire.messages import AdminReply, AdminRequest
+
+    ck = tmp_path / "ck"
+    audit = AuditLog(ck)
+    c = make_coordinator(observer=Tee(audit), min_workers=1)
+    audit.attach(c)
+    items = [("p", join_message("w1", {"w": torch.zeros(4)})),
+             ("admin", AdminRequest("kick", {"worker_id": "w2", "ban": True})),
+             ("admin", AdminRequest("unban", {"worker_id": "w2"})),
+             ("admin", AdminRequest("unban", {"worker_id": "w2"}))]    # not banned: nothing to write
+
+    class BansOnDisk(RecordingEndpoint):
+        def send(self, peer, message) -> None:
+            if isinstance(message, AdminReply):
+                found = find_newest(self.ck)
+                self.sent.append((message.ok, found and found.meta["access"]["banned_ids"], found and found.path))
+
+    endpoint = BansOnDisk(items, ck)
+    clock = iter(range(1, 1000))
+    serve(endpoint, c, checkpoint_dir=ck, audit=audit, clock=lambda: float(next(clock)), stop_event=_StopAfter(6))
+    (ok1, banned1, path1), (ok2, banned2, path2), (ok3, banned3, path3) = endpoint.sent
+    assert (ok1, banned1) == (True, ["w2"])         # written before "banned" was answered
+    assert (ok2, banned2) == (True, [])             # and the unban too
+    assert (ok3, banned3) == (False, [])
+    assert path1.name == path2.name == "coordinator-000000000000.safetensors"  # the same round, rewritten
+    assert c.stats.checkpoints_written == 2
