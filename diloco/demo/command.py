@@ -25,7 +25,7 @@ Then fully synchronous data parallel and a single worker train for the same
 number of inner steps, for comparison. Nothing is downloaded.
 
 Prints a table, writes DIR/demo.png (loss curves and a membership timeline)
-and DIR/demo.json, and ends with a RESULT line. About 2.5 minutes on 2 cores
+and DIR/demo.json, and ends with a RESULT line. About 2 minutes on 2 idle cores
 with the defaults.
 
 The defaults (1200 steps of 8 sequences of 64 characters, inner lr 1e-3,
