@@ -17,6 +17,7 @@ import os
 import sys
 import time
 
+from diloco.argtypes import flag_value
 from diloco.exits import EXIT_AUTH_REFUSED, EXIT_OK, EXIT_PROBLEM, EXIT_UNREACHABLE, UsageError
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
@@ -26,28 +27,13 @@ DEFAULT_WIRE_DTYPE = "int8"
 WIRE_DTYPES = ("fp32", "bf16", "int8")  # diloco.wire.messages.WIRE_DTYPE_NAMES (a test checks they agree)
 
 
-def _flag_value(kind: type, ok, expected: str):
-    """An argparse ``type``: ``kind(text)`` (int or float) that ``ok`` accepts, else an error saying what is expected."""
-    noun = "an integer" if kind is int else "a number"
-
-    def parse(text: str):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
-        if not ok(v):
-            raise argparse.ArgumentTypeError(f"{v} is not {expected}")
-        return v
-    return parse
-
-
-_positive_int = _flag_value(int, lambda v: v >= 1, ">= 1")
-_non_negative_int = _flag_value(int, lambda v: v >= 0, ">= 0")
-_positive_float = _flag_value(float, lambda v: 0 < v < float("inf"), "a finite number > 0")
+_positive_int = flag_value(int, lambda v: v >= 1, ">= 1")
+_non_negative_int = flag_value(int, lambda v: v >= 0, ">= 0")
+_positive_float = flag_value(float, lambda v: 0 < v < float("inf"), "a finite number > 0")
 #: ``--overlap-alpha``: 0 <= A < 1.
-_overlap_alpha = _flag_value(float, lambda v: 0 <= v < 1, "in [0, 1): the weight of the local params at a merge")
+_overlap_alpha = flag_value(float, lambda v: 0 <= v < 1, "in [0, 1): the weight of the local params at a merge")
 #: ``--max-update-norm``: a finite number > 0, or 0 for no limit.
-_update_norm = _flag_value(float, lambda v: 0 <= v < float("inf"), "a finite number > 0 (or 0 for no limit)")
+_update_norm = flag_value(float, lambda v: 0 <= v < float("inf"), "a finite number > 0 (or 0 for no limit)")
 
 
 def _add_client_keys(p: argparse.ArgumentParser, role: str) -> None:

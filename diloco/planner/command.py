@@ -11,6 +11,8 @@ import math
 import os
 import re
 
+from diloco.argtypes import flag_value
+
 EXIT_OK = 0
 
 #: The dtype names of diloco.planner.model.WIRE_DTYPES (tests/test_planner.py keeps them equal).
@@ -51,27 +53,11 @@ def _params(text: str) -> float:
 
 
 def _positive(flag: str):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = float("nan")
-        if not (math.isfinite(value) and value > 0):
-            raise argparse.ArgumentTypeError(f"{flag} must be a positive number, got {text!r}")
-        return value
-    return parse
+    return flag_value(float, lambda v: 0 < v < math.inf, "a positive number", flag)
 
 
 def _int_at_least(flag: str, low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= {low}, got {value}")
-        return value
-    return parse
+    return flag_value(int, lambda v: v >= low, f"an integer >= {low}", flag)
 
 
 def _wire():

@@ -9,6 +9,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from diloco.argtypes import flag_value
 from diloco.sim.config import FAULT_LEVELS, MAX_FRAGMENTS, MAX_ROUNDS, MAX_WORKERS, SHUTDOWN_KINDS, derive_config
 
 if TYPE_CHECKING:  # diloco.sim.run loads the coordinator and torch: only when a run starts
@@ -53,15 +54,7 @@ a divergence (the seed is printed), 2 bad usage"""
 
 
 def _int_in(name: str, low: int, high: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer in {low}..{high}, got {text!r}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer in {low}..{high}, got {value}")
-        return value
-    return parse
+    return flag_value(int, lambda v: low <= v <= high, f"an integer in {low}..{high}", name)
 
 
 def register(subparsers) -> None:
