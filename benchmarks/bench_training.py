@@ -272,19 +272,23 @@ class _RealDiloco:
         except BaseException as exc:  # reported by run()
             self.errors.append(exc)
 
-    def _train(self, index: int, worker_id: str) -> None:
+    def _joined_worker(self, index: int, worker_id: str):
+        """A worker's replica, inner optimizer and ``DilocoWorker``, joined: (w, model, opt, sched, sampler)."""
         torch.set_num_threads(1)
-        s = self.s
-        model = build_model(s.model, derive_seed(self.seed, "model"))
-        opt, sched = inner_optimizer(model, s, self.steps)
+        model = build_model(self.s.model, derive_seed(self.seed, "model"))
+        opt, sched = inner_optimizer(model, self.s, self.steps)
         log = self.state_log[worker_id]
         w = DilocoWorker(model, opt, self.net.connect(worker_id), worker_id=worker_id, sync_every=self.H,
                          coordinator_timeout_s=120.0, overlap_steps=self.T,
                          on_state=lambda _w, state, _t: log.append((state, time.perf_counter())))
         self.workers[worker_id] = w
         w.join()
+        return w, model, opt, sched, self.samplers[index]
+
+    def _train(self, index: int, worker_id: str) -> None:
+        s = self.s
+        w, model, opt, sched, sampler = self._joined_worker(index, worker_id)
         t_joined = time.perf_counter()
-        sampler = self.samplers[index]
         done = 0
         for step in range(1, self.steps + 1):
             loss = inner_step(model, opt, sched, sampler, s)
@@ -486,18 +490,9 @@ class _DyluBench(_RealDiloco):
         self.probe.observe(what, now_s, info)
 
     def _train(self, index: int, worker_id: str) -> None:
-        torch.set_num_threads(1)
         s = self.s
-        model = build_model(s.model, derive_seed(self.seed, "model"))
-        opt, sched = inner_optimizer(model, s, self.steps)
-        log = self.state_log[worker_id]
-        w = DilocoWorker(model, opt, self.net.connect(worker_id), worker_id=worker_id, sync_every=self.H,
-                         coordinator_timeout_s=120.0,
-                         on_state=lambda _w, state, _t: log.append((state, time.perf_counter())))
-        self.workers[worker_id] = w
-        w.join()
+        w, model, opt, sched, sampler = self._joined_worker(index, worker_id)
         t_joined = time.perf_counter()
-        sampler = self.samplers[index]
         done = 0
         while w.rounds_synced < self.rounds:
             loss = inner_step(model, opt, sched, sampler, s)
