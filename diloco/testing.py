@@ -15,6 +15,7 @@ here once:
   ``handle`` returned;
 * :func:`params_of` -- detached copies of a model's parameters;
 * :func:`one_torch_thread` -- torch uses one intra-op thread inside the block.
+* :class:`QuietDemoUI` -- a silent ``diloco demo`` UI that keeps its notes.
 
 Importing this module is cheap: it imports only the message types (which do not
 load torch); a helper that needs torch or the coordinator imports it when called.
@@ -146,3 +147,22 @@ def one_torch_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(old)
+
+
+class QuietDemoUI:
+    """A ``diloco.demo.run.DemoUI`` that shows nothing and keeps the demo's notes in ``notes``."""
+
+    def __init__(self) -> None:
+        self.notes: list[str] = []
+
+    def phase(self, name: str, total: int) -> None:
+        pass
+
+    def advance(self, name: str, step: int, loss: float) -> None:
+        pass
+
+    def finish(self, name: str, text: str) -> None:
+        pass
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)

@@ -10,24 +10,13 @@ import sys
 import pytest
 
 from diloco.demo import run as demo
-
-
-class Quiet:
-    def __init__(self) -> None:
-        self.notes: list[str] = []
-
-    def phase(self, name, total): pass
-    def advance(self, name, step, loss): pass
-    def finish(self, name, text): pass
-
-    def note(self, text: str) -> None:
-        self.notes.append(text)
+from diloco.testing import QuietDemoUI
 
 
 def _run(tiny_settings, **kw):
     cfg = demo.DemoConfig(workers=3, steps=30, sync_every=5, settings=tiny_settings, heartbeat_timeout_s=0.5,
                           replacement_delay_s=0.2, stall_timeout_s=60.0, **kw)
-    ui = Quiet()
+    ui = QuietDemoUI()
     return demo.run_demo(cfg, ui), ui
 
 

@@ -8,19 +8,8 @@ import time
 import pytest
 
 from diloco.demo import run as demo
+from diloco.testing import QuietDemoUI
 from diloco.demo.waits import wait_until
-
-
-class Quiet:
-    def phase(self, name, total): pass
-    def advance(self, name, step, loss): pass
-    def finish(self, name, text): pass
-
-    def __init__(self) -> None:
-        self.notes: list[str] = []
-
-    def note(self, text: str) -> None:
-        self.notes.append(text)
 
 
 class Boom(Exception):
@@ -71,7 +60,7 @@ def test_survivors_that_never_report_paused_end_the_demo_with_where_they_are(tin
     monkeypatch.setattr(demo._Run, "_on_state", lose_worker_1s_pause)
     cfg = demo.DemoConfig(workers=3, steps=20, sync_every=5, baselines=False, settings=tiny_settings,
                           heartbeat_timeout_s=0.5, stall_timeout_s=4.0)
-    ui = Quiet()
+    ui = QuietDemoUI()
     t0 = time.monotonic()
     with pytest.raises(demo.DemoError) as info:
         demo.run_demo(cfg, ui)
