@@ -16,10 +16,11 @@ from __future__ import annotations
 import hmac
 import os
 import secrets
-import stat
 from http.cookies import CookieError, SimpleCookie
 from pathlib import Path
 from urllib.parse import parse_qs
+
+from diloco.transport.zmq.auth import too_open
 
 #: The token file's name inside the ``--auth`` directory.
 TOKEN_FILE = "http.token"
@@ -45,10 +46,9 @@ def load_or_create_token(auth_dir: str | os.PathLike) -> tuple[str, Path, bool]:
         with os.fdopen(fd, "w") as fh:
             fh.write(secrets.token_urlsafe(32) + "\n")
         created = True
-    mode = path.stat().st_mode
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise TokenError(f"{path}: permissions {stat.S_IMODE(mode):04o} are too open: the dashboard token must be "
-                         f"readable by its owner only (chmod 600 {path})")
+    problem = too_open(path, "the dashboard token")  # the rule for secret keys
+    if problem:
+        raise TokenError(problem)
     token = path.read_text().strip()
     if len(token) < 16 or any(c.isspace() for c in token):
         raise TokenError(f"{path}: expected one token of at least 16 characters and no spaces (delete the file "

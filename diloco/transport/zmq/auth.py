@@ -90,15 +90,23 @@ def generate_keypair(name: str, out_dir: str | os.PathLike) -> tuple[Path, Path]
     return public, secret
 
 
+def too_open(path: Path, what: str) -> str | None:
+    """Why ``path`` must not hold a secret (group or others may read it, as ssh refuses), or None."""
+    mode = path.stat().st_mode
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        return (f"{path}: permissions {stat.S_IMODE(mode):04o} are too open: {what} must be readable by its "
+                f"owner only (chmod 600 {path})")
+    return None
+
+
 def load_secret_key(path: str | os.PathLike) -> tuple[bytes, bytes]:
     """(public, secret) from a ``.key_secret`` file; refuse a file group or others can read."""
     p = Path(path)
     if not p.is_file():
         raise AuthError(f"{p}: no such key file")
-    mode = p.stat().st_mode
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise AuthError(f"{p}: permissions {stat.S_IMODE(mode):04o} are too open: a secret key must be "
-                        f"readable by its owner only (chmod 600 {p})")
+    problem = too_open(p, "a secret key")
+    if problem:
+        raise AuthError(problem)
     public, secret = _read_key_file(p)
     if secret is None:
         raise AuthError(f"{p}: holds no secret key (is it the public .key file? pass NAME.key_secret)")
