@@ -1,9 +1,11 @@
 """``diloco plan``: the bandwidth model reproduces Streaming DiLoCo's Table 4, and the command behaves.
 
 Table 4 of Streaming DiLoCo (Douillard et al., 2025): H = 100, M = 2, 1B
-parameters, a step of 0.1 s; the smallest bandwidth (Gbit/s) on
+parameters (24 layers), a step of 0.1 s; the smallest bandwidth (Gbit/s) on
 logspace(-1, 3, 50) reaching each compute utilisation. Every cell must be
-within one grid step of the paper's, except the one documented below (and in
+within one grid step of the paper's. Most data-parallel and DiLoCo cells sit
+one step above it: the paper's simulator needs about 1/1.2 of the model's
+communication time (see test_the_gap_to_the_paper_is_one_scale_factor and
 README "Planning bandwidth").
 """
 
@@ -27,14 +29,15 @@ PAPER = {  # Table 4: 50%, 80%, 90%, 95%, 99% compute utilisation
     "DiLoCo": (1.4, 6.2, 13.3, 23.3, 86.8),
     "Streaming DiLoCo": (0.4, 0.9, 1.7, 2.0, 3.0),
 }
-#: Allowed distance in grid steps from the paper's cell: one, except where the model cannot match.
-#: Data parallel at 99%: with 128 buckets the data still on the link when the backward ends is 1/128
-#: of the gradients (0.125 Gbit), so once the link keeps up with the backward (16 Gbit in 2T/3, i.e.
-#: 240 Gbit/s) the stall is under 0.5 ms and 99% is reached at 268.3 Gbit/s, 4 grid steps below the
-#: paper's 569.0. The paper's value implies a tail of about 1/32 of the gradients: with 32 buckets
-#: the model gives 569.0 (test_data_parallel_99_percent_matches_with_32_buckets).
-TOLERANCE = {("data parallel", 0.99): 4}
+#: Allowed distance in grid steps from the paper's cell.
+TOLERANCE = 1
 SETTING = dict(params=1e9, step_time_s=0.1, workers=2)
+#: The rest of Table 4 (data parallel and DiLoCo): 10B (48 layers, step 0.8 s) and 100B (108 layers, 4.9 s).
+PAPER_LARGER = {
+    (10e9, 48, 0.8): {"data parallel": (104.8, 222.3, 222.3, 268.3, 471.5), "DiLoCo": (1.7, 7.5, 16.0, 33.9, 104.8)},
+    (100e9, 108, 4.9): {"data parallel": (184.2, 323.8, 390.7, 390.7, 471.5),
+                        "DiLoCo": (3.0, 11.0, 23.3, 49.4, 184.2)},
+}
 BF16, INT4 = model.WIRE_DTYPES["bf16"], model.WIRE_DTYPES["int4"]
 
 
@@ -50,7 +53,7 @@ def _needed(buckets: int = model.DEFAULT_BUCKETS) -> dict[str, list[float | None
 NEEDED = _needed()
 #: What the model gives for Table 4 (the README shows this table).
 MODEL = {
-    "data parallel": (104.8, 184.2, 222.3, 268.3, 268.3),
+    "data parallel": (104.8, 184.2, 222.3, 268.3, 686.6),
     "DiLoCo": (1.68, 6.25, 16.0, 28.1, 104.8),
     "Streaming DiLoCo": (0.37, 1.15, 1.68, 2.44, 2.95),
 }
@@ -62,22 +65,50 @@ def test_table_4_cell_within_tolerance(method, column):
     target = model.TARGETS[column]
     got, paper = NEEDED[method][column], PAPER[method][column]
     assert got is not None, (method, target)
-    allowed = TOLERANCE.get((method, target), 1)
     steps = _grid_index(got) - _grid_index(paper)
-    assert abs(steps) <= allowed, f"{method} {target:.0%}: model {got:.3g}, paper {paper} ({steps:+d} grid steps)"
+    assert abs(steps) <= TOLERANCE, f"{method} {target:.0%}: model {got:.3g}, paper {paper} ({steps:+d} grid steps)"
     assert got == pytest.approx(MODEL[method][column], rel=0.01)
 
 
-def test_the_documented_exception_is_still_needed():
-    """If the model ever matches data parallel at 99%, the tolerance (and README) must be tightened."""
-    assert _grid_index(NEEDED["data parallel"][4]) - _grid_index(569.0) == -4
+def test_the_paper_bandwidth_one_step_below_misses_the_target_in_the_model():
+    """The step above is not an off-by-one in bandwidth_needed: at the paper's bandwidth the model is short."""
+    for method in ("data parallel", "DiLoCo"):
+        m = model.methods(100, 8, 1, BF16)[0 if method == "data parallel" else 1]
+        for target, got, paper in zip(model.TARGETS, NEEDED[method], PAPER[method]):
+            if _grid_index(got) - _grid_index(paper) != 1:
+                continue
+            below = model.method_utilisation(m, bandwidth_gbit_s=float(GRID[_grid_index(paper)]), **SETTING)
+            assert below < target <= model.method_utilisation(m, bandwidth_gbit_s=got, **SETTING) + 1e-12
 
 
-def test_data_parallel_99_percent_matches_with_32_buckets():
-    needed = _needed(buckets=32)
-    for method, cells in PAPER.items():
-        for got, paper in zip(needed[method], cells):
-            assert abs(_grid_index(got) - _grid_index(paper)) <= 1, (method, got, paper)
+def test_the_gap_to_the_paper_is_one_scale_factor():
+    """Communication time / 1.2 (here: step x 1.2) reproduces data parallel and DiLoCo of all of Table 4.
+
+    Utilisation depends on bandwidth only through (bits / bandwidth) / step time, so this is one scalar: the
+    paper's simulator needs 1/1.2 of this model's communication time per step. The paper does not say where
+    such a factor would come from, so the model does not apply it (README "Planning bandwidth").
+    """
+    ms = model.methods(100, 8, 1, BF16)[:2]
+    rows = {(1e9, 24, 0.1): {m: PAPER[m] for m in ("data parallel", "DiLoCo")}, **PAPER_LARGER}
+    off = []
+    for (params, layers, step), paper in rows.items():
+        for m in ms:
+            curve = model.utilisation_curve(m, params=params, step_time_s=1.2 * step, workers=2, buckets=layers)
+            for got, want in zip(model.bandwidth_needed(curve), paper[m.name]):
+                off.append((params, m.name, _grid_index(got) - _grid_index(want)))
+    assert [o for o in off if o[2] != 0] == [(10e9, "data parallel", -1)]  # 99%: 390.7 against 471.5
+
+
+def test_one_bucket_per_layer_is_what_data_parallel_at_99_percent_needs():
+    """With 128 buckets the tail left when the backward ends is 1/128 of the gradients: 99% at 268.3 Gbit/s,
+    4 steps below the paper's 569.0. One bucket per layer (24) leaves 1/24: 686.6, one step above like the
+    other cells (and 569.0 exactly with the 1.2 factor above)."""
+    dp = model.methods(100, 8, 1, BF16)[0]
+    at_99 = {k: model.bandwidth_needed(model.utilisation_curve(dp, buckets=k, **SETTING), targets=(0.99,))[0]
+             for k in (24, 128)}
+    assert at_99[128] == pytest.approx(268.3, rel=1e-3)
+    assert at_99[24] == pytest.approx(686.6, rel=1e-3)
+    assert model.DEFAULT_BUCKETS == command.DEFAULT_BUCKETS == 24
 
 
 @pytest.mark.parametrize("method", model.methods(100, 8, 1, BF16, INT4), ids=lambda m: m.name)
@@ -108,7 +139,7 @@ def test_one_worker_sends_nothing_and_more_workers_send_more():
 def test_data_parallel_below_the_knee_is_link_bound():
     """16 Gbit a step at 80 Gbit/s: 0.2 s on the link from the first bucket, and the forward waits for it."""
     u = model.utilisation(bandwidth_gbit_s=80, bytes_per_param=2, **SETTING)
-    first_bucket = 0.1 / 3 + (0.2 / 3) / 128
+    first_bucket = 0.1 / 3 + (0.2 / 3) / model.DEFAULT_BUCKETS
     assert u == pytest.approx(0.1 / (first_bucket + 0.2))
 
 
@@ -179,7 +210,7 @@ def test_plan_sweep_prints_the_table_and_writes_the_plot(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "data parallel         104.8    184.2    222.3    268.3    268.3" in out
+    assert "data parallel         104.8    184.2    222.3    268.3    686.6" in out
     assert "DiLoCo                 1.68     6.25     16.0     28.1    104.8" in out
     assert "Streaming DiLoCo       0.37     1.15     1.68     2.44     2.95" in out
     assert "DiLoCo               86.7%" in out
@@ -225,4 +256,4 @@ def test_plan_help_starts_without_numpy_or_torch():
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "LIGHT_OK" in proc.stdout, proc.stdout + proc.stderr
     assert "usage: diloco plan" in proc.stdout
-    assert "128 buckets" in proc.stdout
+    assert "24 buckets" in proc.stdout

@@ -17,6 +17,8 @@ EXIT_OK = 0
 
 #: The dtype names of diloco.planner.model.WIRE_DTYPES (tests/test_planner.py keeps them equal).
 WIRE_NAMES = "fp32=4, fp16=2, bf16=2, fp8=1, int8=1, fp4=0.5, int4=0.5"
+#: diloco.planner.model.DEFAULT_BUCKETS, without importing numpy for --help (the tests keep them equal).
+DEFAULT_BUCKETS = 24
 
 DESCRIPTION = """\
 Plan the bandwidth between workers: the compute utilisation (compute time over
@@ -25,8 +27,9 @@ with --sweep, the smallest bandwidth that reaches 50/80/90/95/99% utilisation.
 
 The model (README "Planning bandwidth", after the simulator of Streaming
 DiLoCo's Table 4): a step is a forward of T/3 and a backward of 2T/3; what a
-step sends goes out in 128 buckets released over its backward, through one
-FIFO link; a sync of N parameters is N x bytes x 8 x 2(1 - 1/M) bits. Data
+step sends goes out in 24 buckets (one per layer) released over its backward,
+through one FIFO link; a sync of N parameters is N x bytes x 8 x 2(1 - 1/M)
+bits. Data
 parallel sends every step, due at the step's end; DiLoCo sends the whole
 model every H steps, due at the end of the H-th; Streaming DiLoCo sends 1/P
 of the model every H/P steps, due tau steps later. A late sync stalls the
@@ -93,8 +96,9 @@ def register(subparsers) -> None:
     run.add_argument("--streaming-wire", type=_wire(), metavar="DTYPE|BYTES",
                      help="Streaming DiLoCo's own wire format, e.g. int4 for quantised outer gradients "
                           "(default: --wire)")
-    run.add_argument("--buckets", type=_int_at_least("--buckets", 1), default=128, metavar="K",
-                     help="buckets a step's payload is split into over the backward (default 128)")
+    run.add_argument("--buckets", type=_int_at_least("--buckets", 1), default=DEFAULT_BUCKETS, metavar="K",
+                     help="buckets a step's payload is split into over the backward, e.g. one per layer "
+                          f"(default {DEFAULT_BUCKETS}, the layers of Table 4's 1B model)")
     out = p.add_argument_group("what to print (at least one of --bandwidth and --sweep)")
     out.add_argument("--bandwidth", type=_positive("--bandwidth"), metavar="GBIT_S",
                      help="print each method's utilisation at this link bandwidth (Gbit/s)")

@@ -4,10 +4,11 @@ One worker's timeline is simulated against one shared FIFO link, after the
 public simulator of Streaming DiLoCo (Douillard et al., 2025, Table 4):
 
 * a step takes ``T`` seconds of compute: forward ``T/3``, backward ``2T/3``;
-* what a step sends is split into ``buckets`` (128) equal buckets, released
-  evenly over that step's backward pass, each at the *end* of its slice of
-  the backward (a layer's gradients exist once its backward is done); the
-  last bucket is released as the backward ends;
+* what a step sends is split into ``buckets`` equal buckets, one per layer
+  (default 24, the layers of Table 4's 1B model: the paper's simulator
+  reduces each layer's gradients as its backward ends), released evenly over
+  that step's backward pass, each at the *end* of its slice of the backward;
+  the last bucket is released as the backward ends;
 * the link sends buckets first in, first out, at the bandwidth; a payload of
   ``N`` parameters is ``N * bytes_per_param * 8 * 2(1 - 1/M)`` bits (a ring
   all-reduce among ``M`` workers);
@@ -41,7 +42,10 @@ WIRE_DTYPES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "
 BANDWIDTH_GRID_GBIT_S = np.logspace(-1, 3, 50)
 #: The compute-utilisation targets of the paper's Table 4.
 TARGETS = (0.5, 0.8, 0.9, 0.95, 0.99)
-DEFAULT_BUCKETS = 128
+#: Buckets a step's payload is split into: one per layer, as the paper's simulator reduces each layer's
+#: gradients (Figure 3); Table 4's 1B model has 24 layers. (The later web simulator at
+#: arthurdouillard.com/diloco uses 128; only data parallel at 99% tells the two apart.)
+DEFAULT_BUCKETS = 24
 #: Shares of a step: forward then backward.
 FORWARD_SHARE = 1.0 / 3.0
 #: Rounds simulated before the measured one, on top of those the overlap spans.
