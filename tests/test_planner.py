@@ -136,6 +136,52 @@ def test_one_worker_sends_nothing_and_more_workers_send_more():
     assert model.sync_bits(1e9, 2, 8) == pytest.approx(28e9)
 
 
+def test_hub_puts_k_copies_on_the_coordinator_link_and_collective_under_two_on_each_worker_link():
+    for k in (1, 2, 4, 16, 64):
+        assert model.link_copies(k, "hub") == k
+        assert model.link_copies(k, "collective") == pytest.approx(2 * (1 - 1 / k))
+        assert model.sync_bits(1e9, 2, k, "hub") == pytest.approx(k * 16e9)
+    assert model.sync_bits(1e9, 2, 2) == model.sync_bits(1e9, 2, 2, "collective")
+
+
+@pytest.mark.parametrize("method", model.methods(100, 8, 1, BF16), ids=lambda m: m.name)
+def test_hub_coordinator_load_grows_linearly_with_workers_and_collective_stays_about_constant(method):
+    """k workers through a hub at k x b Gbit/s do exactly as well as one at b; a ring barely notices k."""
+    common = dict(params=1e9, step_time_s=0.1, buckets=model.DEFAULT_BUCKETS)
+    for b in (2.0, 20.0, 200.0):
+        one = model.method_utilisation(method, workers=1, bandwidth_gbit_s=b, data_plane="hub", **common)
+        for k in (4, 16, 64):
+            at_k = model.method_utilisation(method, workers=k, bandwidth_gbit_s=k * b, data_plane="hub", **common)
+            assert at_k == pytest.approx(one, rel=1e-9)
+            same_b = model.method_utilisation(method, workers=k, bandwidth_gbit_s=b, data_plane="hub", **common)
+            assert same_b <= one
+        ring = [model.method_utilisation(method, workers=k, bandwidth_gbit_s=b, **common) for k in (4, 16, 64)]
+        hub = [model.method_utilisation(method, workers=k, bandwidth_gbit_s=b, data_plane="hub", **common)
+               for k in (4, 16, 64)]
+        assert ring[0] >= ring[1] >= ring[2] and all(r >= h for r, h in zip(ring, hub))
+        # a ring's load goes from 1.5 copies (k=4) to 1.97 (k=64): at 1.5/1.97 of the bandwidth, k=4 does
+        # no better than k=64 does at the full bandwidth
+        assert model.method_utilisation(method, workers=4, bandwidth_gbit_s=b * 1.5 / (2 - 2 / 64),
+                                        **common) == pytest.approx(ring[2], rel=1e-9)
+
+
+def test_data_planes_and_their_links_match_between_command_and_model():
+    assert command.DATA_PLANES == model.DATA_PLANES
+    assert command.LINK_OF == model.LINK_OF
+
+
+@pytest.mark.parametrize("plane, link", [("collective", "each worker's link"), ("hub", "the coordinator's link")])
+def test_plan_says_which_link_the_bandwidth_is_of(plane, link, capsys):
+    argv = ["plan", "--bandwidth", "10", "--sweep", "--workers", "4"]
+    assert main(argv + ([] if plane == "collective" else ["--data-plane", plane])) == 0
+    out = capsys.readouterr().out
+    assert f"data plane: {plane}" in out
+    assert f"compute utilisation at 10 Gbit/s on {link}:" in out
+    assert f"bandwidth (Gbit/s) of {link} needed" in out
+    gbit = "64" if plane == "hub" else "24"  # 16 Gbit x 4 copies, or x 2(1 - 1/4) = 1.5
+    assert f"  DiLoCo                       2 {gbit:>13} " in out
+
+
 def test_data_parallel_below_the_knee_is_link_bound():
     """16 Gbit a step at 80 Gbit/s: 0.2 s on the link from the first bucket, and the forward waits for it."""
     u = model.utilisation(bandwidth_gbit_s=80, bytes_per_param=2, **SETTING)
@@ -187,6 +233,7 @@ def test_bad_wire_formats_raise(text):
     (dict(overlap=-1), "overlap"),
     (dict(buckets=0), "buckets"),
     (dict(overlap=True), "overlap"),
+    (dict(data_plane="ring"), "data_plane must be one of collective, hub"),
 ])
 def test_bad_inputs_raise(bad, match):
     kw = dict(params=1e9, step_time_s=0.1, workers=2, bandwidth_gbit_s=10, bytes_per_param=2,
@@ -233,6 +280,8 @@ def test_plan_prints_a_cell_the_grid_cannot_reach(capsys):
     (["plan", "--sweep", "--overlap", "x"], "--overlap must be an integer >= 0"),
     (["plan", "--sweep", "--plot", "plan.jpg"], "must end in .png"),
     (["plan", "--sweep", "--plot", "/no/such/dir/plan.png"], "does not exist"),
+    (["plan", "--sweep", "--data-plane", "ring"], "argument --data-plane: invalid choice: 'ring'"),
+    (["plan", "--sweep", "--data-plane"], "argument --data-plane: expected one argument"),
 ])
 def test_bad_usage_exits_2_with_a_precise_error(argv, message, capsys):
     try:
@@ -257,3 +306,5 @@ def test_plan_help_starts_without_numpy_or_torch():
     assert proc.returncode == 0 and "LIGHT_OK" in proc.stdout, proc.stdout + proc.stderr
     assert "usage: diloco plan" in proc.stdout
     assert "24 buckets" in proc.stdout
+    assert "--data-plane {collective,hub}" in proc.stdout
+    assert "each worker's link" in proc.stdout and "coordinator's link" in proc.stdout

@@ -19,6 +19,9 @@ EXIT_OK = 0
 WIRE_NAMES = "fp32=4, fp16=2, bf16=2, fp8=1, int8=1, fp4=0.5, int4=0.5"
 #: diloco.planner.model.DEFAULT_BUCKETS, without importing numpy for --help (the tests keep them equal).
 DEFAULT_BUCKETS = 24
+#: diloco.planner.model.DATA_PLANES and the link each one's figures are of (the tests keep them equal).
+DATA_PLANES = ("collective", "hub")
+LINK_OF = {"collective": "each worker's link", "hub": "the coordinator's link"}
 
 DESCRIPTION = """\
 Plan the bandwidth between workers: the compute utilisation (compute time over
@@ -28,18 +31,28 @@ with --sweep, the smallest bandwidth that reaches 50/80/90/95/99% utilisation.
 The model (README "Planning bandwidth", after the simulator of Streaming
 DiLoCo's Table 4): a step is a forward of T/3 and a backward of 2T/3; what a
 step sends goes out in 24 buckets (one per layer) released over its backward,
-through one FIFO link; a sync of N parameters is N x bytes x 8 x 2(1 - 1/M)
-bits. Data
+through one FIFO link; a sync of N parameters is N x bytes x 8 x c bits. Data
 parallel sends every step, due at the step's end; DiLoCo sends the whole
 model every H steps, due at the end of the H-th; Streaming DiLoCo sends 1/P
 of the model every H/P steps, due tau steps later. A late sync stalls the
-step by its overrun and every later step with it."""
+step by its overrun and every later step with it.
+
+Data planes (--data-plane; links are full duplex, a half-duplex one needs
+twice the bandwidth):
+  collective  the M workers all-reduce among themselves (ring): the bandwidth
+              is each worker's link, carrying c = 2(1 - 1/M) copies of a sync
+              each way, under 2 whatever M.
+  hub         each worker sends its pseudo-gradient to one coordinator and
+              gets the new parameters back, as diloco server does: the
+              bandwidth is the coordinator's link, carrying c = M copies in
+              and M out at once, so it grows with M."""
 
 EPILOG = """\
 examples:
   diloco plan --bandwidth 10                       utilisation at 10 Gbit/s (1B parameters, step 0.1 s, ...)
   diloco plan --params 1B --workers 2 --inner-steps 100 --fragments 8 --overlap 1 \\
               --wire bf16 --streaming-wire int4 --sweep --plot plan.png
+  diloco plan --workers 16 --data-plane hub --sweep   the coordinator's link a 16-worker hub needs
 
 exit codes: 0 ok, 2 bad usage or input"""
 
@@ -84,7 +97,7 @@ def register(subparsers) -> None:
     run.add_argument("--step-time", type=_positive("--step-time"), default=0.1, metavar="T",
                      help="seconds of compute per inner step, forward and backward (default 0.1)")
     run.add_argument("--workers", type=_int_at_least("--workers", 1), default=2, metavar="M",
-                     help="workers (replicas) that all-reduce across the link (default 2)")
+                     help="workers (replicas) that sync across the link (default 2)")
     run.add_argument("--inner-steps", type=_int_at_least("--inner-steps", 1), default=100, metavar="H",
                      help="DiLoCo inner steps per round (default 100)")
     run.add_argument("--fragments", type=_int_at_least("--fragments", 1), default=8, metavar="P",
@@ -96,12 +109,17 @@ def register(subparsers) -> None:
     run.add_argument("--streaming-wire", type=_wire(), metavar="DTYPE|BYTES",
                      help="Streaming DiLoCo's own wire format, e.g. int4 for quantised outer gradients "
                           "(default: --wire)")
+    run.add_argument("--data-plane", choices=DATA_PLANES, default="collective",
+                     help="where syncs go (see above): collective (default) when the workers reach each other "
+                          "directly and all-reduce (the figures are each worker's link); hub to size the "
+                          "coordinator's link of a diloco server run, or any parameter server (the figures are "
+                          "the coordinator's link, which carries M copies)")
     run.add_argument("--buckets", type=_int_at_least("--buckets", 1), default=DEFAULT_BUCKETS, metavar="K",
                      help="buckets a step's payload is split into over the backward, e.g. one per layer "
                           f"(default {DEFAULT_BUCKETS}, the layers of Table 4's 1B model)")
     out = p.add_argument_group("what to print (at least one of --bandwidth and --sweep)")
     out.add_argument("--bandwidth", type=_positive("--bandwidth"), metavar="GBIT_S",
-                     help="print each method's utilisation at this link bandwidth (Gbit/s)")
+                     help="print each method's utilisation at this bandwidth (Gbit/s) of the data plane's link")
     out.add_argument("--sweep", action="store_true",
                      help="print the smallest bandwidth on logspace(-1, 3, 50) Gbit/s reaching 50/80/90/95/99%% "
                           "utilisation")
@@ -130,7 +148,8 @@ def handle(args) -> int:
     from diloco.planner import model
 
     ms = model.methods(args.inner_steps, args.fragments, args.overlap, args.wire, args.streaming_wire)
-    common = dict(params=args.params, step_time_s=args.step_time, workers=args.workers, buckets=args.buckets)
+    common = dict(params=args.params, step_time_s=args.step_time, workers=args.workers, buckets=args.buckets,
+                  data_plane=args.data_plane)
     for line in describe(args, ms):
         print(line)
     if args.bandwidth is not None:
@@ -142,7 +161,7 @@ def handle(args) -> int:
         curves = {m.name: model.utilisation_curve(m, **common) for m in ms}
     if args.sweep:
         print()
-        for line in format_sweep(curves):
+        for line in format_sweep(curves, args.data_plane):
             print(line)
     if args.plot is not None:
         from diloco.plots.bandwidth import plot_utilisation_curves
@@ -150,7 +169,8 @@ def handle(args) -> int:
         labels = {_label(m): curves[m.name] for m in ms}
         path = plot_utilisation_curves(args.plot, model.BANDWIDTH_GRID_GBIT_S, labels, model.TARGETS,
                                        title=f"{_count(args.params)} parameters, step {args.step_time:g} s, "
-                                             f"M={args.workers}, H={args.inner_steps}")
+                                             f"M={args.workers}, H={args.inner_steps}, {args.data_plane} "
+                                             f"(bandwidth of {LINK_OF[args.data_plane]})")
         print(f"\nplot: {path}")
     return EXIT_OK
 
@@ -170,14 +190,25 @@ def _label(m) -> str:
     return f"{m.name} ({m.bytes_per_param:g} B/param)"
 
 
+def _copies(c: float) -> str:
+    return f"{c:g} cop{'y' if c == 1 else 'ies'}"
+
+
 def describe(args, ms) -> list[str]:
     from diloco.planner.model import sync_bits
 
+    if args.data_plane == "hub":
+        plane = (f"data plane: hub (one coordinator); bandwidth = {LINK_OF['hub']}, carrying M = "
+                 f"{_copies(args.workers)} of each sync in and {args.workers} out")
+    else:
+        plane = (f"data plane: collective (ring all-reduce); bandwidth = {LINK_OF['collective']}, carrying "
+                 f"2(1 - 1/M) = {_copies(2 * (1 - 1 / args.workers))} of each sync each way")
     lines = [f"plan: {_count(args.params)} parameters, step {args.step_time:g} s (forward 1/3, backward 2/3), "
              f"M={args.workers} workers, {args.buckets} buckets per step over one FIFO link",
+             plane,
              f"  {'method':<18} {'bytes/param':>11} {'Gbit per sync':>13} {'sync every':>12} {'deadline':>19}"]
     for m in ms:
-        gbit = sync_bits(args.params, m.bytes_per_param, args.workers) / m.fragments / 1e9
+        gbit = sync_bits(args.params, m.bytes_per_param, args.workers, args.data_plane) / m.fragments / 1e9
         every = m.steps_between_syncs
         deadline = "end of its step" if m.overlap == 0 else f"end of its step +{m.overlap}"
         lines.append(f"  {m.name:<18} {m.bytes_per_param:>11g} {gbit:>13.4g} "
@@ -188,18 +219,19 @@ def describe(args, ms) -> list[str]:
 def format_utilisation(ms, bandwidth: float, common: dict) -> list[str]:
     from diloco.planner.model import method_utilisation
 
-    lines = [f"compute utilisation at {bandwidth:g} Gbit/s:"]
+    lines = [f"compute utilisation at {bandwidth:g} Gbit/s on {LINK_OF[common.get('data_plane', 'collective')]}:"]
     for m in ms:
         u = method_utilisation(m, bandwidth_gbit_s=bandwidth, **common)
         lines.append(f"  {m.name:<18} {100 * u:6.1f}%")
     return lines
 
 
-def format_sweep(curves: dict) -> list[str]:
+def format_sweep(curves: dict, data_plane: str = "collective") -> list[str]:
     from diloco.planner.model import BANDWIDTH_GRID_GBIT_S, TARGETS, bandwidth_needed
 
     top = float(BANDWIDTH_GRID_GBIT_S[-1])
-    lines = ["bandwidth (Gbit/s) needed for a compute utilisation (smallest of logspace(-1, 3, 50)):",
+    lines = [f"bandwidth (Gbit/s) of {LINK_OF[data_plane]} needed for a compute utilisation "
+             "(smallest of logspace(-1, 3, 50)):",
              f"  {'method':<18}" + "".join(f"{f'{100 * t:g}%':>9}" for t in TARGETS)]
     for name, curve in curves.items():
         cells = [f"> {top:g}" if b is None else (f"{b:.2f}" if b < 10 else f"{b:.1f}")

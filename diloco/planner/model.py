@@ -1,7 +1,7 @@
 """The bandwidth model behind ``diloco plan``: pure functions, no I/O.
 
 One worker's timeline is simulated against one shared FIFO link, after the
-public simulator of Streaming DiLoCo (Douillard et al., 2025, Table 4):
+simulator behind Streaming DiLoCo's Table 4 (Douillard et al., 2025):
 
 * a step takes ``T`` seconds of compute: forward ``T/3``, backward ``2T/3``;
 * what a step sends is split into ``buckets`` equal buckets, one per layer
@@ -10,8 +10,8 @@ public simulator of Streaming DiLoCo (Douillard et al., 2025, Table 4):
   that step's backward pass, each at the *end* of its slice of the backward;
   the last bucket is released as the backward ends;
 * the link sends buckets first in, first out, at the bandwidth; a payload of
-  ``N`` parameters is ``N * bytes_per_param * 8 * 2(1 - 1/M)`` bits (a ring
-  all-reduce among ``M`` workers);
+  ``N`` parameters is ``N * bytes_per_param * 8 * c`` bits, ``c`` copies of
+  it as the data plane puts them on its busiest link (below);
 * every sync has a deadline, the end of a step: data parallel sends all
   gradients each step, due at that step's end; DiLoCo sends the whole model
   over the backward of the H-th inner step, due at that step's end (the outer
@@ -27,6 +27,25 @@ public simulator of Streaming DiLoCo (Douillard et al., 2025, Table 4):
 Each sync's last bucket arrives at ``max(link_free + S, first + S, last + S/k)``
 for a transfer of ``S`` seconds in ``k`` buckets released from ``first`` to
 ``last``, so the simulation costs O(1) per sync, not per bucket.
+
+Data planes (``data_plane``; ``M`` workers), each on full-duplex links (a link
+sends and receives at the bandwidth at the same time):
+
+* ``collective`` (default): the workers ring-all-reduce among themselves.
+  Each worker's link sends ``2(1 - 1/M)`` copies of the payload and receives
+  as many at the same time, so ``c = 2(1 - 1/M)`` on each worker's link: the
+  bandwidth is each worker's, and ``c`` stays under 2 whatever ``M``.
+* ``hub``: every worker sends its payload (pseudo-gradient) to one
+  coordinator and receives the result (new parameters) back, as ``diloco
+  server`` does. The coordinator's link carries ``M`` copies in and ``M``
+  copies out per sync; the replies follow the uploads bucket by bucket, so in
+  and out overlap and the sync takes ``max(in, out) = M`` copies: ``c = M`` on
+  the coordinator's link, the bottleneck (a worker's link carries one copy
+  each way). The replies' one-bucket lag behind the uploads is not modelled.
+
+A half-duplex link carries in and out one after the other: ``2M`` copies
+through a hub's coordinator and ``4(1 - 1/M)`` per worker in a ring, so it
+needs twice the bandwidth the model gives for the same utilisation.
 """
 
 from __future__ import annotations
@@ -40,6 +59,10 @@ import numpy as np
 WIRE_DTYPES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "fp4": 0.5, "int4": 0.5}
 #: The bandwidths ``--sweep`` tries (Gbit/s), as in the paper's simulator.
 BANDWIDTH_GRID_GBIT_S = np.logspace(-1, 3, 50)
+#: ``data_plane`` values: where a sync's bits go (module docstring).
+DATA_PLANES = ("collective", "hub")
+#: The link whose bandwidth the model's figures are, per data plane.
+LINK_OF = {"collective": "each worker's link", "hub": "the coordinator's link"}
 #: The compute-utilisation targets of the paper's Table 4.
 TARGETS = (0.5, 0.8, 0.9, 0.95, 0.99)
 #: Buckets a step's payload is split into: one per layer, as the paper's simulator reduces each layer's
@@ -73,12 +96,19 @@ def parse_wire(text: str) -> float:
     return value
 
 
-def sync_bits(params: float, bytes_per_param: float, workers: int) -> float:
-    """Bits one worker puts on the link to all-reduce ``params`` parameters among ``workers`` (ring)."""
+def link_copies(workers: int, data_plane: str = "collective") -> float:
+    """Copies of a sync's payload on the data plane's busiest link, each way: 2(1 - 1/M) for ``collective``
+    (each worker's link, a ring all-reduce), M for ``hub`` (the coordinator's link, M in and M out at once)."""
+    _int_at_least("workers", workers, 1)
+    _check_plane(data_plane)
+    return float(workers) if data_plane == "hub" else 2.0 * (1.0 - 1.0 / workers)
+
+
+def sync_bits(params: float, bytes_per_param: float, workers: int, data_plane: str = "collective") -> float:
+    """Bits a sync of ``params`` parameters puts on the data plane's busiest link (see :func:`link_copies`)."""
     _positive("params", params)
     _positive("bytes_per_param", bytes_per_param)
-    _int_at_least("workers", workers, 1)
-    return params * bytes_per_param * 8.0 * 2.0 * (1.0 - 1.0 / workers)
+    return params * bytes_per_param * 8.0 * link_copies(workers, data_plane)
 
 
 @dataclass(frozen=True)
@@ -113,13 +143,14 @@ def release_steps(inner_steps: int, fragments: int) -> list[int]:
 
 def utilisation(*, params: float, step_time_s: float, workers: int, bandwidth_gbit_s: float,
                 bytes_per_param: float, inner_steps: int = 1, fragments: int = 1, overlap: int = 0,
-                buckets: int = DEFAULT_BUCKETS) -> float:
-    """Compute utilisation in (0, 1] of one method at one bandwidth (see the module docstring)."""
+                buckets: int = DEFAULT_BUCKETS, data_plane: str = "collective") -> float:
+    """Compute utilisation in (0, 1] of one method with ``bandwidth_gbit_s`` on the data plane's busiest link
+    (each worker's for ``collective``, the coordinator's for ``hub``; see the module docstring)."""
     _positive("step_time_s", step_time_s)
     _positive("bandwidth_gbit_s", bandwidth_gbit_s)
     _int_at_least("buckets", buckets, 1)
     _check_schedule(inner_steps, fragments, overlap)
-    bits = sync_bits(params, bytes_per_param, workers) / fragments
+    bits = sync_bits(params, bytes_per_param, workers, data_plane) / fragments
     transfer = bits / (bandwidth_gbit_s * 1e9)
     if transfer == 0.0:
         return 1.0
@@ -153,17 +184,20 @@ def utilisation(*, params: float, step_time_s: float, workers: int, bandwidth_gb
 
 
 def method_utilisation(method: Method, *, params: float, step_time_s: float, workers: int,
-                       bandwidth_gbit_s: float, buckets: int = DEFAULT_BUCKETS) -> float:
+                       bandwidth_gbit_s: float, buckets: int = DEFAULT_BUCKETS,
+                       data_plane: str = "collective") -> float:
     return utilisation(params=params, step_time_s=step_time_s, workers=workers, bandwidth_gbit_s=bandwidth_gbit_s,
                        bytes_per_param=method.bytes_per_param, inner_steps=method.inner_steps,
-                       fragments=method.fragments, overlap=method.overlap, buckets=buckets)
+                       fragments=method.fragments, overlap=method.overlap, buckets=buckets, data_plane=data_plane)
 
 
 def utilisation_curve(method: Method, *, params: float, step_time_s: float, workers: int,
-                      bandwidths_gbit_s=BANDWIDTH_GRID_GBIT_S, buckets: int = DEFAULT_BUCKETS) -> np.ndarray:
+                      bandwidths_gbit_s=BANDWIDTH_GRID_GBIT_S, buckets: int = DEFAULT_BUCKETS,
+                      data_plane: str = "collective") -> np.ndarray:
     """Utilisation at each bandwidth of ``bandwidths_gbit_s``."""
     return np.array([method_utilisation(method, params=params, step_time_s=step_time_s, workers=workers,
-                                        bandwidth_gbit_s=float(b), buckets=buckets) for b in bandwidths_gbit_s])
+                                        bandwidth_gbit_s=float(b), buckets=buckets, data_plane=data_plane)
+                     for b in bandwidths_gbit_s])
 
 
 def bandwidth_needed(curve, bandwidths_gbit_s=BANDWIDTH_GRID_GBIT_S, targets=TARGETS) -> list[float | None]:
@@ -187,6 +221,11 @@ def _check_schedule(inner_steps: int, fragments: int, overlap: int) -> None:
     _int_at_least("overlap (tau)", overlap, 0)
     if fragments > inner_steps:
         raise PlanError(f"fragments (P) must be at most inner_steps (H) = {inner_steps}, got {fragments}")
+
+
+def _check_plane(data_plane) -> None:
+    if data_plane not in DATA_PLANES:
+        raise PlanError(f"data_plane must be one of {', '.join(DATA_PLANES)}, got {data_plane!r}")
 
 
 def _positive(name: str, value) -> None:
