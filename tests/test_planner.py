@@ -182,6 +182,48 @@ def test_plan_says_which_link_the_bandwidth_is_of(plane, link, capsys):
     assert f"  DiLoCo                       2 {gbit:>13} " in out
 
 
+def test_bandwidth_for_is_the_threshold_the_grid_rounds_up():
+    """DiLoCo at 90%: the stall may be HT/9 = 1.111 s, and the transfer starts (2T/3)(1 - 1/24) before the step
+    ends, so it may take 1.175 s: 16 Gbit x copies / 1.175 s."""
+    diloco = model.methods(100, 8, 1, BF16)[1]
+    for plane, k, copies in (("collective", 2, 1), ("collective", 4, 1.5), ("hub", 4, 4), ("hub", 1, 1)):
+        got = model.bandwidth_for(diloco, 0.9, params=1e9, step_time_s=0.1, workers=k, data_plane=plane)
+        assert got == pytest.approx(16 * copies / 1.175, rel=1e-5)
+    for m in model.methods(100, 8, 1, BF16, INT4):
+        for target, cell in zip(model.TARGETS[:4], NEEDED[m.name]):
+            exact = model.bandwidth_for(m, target, **SETTING)
+            assert cell == min(b for b in GRID if b >= exact * (1 - 1e-6))
+    assert model.bandwidth_for(diloco, 0.9, params=1e9, step_time_s=0.1, workers=1) == 0.0  # a ring of one
+    with pytest.raises(model.PlanError, match="target"):
+        model.bandwidth_for(diloco, 1.0, **SETTING)
+
+
+def test_plane_table_hub_grows_with_workers_and_collective_does_not():
+    ms = model.methods(100, 8, 1, BF16)
+    table = model.plane_table(ms, step_time_s=0.1)
+    assert len(table) == 2 * 3 * 2 * 3
+    for name in ("data parallel", "DiLoCo", "Streaming DiLoCo"):
+        for n in (1e9, 10e9):
+            hub = [table[(name, n, "hub", k)] for k in (4, 16, 64)]
+            ring = [table[(name, n, "collective", k)] for k in (4, 16, 64)]
+            assert hub[1] / hub[0] == pytest.approx(4, rel=1e-5) and hub[2] / hub[0] == pytest.approx(16, rel=1e-5)
+            assert ring[2] / ring[0] == pytest.approx((2 - 2 / 64) / 1.5, rel=1e-5)  # 1.97 copies against 1.5
+        assert table[(name, 10e9, "hub", 4)] == pytest.approx(10 * table[(name, 1e9, "hub", 4)], rel=1e-5)
+    diloco_1b = [table[("DiLoCo", 1e9, plane, k)] for plane in ("hub", "collective") for k in (4, 16, 64)]
+    assert diloco_1b == pytest.approx([16 * c / 1.175 for c in (4, 16, 64, 1.5, 1.875, 2 - 2 / 64)], rel=1e-5)
+
+
+def test_plan_plane_table_prints_the_known_rows(capsys):
+    assert main(["plan", "--plane-table"]) == 0
+    out = capsys.readouterr().out
+    assert "bandwidth (Gbit/s) for 90% compute utilisation, by data plane and workers k" in out
+    assert "(step 0.1 s, H=100, P=8, tau=1, 2 bytes/param on the wire, 24 buckets, full-duplex links)" in out
+    assert "hub: the coordinator's link  collective: each worker's link" in out
+    assert "  1B      DiLoCo                   54.5      218      871       20.4     25.5     26.8" in out
+    assert "  10B     DiLoCo                    545     2179     8715        204      255      268" in out
+    assert "plan: " not in out  # the table alone unless --bandwidth, --sweep or --plot asks for more
+
+
 def test_data_parallel_below_the_knee_is_link_bound():
     """16 Gbit a step at 80 Gbit/s: 0.2 s on the link from the first bucket, and the forward waits for it."""
     u = model.utilisation(bandwidth_gbit_s=80, bytes_per_param=2, **SETTING)

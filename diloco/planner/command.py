@@ -117,13 +117,17 @@ def register(subparsers) -> None:
     run.add_argument("--buckets", type=_int_at_least("--buckets", 1), default=DEFAULT_BUCKETS, metavar="K",
                      help="buckets a step's payload is split into over the backward, e.g. one per layer "
                           f"(default {DEFAULT_BUCKETS}, the layers of Table 4's 1B model)")
-    out = p.add_argument_group("what to print (at least one of --bandwidth and --sweep)")
+    out = p.add_argument_group("what to print (at least one of these)")
     out.add_argument("--bandwidth", type=_positive("--bandwidth"), metavar="GBIT_S",
                      help="print each method's utilisation at this bandwidth (Gbit/s) of the data plane's link")
     out.add_argument("--sweep", action="store_true",
                      help="print the smallest bandwidth on logspace(-1, 3, 50) Gbit/s reaching 50/80/90/95/99%% "
                           "utilisation")
     out.add_argument("--plot", metavar="FILE.png", help="write utilisation against bandwidth (log x) as a PNG")
+    out.add_argument("--plane-table", action="store_true",
+                     help="print the bandwidth for 90%% utilisation of the coordinator's link (hub) and of each "
+                          "worker's link (collective) at 1B and 10B parameters for 4, 16 and 64 workers, with the "
+                          "other flags as given (--params, --workers and --data-plane aside)")
     p.set_defaults(handler=handle)
 
 
@@ -137,8 +141,8 @@ def handle(args) -> int:
     if args.fragments > args.inner_steps:
         raise _usage(f"--fragments {args.fragments} is more than --inner-steps {args.inner_steps}: "
                      "each fragment needs a step of its own")
-    if args.bandwidth is None and not args.sweep and args.plot is None:
-        raise _usage("nothing to do: give --bandwidth GBIT_S, --sweep or --plot FILE.png")
+    if args.bandwidth is None and not args.sweep and args.plot is None and not args.plane_table:
+        raise _usage("nothing to do: give --bandwidth GBIT_S, --sweep, --plot FILE.png or --plane-table")
     if args.plot is not None:
         if not args.plot.lower().endswith(".png"):
             raise _usage(f"--plot {args.plot!r}: the file name must end in .png")
@@ -150,6 +154,13 @@ def handle(args) -> int:
     ms = model.methods(args.inner_steps, args.fragments, args.overlap, args.wire, args.streaming_wire)
     common = dict(params=args.params, step_time_s=args.step_time, workers=args.workers, buckets=args.buckets,
                   data_plane=args.data_plane)
+    if args.plane_table:
+        table = model.plane_table(ms, step_time_s=args.step_time, buckets=args.buckets)
+        for line in format_plane_table(table, ms, step_time_s=args.step_time, buckets=args.buckets):
+            print(line)
+        if args.bandwidth is None and not args.sweep and args.plot is None:
+            return EXIT_OK
+        print()
     for line in describe(args, ms):
         print(line)
     if args.bandwidth is not None:
@@ -237,4 +248,33 @@ def format_sweep(curves: dict, data_plane: str = "collective") -> list[str]:
         cells = [f"> {top:g}" if b is None else (f"{b:.2f}" if b < 10 else f"{b:.1f}")
                  for b in bandwidth_needed(curve)]
         lines.append(f"  {name:<18}" + "".join(f"{c:>9}" for c in cells))
+    return lines
+
+
+def _gbit(b: float) -> str:
+    return f"{b:.2f}" if b < 10 else (f"{b:.1f}" if b < 100 else f"{b:.0f}")
+
+
+def format_plane_table(table: dict, ms, *, step_time_s: float, buckets: int) -> list[str]:
+    """``diloco plan --plane-table``: :func:`diloco.planner.model.plane_table` as text, one row per model size
+    and method, the hub's columns (the coordinator's link) then the collective's (each worker's link)."""
+    from diloco.planner.model import PLANE_TABLE_PARAMS, PLANE_TABLE_TARGET, PLANE_TABLE_WORKERS
+
+    ks = PLANE_TABLE_WORKERS
+    st = ms[-1]
+    wire = f"{ms[0].bytes_per_param:g} bytes/param on the wire"
+    if st.bytes_per_param != ms[0].bytes_per_param:
+        wire += f" (Streaming {st.bytes_per_param:g})"
+    width = 9 * len(ks)
+    lines = [f"bandwidth (Gbit/s) for {100 * PLANE_TABLE_TARGET:g}% compute utilisation, by data plane and workers k",
+             f"(step {step_time_s:g} s, H={ms[1].inner_steps}, P={st.fragments}, tau={st.overlap}, {wire}, "
+             f"{buckets} buckets, full-duplex links)",
+             f"  {'':<8}{'':<18}  {'hub: ' + LINK_OF['hub']:<{width}}  collective: {LINK_OF['collective']}",
+             f"  {'params':<8}{'method':<18}  " + "".join(f"{f'k={k}':>9}" for k in ks)
+             + "  " + "".join(f"{f'k={k}':>9}" for k in ks)]
+    for n in PLANE_TABLE_PARAMS:
+        for m in ms:
+            hub = "".join(f"{_gbit(table[(m.name, n, 'hub', k)]):>9}" for k in ks)
+            ring = "".join(f"{_gbit(table[(m.name, n, 'collective', k)]):>9}" for k in ks)
+            lines.append(f"  {_count(n):<8}{m.name:<18}  {hub}  {ring}")
     return lines

@@ -215,6 +215,50 @@ def bandwidth_needed(curve, bandwidths_gbit_s=BANDWIDTH_GRID_GBIT_S, targets=TAR
     return out
 
 
+def bandwidth_for(method: Method, target: float, *, params: float, step_time_s: float, workers: int,
+                  buckets: int = DEFAULT_BUCKETS, data_plane: str = "collective", rel_tol: float = 1e-6) -> float:
+    """The smallest bandwidth (Gbit/s, to ``rel_tol``) of the data plane's busiest link at which ``method``
+    reaches ``target`` utilisation: a bisection, not the sweep's grid. 0.0 when a sync sends nothing (a ring
+    of one worker). Utilisation depends on the bandwidth only through bits / bandwidth, so the answer is
+    proportional to the bits per sync: ``M`` times one copy for a hub, ``2(1 - 1/M)`` times for a ring."""
+    if not 0.0 < target < 1.0:
+        raise PlanError(f"utilisation target must be in (0, 1), got {target}")
+    common = dict(params=params, step_time_s=step_time_s, workers=workers, buckets=buckets, data_plane=data_plane)
+    if sync_bits(params, method.bytes_per_param, workers, data_plane) == 0.0:
+        return 0.0
+
+    def reaches(b: float) -> bool:
+        return method_utilisation(method, bandwidth_gbit_s=b, **common) >= target - TARGET_SLACK
+
+    lo = hi = 1.0
+    while not reaches(hi):
+        lo, hi = hi, hi * 2.0
+        if hi > 1e30:
+            raise PlanError(f"{method.name} does not reach {target:.0%} utilisation at any bandwidth")
+    while reaches(lo):
+        lo, hi = lo / 2.0, lo
+    while hi / lo > 1.0 + rel_tol:
+        mid = math.sqrt(lo * hi)
+        lo, hi = (lo, mid) if reaches(mid) else (mid, hi)
+    return hi
+
+
+#: What ``diloco plan --plane-table`` tabulates: model sizes, workers and the utilisation target.
+PLANE_TABLE_PARAMS = (1e9, 10e9)
+PLANE_TABLE_WORKERS = (4, 16, 64)
+PLANE_TABLE_TARGET = 0.9
+
+
+def plane_table(ms, *, step_time_s: float, buckets: int = DEFAULT_BUCKETS, params=PLANE_TABLE_PARAMS,
+                workers=PLANE_TABLE_WORKERS, target: float = PLANE_TABLE_TARGET) -> dict:
+    """The bandwidth (Gbit/s) each data plane's busiest link needs for ``target`` utilisation, for each method
+    of ``ms``, model size and number of workers: ``{(method name, params, data plane, workers): Gbit/s}``.
+    For ``hub`` that is the coordinator's link, for ``collective`` each worker's (see :data:`LINK_OF`)."""
+    return {(m.name, n, plane, k): bandwidth_for(m, target, params=n, step_time_s=step_time_s, workers=k,
+                                                 buckets=buckets, data_plane=plane)
+            for n in params for m in ms for plane in ("hub", "collective") for k in workers}
+
+
 def _check_schedule(inner_steps: int, fragments: int, overlap: int) -> None:
     _int_at_least("inner_steps (H)", inner_steps, 1)
     _int_at_least("fragments (P)", fragments, 1)
