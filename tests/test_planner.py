@@ -29,6 +29,8 @@ PAPER = {  # Table 4: 50%, 80%, 90%, 95%, 99% compute utilisation
     "DiLoCo": (1.4, 6.2, 13.3, 23.3, 86.8),
     "Streaming DiLoCo": (0.4, 0.9, 1.7, 2.0, 3.0),
 }
+#: Table 4's two other 1B Streaming rows, P=8 in bf16: without overlap (tau=0) and with (tau=1).
+PAPER_STREAMING_BF16 = {0: (1.4, 5.2, 9.1, 16.0, 28.1), 1: (1.4, 4.3, 6.2, 9.1, 11.0)}
 #: Allowed distance in grid steps from the paper's cell.
 TOLERANCE = 1
 SETTING = dict(params=1e9, step_time_s=0.1, workers=2)
@@ -68,6 +70,14 @@ def test_table_4_cell_within_tolerance(method, column):
     steps = _grid_index(got) - _grid_index(paper)
     assert abs(steps) <= TOLERANCE, f"{method} {target:.0%}: model {got:.3g}, paper {paper} ({steps:+d} grid steps)"
     assert got == pytest.approx(MODEL[method][column], rel=0.01)
+
+
+@pytest.mark.parametrize("tau", sorted(PAPER_STREAMING_BF16))
+def test_table_4_bf16_streaming_rows_are_on_or_one_step_above_the_paper(tau):
+    streaming = model.methods(100, 8, tau, BF16)[2]
+    got = model.bandwidth_needed(model.utilisation_curve(streaming, **SETTING))
+    steps = [_grid_index(g) - _grid_index(p) for g, p in zip(got, PAPER_STREAMING_BF16[tau])]
+    assert steps == ([1, 1, 1, 0, 0] if tau == 0 else [1, 0, 1, 0, 1]), (got, steps)
 
 
 def test_the_paper_bandwidth_one_step_below_misses_the_target_in_the_model():
