@@ -5,15 +5,17 @@ starts threads or imports torch/zmq; import-linter contracts in
 pyproject.toml and a test keep it that way.
 """
 
-from diloco.core.config import FSMConfig, Mode
+from diloco.core.config import DataPlane, FSMConfig, Mode
 from diloco.core.effects import (
     EFFECT_TYPES,
+    AbortReduce,
     AcceptContribution,
     AcceptJoin,
     ApplyRound,
     DeclareDead,
     DiscardContribution,
     Effect,
+    OrderReduce,
     PhaseChanged,
     QuorumChanged,
     Reject,
@@ -36,6 +38,7 @@ from diloco.core.events import (
     Event,
     HeartbeatSeen,
     MinWorkersChanged,
+    ReduceReported,
     ShutdownRequested,
     Ticked,
     WorkerJoined,
@@ -43,12 +46,17 @@ from diloco.core.events import (
 )
 from diloco.core.phases import Phase
 from diloco.core.quorum import QuorumDecision, quorum_decision
-from diloco.core.reasons import DiscardReason, LeaveCause, RejectReason, ReleaseOutcome, ShutdownKind
+from diloco.core.reasons import AbortReason, DiscardReason, LeaveCause, RejectReason, ReleaseOutcome, ShutdownKind
 from diloco.core.round_fsm import RoundFSM
 from diloco.core.status import StatusView
 
 # The names above, not the submodules (``round_fsm``, ``events``, ...) that ``dir()`` would add.
 __all__ = [
+    "AbortReason",
+    "AbortReduce",
+    "DataPlane",
+    "OrderReduce",
+    "ReduceReported",
     "AcceptContribution",
     "AcceptJoin",
     "ApplyRound",

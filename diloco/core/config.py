@@ -21,6 +21,16 @@ class Mode(str, enum.Enum):
     ASYNC = "async"
 
 
+class DataPlane(str, enum.Enum):
+    """How a round's pseudo-gradients are combined, and where the outer step runs (SPEC.md C1)."""
+
+    #: Every pseudo-gradient goes to the coordinator, which runs the outer step and sends params back.
+    HUB = "hub"
+    #: Members all-reduce among themselves and each runs the same outer step; the coordinator only
+    #: orders the reduce and commits on a unanimous vote (no model on the coordinator).
+    COLLECTIVE = "collective"
+
+
 # Hard ceilings: a config above these is a mistake, not a big run.
 MAX_WORKERS_CEILING = 1_000_000
 MAX_FRAGMENTS_CEILING = 1024
@@ -46,6 +56,10 @@ class FSMConfig:
     max_held_per_fragment: int = 1024
     #: Longest accepted ``worker_id`` in characters.
     max_worker_id_len: int = 128
+    #: ``hub`` or ``collective`` (SPEC.md C1); collective runs in sync mode only.
+    data_plane: DataPlane = DataPlane.HUB
+    #: Collective: an attempt whose group has not all reported this long after the order aborts (C5).
+    reduce_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         try:
@@ -53,6 +67,14 @@ class FSMConfig:
         except ValueError:
             raise ConfigError("mode", self.mode, "'sync' or 'async'") from None
         object.__setattr__(self, "mode", mode)
+        try:
+            plane = DataPlane(self.data_plane)
+        except ValueError:
+            raise ConfigError("data_plane", self.data_plane, "'hub' or 'collective'") from None
+        if plane is DataPlane.COLLECTIVE and mode is not Mode.SYNC:
+            raise ConfigError("data_plane", plane.value, "'hub' in async mode (each async contribution "
+                              "is its own outer step on the coordinator; the collective plane reduces rounds)")
+        object.__setattr__(self, "data_plane", plane)
         _check_int("max_workers", self.max_workers, 1, MAX_WORKERS_CEILING)
         _check_int("min_workers", self.min_workers, 1, self.max_workers)
         _check_int("num_fragments", self.num_fragments, 1, MAX_FRAGMENTS_CEILING)
@@ -63,11 +85,17 @@ class FSMConfig:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0 or timeout == float("inf"):
             raise ConfigError("heartbeat_timeout_s", timeout, "a finite number of seconds > 0")
         object.__setattr__(self, "heartbeat_timeout_s", float(timeout))
+        reduce_timeout = self.reduce_timeout_s
+        if (isinstance(reduce_timeout, bool) or not isinstance(reduce_timeout, (int, float))
+                or not reduce_timeout > 0 or reduce_timeout == float("inf")):
+            raise ConfigError("reduce_timeout_s", reduce_timeout, "a finite number of seconds > 0")
+        object.__setattr__(self, "reduce_timeout_s", float(reduce_timeout))
 
     def to_dict(self) -> dict:
         """Plain, msgpack-serialisable form (used by snapshots)."""
         d = asdict(self)
         d["mode"] = self.mode.value
+        d["data_plane"] = self.data_plane.value
         return d
 
     @classmethod

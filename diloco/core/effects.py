@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from diloco.core.phases import Phase
-from diloco.core.reasons import DiscardReason, RejectReason, ReleaseOutcome, ShutdownKind
+from diloco.core.reasons import AbortReason, DiscardReason, RejectReason, ReleaseOutcome, ShutdownKind
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +57,37 @@ class ApplyRound:
     fragment_id: int
     round_id: int
     contributors: tuple[str, ...]
+    #: Collective plane: the digest every contributor reported (the commit, SPEC.md C4); "" on the hub.
+    digest: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class OrderReduce:
+    """Collective plane: tell ``group`` (sorted ids; rank = index) to reduce (fragment, round).
+
+    Each member all-reduces its pseudo-gradient with the others, computes the outer step
+    on a copy and reports ``ReduceReported`` with the digest of the params it would adopt.
+    Nobody adopts anything until the ``ApplyRound`` of this attempt (SPEC.md C3).
+    """
+
+    fragment_id: int
+    round_id: int
+    attempt: int
+    group: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AbortReduce:
+    """Collective plane: the attempt ended without a commit; its members drop what it computed.
+
+    Survivors keep their pseudo-gradients: they are still ready for the round (SPEC.md C5).
+    """
+
+    fragment_id: int
+    round_id: int
+    attempt: int
+    group: tuple[str, ...]
+    reason: AbortReason
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +154,8 @@ Effect = (
     | QuorumChanged
     | PhaseChanged
     | StopRun
+    | OrderReduce
+    | AbortReduce
 )
 
 EFFECT_TYPES: tuple[type, ...] = (
@@ -136,4 +169,6 @@ EFFECT_TYPES: tuple[type, ...] = (
     QuorumChanged,
     PhaseChanged,
     StopRun,
+    OrderReduce,
+    AbortReduce,
 )

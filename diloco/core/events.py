@@ -41,6 +41,22 @@ class ContributionSubmitted:
 
 
 @dataclass(frozen=True, slots=True)
+class ReduceReported:
+    """Collective plane: a group member says how its reduce of (fragment, round, attempt) ended.
+
+    ``ok`` with the ``digest`` of the params it would adopt, or not ok (its collective
+    failed). The machine commits only on every member's ok with one digest (SPEC.md C4).
+    """
+
+    worker_id: str
+    fragment_id: int
+    round_id: int
+    attempt: int
+    ok: bool
+    digest: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerLeft:
     """A member is gone: it said goodbye, was kicked, or the transport saw it die."""
 
@@ -77,6 +93,7 @@ Event = (
     | Ticked
     | MinWorkersChanged
     | ShutdownRequested
+    | ReduceReported
 )
 
 #: Every event type, in the order SPEC.md lists them (tests iterate this).
@@ -88,4 +105,5 @@ EVENT_TYPES: tuple[type, ...] = (
     Ticked,
     MinWorkersChanged,
     ShutdownRequested,
+    ReduceReported,
 )

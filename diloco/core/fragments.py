@@ -15,6 +15,20 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
+class ReduceAttempt:
+    """Collective plane: the group a fragment's open round was ordered to reduce (SPEC.md C3-C5)."""
+
+    #: Which attempt at this round (0, 1, ...): a late report names an old one and is refused.
+    attempt: int
+    #: Group member -> the digest it reported ("" until it reports ok), in rank order (sorted ids).
+    reports: dict[str, str]
+    #: The clock after which an attempt still missing reports aborts (``reduce_timeout_s``).
+    deadline_s: float
+    #: How many members have reported ok (the commit waits for all: a counter, not a scan).
+    reported: int = 0
+
+
+@dataclass(slots=True)
 class SyncBarrier:
     """The open round of one fragment in sync mode.
 
@@ -30,6 +44,10 @@ class SyncBarrier:
     contributed: dict[str, None] = field(default_factory=dict)
     #: How many of ``contributed`` are live members right now.
     live_contributed: int = 0
+    #: Collective plane: reduce attempts ordered for ``round_id`` so far (the next one's number).
+    attempts: int = 0
+    #: Collective plane: the open attempt, while the ready group reduces (None while collecting).
+    reducing: ReduceAttempt | None = None
 
 
 @dataclass(slots=True)

@@ -36,6 +36,14 @@ class RejectReason(str, enum.Enum):
     INVALID_MIN_WORKERS = "invalid_min_workers"
     #: A live member with this id exists; the driver must report the old one gone first (R6).
     ALREADY_MEMBER = "already_member"
+    #: Collective plane: no reduce attempt (fragment, round, attempt) is open with the sender in
+    #: its group (an old attempt's late report, or a hub run), SPEC.md C4.
+    STALE_ATTEMPT = "stale_attempt"
+    #: Collective plane: a reduce report whose ``attempt``, ``ok`` or ``digest`` is malformed.
+    INVALID_REPORT = "invalid_report"
+    #: Collective plane: the fragment's open round is being reduced by a group without the sender;
+    #: it is enlisted in what the attempt leaves open (SPEC.md C3).
+    REDUCING = "reducing"
 
 
 class DiscardReason(str, enum.Enum):
@@ -46,6 +54,28 @@ class DiscardReason(str, enum.Enum):
     """
 
     #: The run stopped before the contribution could apply (SPEC.md R12).
+    SHUTDOWN = "shutdown"
+
+
+class AbortReason(str, enum.Enum):
+    """Collective plane: why a reduce attempt ended without a commit (SPEC.md C5).
+
+    The group's surviving members stay ready (their pseudo-gradients are still valid
+    for the round), so the round is retried by a new attempt as soon as every live
+    member is ready and the quorum holds.
+    """
+
+    #: A member of the group reported that its collective failed (an error, its own timeout).
+    REDUCE_FAILED = "reduce_failed"
+    #: Two members reported different digests of the params they would adopt.
+    DIGEST_MISMATCH = "digest_mismatch"
+    #: A member of the group left, was kicked or was declared dead.
+    MEMBER_LOST = "member_lost"
+    #: Not every member reported within ``reduce_timeout_s`` of the order.
+    TIMEOUT = "timeout"
+    #: ``min_workers`` rose above the group's size: its commit would be below quorum.
+    GROUP_BELOW_QUORUM = "group_below_quorum"
+    #: The run stopped.
     SHUTDOWN = "shutdown"
 
 

@@ -31,6 +31,15 @@ place that emits ``ApplyRound``.
 
 Rule numbers (R1..R13, P1..P4) refer to SPEC.md.
 
+The collective data plane (SPEC.md C1-C7) runs the same barrier with one more
+step between "complete" and "applied": a complete round with quorum is
+*ordered to reduce* (``OrderReduce``) by its ready group, and it applies
+(``ApplyRound``, the commit) only when every member of that group reported
+success with the same digest and the group has at least ``min_workers``
+members. Both the order and the commit are emitted by ``_apply_ready``; a
+failure, a mismatch, a timeout, a lost member or a quorum raised above the
+group aborts the attempt (``AbortReduce``), and the survivors stay ready.
+
 Why one file of about 600 lines: it is the decision, and SPEC.md's claim
 that ``_apply_ready`` is the only place that applies is checkable only if
 every path to it is in view. What is not decision lives beside it: the
@@ -44,14 +53,16 @@ import math
 from collections import OrderedDict
 from typing import Any, Callable
 
-from diloco.core.config import FSMConfig, Mode, validate_min_workers
+from diloco.core.config import DataPlane, FSMConfig, Mode, validate_min_workers
 from diloco.core.effects import (
+    AbortReduce,
     AcceptContribution,
     AcceptJoin,
     ApplyRound,
     DeclareDead,
     DiscardContribution,
     Effect,
+    OrderReduce,
     PhaseChanged,
     QuorumChanged,
     Reject,
@@ -69,15 +80,17 @@ from diloco.core.events import (
     ContributionSubmitted,
     HeartbeatSeen,
     MinWorkersChanged,
+    ReduceReported,
     ShutdownRequested,
     Ticked,
     WorkerJoined,
     WorkerLeft,
 )
-from diloco.core.fragments import AsyncLane, SyncBarrier
+from diloco.core.fragments import AsyncLane, ReduceAttempt, SyncBarrier
 from diloco.core.phases import Phase, PhaseModel
 from diloco.core.quorum import QuorumDecision, quorum_decision
 from diloco.core.reasons import (
+    AbortReason,
     DiscardReason,
     LeaveCause,
     RejectReason,
@@ -98,6 +111,8 @@ class RoundFSM:
             raise ConfigError("now_s", now_s, "a number of seconds")
         self.config = config
         self._sync = config.mode is Mode.SYNC
+        #: Collective plane (SPEC.md C1): rounds are reduced by their group and committed on a vote.
+        self._collective = config.data_plane is DataPlane.COLLECTIVE
         self._timeout_s = config.heartbeat_timeout_s
         self._min_workers = config.min_workers
         self._now_s = float(now_s)
@@ -120,6 +135,7 @@ class RoundFSM:
             WorkerLeft: self._on_leave,
             MinWorkersChanged: self._on_min_workers,
             ShutdownRequested: self._on_shutdown,
+            ReduceReported: self._on_report,
         }
 
     # ------------------------------------------------------------------ API
@@ -296,12 +312,17 @@ class RoundFSM:
             if not now - last > timeout:
                 break
             dead.append(wid)
-        if not dead:
-            return
-        for wid in dead:
-            effects.append(DeclareDead(wid, members[wid]))
-            self._remove_member(wid)
-        self._after_membership_change(effects)
+        if dead:
+            for wid in dead:
+                effects.append(DeclareDead(wid, members[wid]))
+                self._remove_member(wid)
+            self._after_membership_change(effects)
+        if self._collective and self._phase.state is not Phase.STOPPED:
+            # C5: an attempt past its deadline aborts; O(F) per tick, collective runs only.
+            expired = [fid for fid, b in enumerate(self._barriers)
+                       if b.reducing is not None and now > b.reducing.deadline_s]
+            if expired:
+                self._apply_ready(effects, expired)
 
     def _on_join(self, event: WorkerJoined, effects: list[Effect]) -> None:
         wid = event.worker_id
@@ -386,6 +407,13 @@ class RoundFSM:
             effects.append(Reject(wid, RejectReason.DUPLICATE,
                                   f"worker {wid!r} already contributed to fragment {fid} round {rid}"))
             return
+        if barrier.reducing is not None:
+            # C3: the group is fixed once ordered; a member that joined since waits for the verdict.
+            effects.append(Reject(wid, RejectReason.REDUCING,
+                                  f"fragment {fid} round {rid} is being reduced (attempt "
+                                  f"{barrier.reducing.attempt}) by a group without {wid!r}; ready again "
+                                  f"after its commit or abort"))
+            return
         barrier.contributed[wid] = None
         barrier.live_contributed += 1
         # A submission is proof of life (R9).
@@ -437,6 +465,52 @@ class RoundFSM:
         members[wid] = self._now_s
         members.move_to_end(wid)
         effects.append(AcceptContribution(wid, fid, base))
+        self._apply_ready(effects, (fid,))
+
+    def _on_report(self, event: ReduceReported, effects: list[Effect]) -> None:
+        """C4: a group member's outcome. Commits go through ``_apply_ready`` like every apply."""
+        wid = event.worker_id
+        if not isinstance(wid, str) or wid not in self._members:
+            effects.append(_unknown_worker(wid))
+            return
+        fid, rid, attempt, ok, digest = (event.fragment_id, event.round_id, event.attempt,
+                                         event.ok, event.digest)
+        reject = self._check_ids(wid, fid, rid)
+        if reject is not None:
+            effects.append(reject)
+            return
+        if type(attempt) is not int or attempt < 0 or type(ok) is not bool or (
+                ok and not (isinstance(digest, str) and 0 < len(digest) <= MAX_DIGEST_LEN)):
+            effects.append(Reject(wid, RejectReason.INVALID_REPORT,
+                                  f"report attempt={attempt!r} ok={ok!r} digest={digest!r:.80}: expected an "
+                                  f"integer attempt >= 0, a bool ok and, when ok, a digest of 1.."
+                                  f"{MAX_DIGEST_LEN} characters"))
+            return
+        current = self._barriers[fid].reducing if self._collective else None
+        if (current is None or rid != self._barriers[fid].round_id or attempt != current.attempt
+                or wid not in current.reports):
+            effects.append(Reject(wid, RejectReason.STALE_ATTEMPT,
+                                  f"no reduce attempt {attempt} of fragment {fid} round {rid} is open with "
+                                  f"{wid!r} in its group"))
+            return
+        if current.reports[wid]:
+            effects.append(Reject(wid, RejectReason.DUPLICATE,
+                                  f"worker {wid!r} already reported attempt {attempt} of fragment {fid} "
+                                  f"round {rid}"))
+            return
+        # A report is proof of life (R9).
+        self._members[wid] = self._now_s
+        self._members.move_to_end(wid)
+        if not ok:
+            self._abort(fid, AbortReason.REDUCE_FAILED, effects)
+        elif current.reported and digest != next(d for d in current.reports.values() if d):
+            # C4: replicas that would adopt different params must not commit.
+            self._abort(fid, AbortReason.DIGEST_MISMATCH, effects)
+        else:
+            current.reports[wid] = digest
+            current.reported += 1
+            if current.reported < len(current.reports):
+                return
         self._apply_ready(effects, (fid,))
 
     def _on_min_workers(self, event: MinWorkersChanged, effects: list[Effect]) -> None:
@@ -491,6 +565,9 @@ class RoundFSM:
             for barrier in self._barriers:
                 if wid in barrier.contributed:
                     barrier.live_contributed -= 1
+                    if self._collective:
+                        # C2: a ready member's pseudo-gradient lived on that worker and left with it.
+                        del barrier.contributed[wid]
         else:
             for lane in self._lanes:
                 lane.last_base.pop(wid, None)
@@ -522,7 +599,14 @@ class RoundFSM:
         self._apply_ready(effects, range(self.config.num_fragments))
 
     def _apply_ready(self, effects: list[Effect], fragment_ids) -> None:
-        """The only place that emits ``ApplyRound`` (R5). Applies what is complete, if quorum holds."""
+        """The only place that emits ``ApplyRound`` (R5). Applies what is complete, if quorum holds.
+
+        Collective plane (C3-C5): also the only place that orders a reduce and that
+        aborts a broken attempt; aborts come first and are not gated (an attempt whose
+        member died must end whether or not the quorum still holds).
+        """
+        if self._collective:
+            self._abort_broken(effects, fragment_ids)
         if self._quorum.below_min_workers:
             return
         outcome = ReleaseOutcome.APPLIED
@@ -536,6 +620,29 @@ class RoundFSM:
                 barrier = self._barriers[fid]
                 # R5: complete = every live member contributed. Contributors that
                 # left since count as contributors, never as live members (P1).
+                if self._collective:
+                    attempt = barrier.reducing
+                    if attempt is None:
+                        if barrier.contributed and barrier.live_contributed == live:
+                            self._order_reduce(fid, effects)
+                        continue
+                    # C4: the commit. Every member reported ok with one digest (``_on_report``
+                    # aborts on a mismatch), all are live and at least min_workers
+                    # (``_abort_broken`` ended the attempt otherwise).
+                    if attempt.reported != len(attempt.reports) or len(attempt.reports) < self._min_workers:
+                        continue
+                    rid = barrier.round_id
+                    contributors = tuple(attempt.reports)
+                    effects.append(ApplyRound(fid, rid, contributors, next(iter(attempt.reports.values()))))
+                    for wid in contributors:
+                        effects.append(ReleaseWorker(wid, fid, rid, outcome))
+                    barrier.round_id = rid + 1
+                    barrier.contributed = {}
+                    barrier.live_contributed = 0
+                    barrier.attempts = 0
+                    barrier.reducing = None
+                    applied = True
+                    continue
                 if not barrier.contributed or barrier.live_contributed != live:
                     continue
                 rid = barrier.round_id
@@ -564,11 +671,45 @@ class RoundFSM:
             # P4: the drain's round applied; nothing else will.
             self._stop(ShutdownKind.DRAIN, effects)
 
+    def _order_reduce(self, fid: int, effects: list[Effect]) -> None:
+        """C3: the ready group (every live member, at least min_workers) reduces the open round."""
+        barrier = self._barriers[fid]
+        group = tuple(sorted(barrier.contributed))
+        barrier.reducing = ReduceAttempt(barrier.attempts, dict.fromkeys(group, ""),
+                                         self._now_s + self.config.reduce_timeout_s)
+        barrier.attempts += 1
+        effects.append(OrderReduce(fid, barrier.round_id, barrier.reducing.attempt, group))
+
+    def _abort_broken(self, effects: list[Effect], fragment_ids) -> None:
+        """C5: end each open attempt that can no longer commit: a member gone, the quorum raised
+        above the group, or the deadline passed. O(group) per fragment, on membership changes."""
+        members = self._members
+        for fid in fragment_ids:
+            attempt = self._barriers[fid].reducing
+            if attempt is None:
+                continue
+            if any(wid not in members for wid in attempt.reports):
+                self._abort(fid, AbortReason.MEMBER_LOST, effects)
+            elif len(attempt.reports) < self._min_workers:
+                self._abort(fid, AbortReason.GROUP_BELOW_QUORUM, effects)
+            elif self._now_s > attempt.deadline_s:
+                self._abort(fid, AbortReason.TIMEOUT, effects)
+
+    def _abort(self, fid: int, reason: AbortReason, effects: list[Effect]) -> None:
+        """C5: drop the attempt; its live members stay ready (they are ``contributed`` still)."""
+        barrier = self._barriers[fid]
+        attempt = barrier.reducing
+        assert attempt is not None
+        barrier.reducing = None
+        effects.append(AbortReduce(fid, barrier.round_id, attempt.attempt, tuple(attempt.reports), reason))
+
     def _stop(self, kind: ShutdownKind, effects: list[Effect]) -> None:
         """R12: discard everything pending, wake every parked member with STOP, then stop."""
         members = self._members
         if self._sync:
             for fid, barrier in enumerate(self._barriers):
+                if barrier.reducing is not None:
+                    self._abort(fid, AbortReason.SHUTDOWN, effects)
                 for wid in barrier.contributed:
                     effects.append(DiscardContribution(wid, fid, barrier.round_id, DiscardReason.SHUTDOWN))
                     if wid in members:
@@ -589,6 +730,10 @@ class RoundFSM:
         old = self._phase.state
         self._phase.fire(trigger)
         effects.append(PhaseChanged(old, self._phase.state))
+
+
+#: Longest digest a reduce report may carry (a hex SHA-256 is 64 characters).
+MAX_DIGEST_LEN = 128
 
 
 def _unknown_worker(wid: object) -> Reject:

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from diloco.core.config import FSMConfig, Mode
+from diloco.core.config import DataPlane, FSMConfig, Mode
 from diloco.core.errors import ConfigError, SnapshotError
-from diloco.core.fragments import AsyncLane, SyncBarrier
+from diloco.core.fragments import AsyncLane, ReduceAttempt, SyncBarrier
 from diloco.core.phases import Phase
 
 FORMAT = "diloco.round_fsm"
@@ -26,6 +26,9 @@ def dump(*, config: dict, phase: Phase, min_workers: int, now_s: float,
          lanes: list[AsyncLane]) -> dict:
     if barriers:
         fragments = [{"round_id": b.round_id, "contributed": list(b.contributed)} for b in barriers]
+        if config.get("data_plane") == DataPlane.COLLECTIVE.value:
+            for f, b in zip(fragments, barriers):
+                f.update(attempts=b.attempts, reducing=_dump_attempt(b.reducing))
     else:
         fragments = [
             {"version": lane.version,
@@ -44,6 +47,13 @@ def dump(*, config: dict, phase: Phase, min_workers: int, now_s: float,
         "members": [[w, last] for w, last in members.items()],
         "fragments": fragments,
     }
+
+
+def _dump_attempt(attempt: ReduceAttempt | None) -> dict | None:
+    if attempt is None:
+        return None
+    return {"attempt": attempt.attempt, "reports": [[w, d] for w, d in attempt.reports.items()],
+            "deadline_s": attempt.deadline_s}
 
 
 @dataclass
@@ -110,7 +120,18 @@ def load(snap: object) -> Parsed:
                     raise SnapshotError(f"{path}.contributed[{j}]={wid!r}: listed twice")
                 contributed[wid] = None
             live = sum(1 for wid in contributed if wid in members)
-            barriers.append(SyncBarrier(rid, contributed, live))
+            # Collective fields (absent from snapshots of hub runs written before they existed).
+            attempts = _int(f.get("attempts", 0), f"{path}.attempts", 0, None)
+            reducing = _load_attempt(f.get("reducing"), f"{path}.reducing", config, members, contributed,
+                                     attempts)
+            if config.data_plane is DataPlane.COLLECTIVE:
+                gone = [w for w in contributed if w not in members]
+                if gone:
+                    # C2: a departed member's readiness left with it.
+                    raise SnapshotError(f"{path}.contributed: {gone[0]!r} is not a member (collective plane)")
+            elif attempts or reducing is not None:
+                raise SnapshotError(f"{path}: a reduce attempt in a hub run")
+            barriers.append(SyncBarrier(rid, contributed, live, attempts, reducing))
         else:
             version = _int(f.get("version"), f"{path}.version", 0, None)
             held: dict[str, int] = {}
@@ -150,7 +171,10 @@ def load(snap: object) -> Parsed:
     for fid, b in enumerate(barriers):
         if b.contributed and phase is Phase.STOPPED:
             raise SnapshotError(f"snapshot.fragments[{fid}]: contributions pending in a stopped run (I5)")
-        if b.contributed and b.live_contributed == len(members) and not below and phase is not Phase.STOPPED:
+        if b.reducing is not None and phase is Phase.STOPPED:
+            raise SnapshotError(f"snapshot.fragments[{fid}]: a reduce attempt open in a stopped run (R12)")
+        if (b.contributed and b.live_contributed == len(members) and not below and phase is not Phase.STOPPED
+                and b.reducing is None):
             raise SnapshotError(f"snapshot.fragments[{fid}]: round {b.round_id} is complete with quorum "
                                 f"but did not apply (I7)")
     for fid, lane in enumerate(lanes):
@@ -158,6 +182,30 @@ def load(snap: object) -> Parsed:
             raise SnapshotError(f"snapshot.fragments[{fid}]: contributions held in a stopped run or "
                                 f"although quorum holds (I5, I7)")
     return Parsed(config, phase, min_workers, now_s, members, barriers, lanes)
+
+
+def _load_attempt(raw: object, path: str, config: FSMConfig, members, contributed: dict,
+                  attempts: int) -> ReduceAttempt | None:
+    """C3: an open attempt's group is ready members in rank order; each report is "" or a digest."""
+    if raw is None:
+        return None
+    d = _dict(raw, path)
+    attempt = _int(d.get("attempt"), f"{path}.attempt", 0, attempts - 1)
+    reports: dict[str, str] = {}
+    for j, item in enumerate(_list(d.get("reports"), f"{path}.reports")):
+        wid, digest = _pair(item, f"{path}.reports[{j}]")
+        _wid(wid, f"{path}.reports[{j}][0]", config)
+        if wid not in members or wid not in contributed or wid in reports:
+            raise SnapshotError(f"{path}.reports[{j}]={wid!r}: not a ready member, or listed twice")
+        if not isinstance(digest, str) or len(digest) > 128:
+            raise SnapshotError(f"{path}.reports[{j}][1]={digest!r:.80}: expected a digest string")
+        reports[wid] = digest
+    if not reports or list(reports) != sorted(reports):
+        raise SnapshotError(f"{path}.reports: expected a non-empty group in rank (sorted id) order")
+    filled = [x for x in reports.values() if x]
+    if len(set(filled)) > 1:
+        raise SnapshotError(f"{path}.reports: two digests in one open attempt (it would have aborted, C4)")
+    return ReduceAttempt(attempt, reports, _num(d.get("deadline_s"), f"{path}.deadline_s"), len(filled))
 
 
 def _dict(v: object, path: str) -> dict:

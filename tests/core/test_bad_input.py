@@ -184,8 +184,11 @@ def test_reject_details_name_the_field_and_value():
 
 def test_every_reject_reason_is_exercised_here():
     """Each RejectReason of SPEC.md section 4 has a case in this file (a new code needs a test)."""
-    covered = {r for _, r, _ in SYNC_CASES + ASYNC_CASES} | {
-        R.HELD_LIMIT, R.SHUTTING_DOWN, R.TOO_MANY_WORKERS, R.DUPLICATE}
+    from tests.core.test_collective import COLLECTIVE_CASES
+
+    covered = {r for _, r, _ in SYNC_CASES + ASYNC_CASES + COLLECTIVE_CASES} | {
+        R.HELD_LIMIT, R.SHUTTING_DOWN, R.TOO_MANY_WORKERS, R.DUPLICATE,
+        R.REDUCING}  # REDUCING: tests/core/test_collective.py, the joiner during a reduce
     assert covered == set(RejectReason)
 
 
