@@ -63,9 +63,10 @@ def coordinator_state(coordinator: Coordinator) -> tuple[dict, dict[str, torch.T
 
     The simulator keeps this in memory to model a coordinator crash and restart.
     """
-    if coordinator.store is None:
+    if not coordinator.has_state:
         raise CheckpointError("nothing to checkpoint: no worker ever joined, so the run has no params")
-    tensors = {f"param/{name}": t.clone() for name, t in coordinator.store.params.items()}
+    params = coordinator.store.params if coordinator.store is not None else {}
+    tensors = {f"param/{name}": t.clone() for name, t in params.items()}
     outer = flatten(copy.deepcopy(coordinator.optimizer_states()), "outer", tensors)
     return _meta(coordinator, outer), tensors
 
@@ -77,7 +78,9 @@ def _meta(coordinator: Coordinator, outer: list) -> dict:
         "config": coordinator.config.to_dict(),
         "fsm": coordinator.fsm.snapshot(),
         "outer": outer,
-        "param_names": list(coordinator.store.params),
+        # Collective plane: no params here (the workers hold them, SPEC.md C6).
+        "param_names": list(coordinator.store.params) if coordinator.store is not None else [],
+        "collective": coordinator.collective.to_dict() if coordinator.collective is not None else None,
         "incarnation": coordinator.incarnation,
         "run_id": coordinator.run_id,
         # Key bindings and bans outlive a restart (access.py); absent in older checkpoints.
@@ -116,7 +119,13 @@ def restore_coordinator(meta: dict, tensors: dict[str, torch.Tensor], now_s: flo
             raise
         raise CheckpointError(f"checkpoint metadata is incomplete or invalid ({exc!r})") from None
     coordinator = Coordinator(config or saved, now_s, fsm=fsm, observer=observer)
-    coordinator.install_params(params, outer)
+    if coordinator.collective is not None:
+        try:
+            coordinator.collective.restore(meta.get("collective") or {})
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint metadata: the collective plane's record is invalid ({exc!r})") from None
+    else:
+        coordinator.install_params(params, outer)
     coordinator.incarnation = incarnation + 1
     coordinator.access = access
     run_id = meta.get("run_id")
@@ -130,11 +139,11 @@ def restore_coordinator(meta: dict, tensors: dict[str, torch.Tensor], now_s: flo
 def save_coordinator(coordinator: Coordinator, directory: str | os.PathLike, *,
                      keep: int | None = DEFAULT_KEEP) -> pathlib.Path:
     """Write ``coordinator-<rounds_applied>.safetensors`` atomically; keep the newest ``keep`` files."""
-    if coordinator.store is None:
+    if not coordinator.has_state:
         raise CheckpointError("nothing to checkpoint: no worker ever joined, so the run has no params")
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, torch.Tensor] = dict(coordinator.store.params)
+    tensors: dict[str, torch.Tensor] = dict(coordinator.store.params) if coordinator.store is not None else {}
     outer = [flatten_named(state, f"{OUTER_PREFIX}{fid}", tensors)
              for fid, state in enumerate(coordinator.optimizer_states())]
     rounds = coordinator.fsm.rounds_applied

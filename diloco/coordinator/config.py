@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from diloco.core import ConfigError, FSMConfig, Mode
+from diloco.core import ConfigError, DataPlane, FSMConfig, Mode
 from diloco.coordinator.outer import OuterConfig
 from diloco.wire.messages import MAX_SYNC_EVERY, WIRE_DTYPE_NAMES
 
@@ -29,6 +29,10 @@ class CoordinatorConfig:
     dylu: bool = False
     #: The reference H of DyLU: the fastest worker's inner steps per round (``diloco server --sync-every``).
     sync_every: int | None = None
+    #: Collective plane: every group creation, collective and heal transfer on a worker is bounded
+    #: by this (``--collective-timeout``); below the heartbeat timeout and the core's reduce
+    #: timeout (SPEC.md C7). 0: a third of the heartbeat timeout.
+    collective_timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.fsm, FSMConfig):
@@ -56,6 +60,22 @@ class CoordinatorConfig:
         if self.dylu and h is None:
             raise ConfigError("sync_every", h, "the reference H (inner steps per round of the fastest worker): "
                                                "DyLU needs it")
+        ct = self.collective_timeout_s
+        if isinstance(ct, bool) or not isinstance(ct, (int, float)) or not math.isfinite(ct) or ct < 0:
+            raise ConfigError("collective_timeout_s", ct, "a finite number of seconds > 0 (0: the default)")
+        if ct == 0:
+            object.__setattr__(self, "collective_timeout_s", self.fsm.heartbeat_timeout_s / 3)
+        if self.fsm.data_plane is DataPlane.COLLECTIVE:
+            if not self.collective_timeout_s < self.fsm.heartbeat_timeout_s:
+                raise ConfigError("collective_timeout_s", ct, f"less than the heartbeat timeout "
+                                  f"({self.fsm.heartbeat_timeout_s} s): a collective that outlives it would "
+                                  f"get healthy members declared dead")
+            if not self.collective_timeout_s < self.fsm.reduce_timeout_s:
+                raise ConfigError("collective_timeout_s", ct, f"less than the core's reduce timeout "
+                                  f"({self.fsm.reduce_timeout_s} s)")
+            if self.max_update_norm is not None:
+                raise ConfigError("max_update_norm", self.max_update_norm, "None on the collective plane (the "
+                                  "coordinator never sees a pseudo-gradient there to measure it)")
         if self.fsm.mode is Mode.ASYNC and self.outer.name == "nesterov":
             object.__setattr__(self, "outer", OuterConfig("delayed_nesterov", self.outer.lr,
                                                           self.outer.momentum, self.outer.delay))
@@ -63,7 +83,8 @@ class CoordinatorConfig:
     def to_dict(self) -> dict:
         return {"fsm": self.fsm.to_dict(), "outer": self.outer.to_dict(),
                 "heartbeat_interval_s": self.heartbeat_interval_s, "max_update_norm": self.max_update_norm,
-                "wire_dtype": self.wire_dtype, "dylu": self.dylu, "sync_every": self.sync_every}
+                "wire_dtype": self.wire_dtype, "dylu": self.dylu, "sync_every": self.sync_every,
+                "collective_timeout_s": self.collective_timeout_s}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CoordinatorConfig":
@@ -72,4 +93,4 @@ class CoordinatorConfig:
         return cls(fsm=FSMConfig.from_dict(d["fsm"]), outer=OuterConfig(**d["outer"]),
                    heartbeat_interval_s=d["heartbeat_interval_s"], max_update_norm=d.get("max_update_norm"),
                    wire_dtype=d.get("wire_dtype", "fp32"), dylu=d.get("dylu", False),
-                   sync_every=d.get("sync_every"))
+                   sync_every=d.get("sync_every"), collective_timeout_s=d.get("collective_timeout_s", 0.0))

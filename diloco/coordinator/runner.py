@@ -69,7 +69,7 @@ def serve(endpoint: CoordinatorEndpoint, coordinator: Coordinator, *,
             if coordinator.stop_kind is ShutdownKind.SAVE_AND_STOP and not saved:
                 if checkpoint_dir is None:
                     log.warning("save-and-stop requested but no checkpoint directory is configured")
-                elif coordinator.store is None:
+                elif not coordinator.has_state:
                     log.warning("save-and-stop: no worker ever joined, nothing to save")
                 else:
                     path = _persist(coordinator, checkpoint_dir, keep)
@@ -77,7 +77,7 @@ def serve(endpoint: CoordinatorEndpoint, coordinator: Coordinator, *,
                 saved = True
         changed = (coordinator.fsm.rounds_applied != rounds_before
                    or coordinator.access.ban_changes != bans_before)
-        if checkpoint_dir is not None and changed and coordinator.store is not None and not saved:
+        if checkpoint_dir is not None and changed and coordinator.has_state and not saved:
             # Persist before announce (SPEC.md section 5): the step's Results go out only once
             # the round they announce is on disk -- and a ban or unban is confirmed to the
             # operator only once a restart would keep it.

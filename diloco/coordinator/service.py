@@ -27,25 +27,30 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from diloco.core import (
+    AbortReduce,
     AcceptContribution,
     AcceptJoin,
     ApplyRound,
     ContributionSubmitted,
+    DataPlane,
     DeclareDead,
     DiscardContribution,
     HeartbeatSeen,
     LeaveCause,
     MinWorkersChanged,
     Mode,
+    OrderReduce,
     Phase,
     PhaseChanged,
     QuorumChanged,
+    ReduceReported,
     Reject,
     RejectReason,
     ReleaseOutcome,
@@ -60,6 +65,7 @@ from diloco.core import (
 )
 from diloco.coordinator.access import AccessList
 from diloco.coordinator.config import CoordinatorConfig
+from diloco.coordinator.collective import CollectivePlane
 from diloco.coordinator.dylu import SpeedTable
 from diloco.coordinator.metrics import MetricsHistory
 from diloco.coordinator.outer import build_outer_optimizer
@@ -81,11 +87,15 @@ from diloco.wire.messages import (
     Command,
     Error,
     ErrorCode,
+    HealOrder,
     Heartbeat,
     HeartbeatReply,
     Join,
     Leave,
     Message,
+    ReduceAbort,
+    ReduceOrder,
+    ReduceReport,
     Result,
     Submit,
     Tensors,
@@ -161,6 +171,10 @@ class Coordinator:
         self.speeds = SpeedTable()
         #: The run's id (``diloco server`` sets it: new at a fresh start, kept across resumes), and clocks.
         self.run_id: str | None = None
+        #: Collective plane (SPEC.md C1-C7): who holds the committed state, group prefixes, heals.
+        #: The model never reaches this process then: ``store`` stays None.
+        self.collective = (CollectivePlane(config.fsm.num_fragments)
+                           if config.fsm.data_plane is DataPlane.COLLECTIVE else None)
         self.started_s = now_s
         self.last_applied_s: float | None = None
 
@@ -173,6 +187,13 @@ class Coordinator:
     @property
     def stop_kind(self) -> ShutdownKind | None:
         return self._stop_kind
+
+    @property
+    def has_state(self) -> bool:
+        """Something to checkpoint: the params (hub), or the run's layout and commits (collective)."""
+        if self.collective is not None:
+            return self.collective.spec is not None
+        return self.store is not None
 
     def install_params(self, params: Tensors, optimizer_states: list[dict] | None = None) -> None:
         """Set the global params (first joiner, or a checkpoint) and build the outer optimizers."""
@@ -208,7 +229,9 @@ class Coordinator:
             incarnation=self.incarnation,
             stopped=self.stopped,
             stop_kind=self._stop_kind.value if self._stop_kind else None,
-            num_params=sum(t.numel() for t in self.store.params.values()) if self.store else 0,
+            num_params=self._num_params(),
+            data_plane=self.config.fsm.data_plane.value,
+            collective=self.collective.status() if self.collective is not None else None,
             outer_optimizer=self.config.outer.name,
             wire_dtype=self.config.wire_dtype,
             banned_workers=sorted(self.access.banned_ids),
@@ -226,6 +249,12 @@ class Coordinator:
             if self.config.dylu:
                 m["sync_every"] = self.sync_every_of(m["worker_id"])
         return view
+
+    def _num_params(self) -> int:
+        if self.store is not None:
+            return sum(t.numel() for t in self.store.params.values())
+        spec = self.collective.spec if self.collective is not None else None
+        return sum(math.prod(s.shape) for s in spec) if spec else 0
 
     def sync_every_of(self, worker_id: str) -> int | None:
         """DyLU: the H_w this worker is told (None when the run does not use DyLU)."""
@@ -257,7 +286,7 @@ class Coordinator:
         if self.stopped:
             self._answer_after_stop(peer, message, out)
             return out
-        if isinstance(message, (Heartbeat, Submit, Join, Leave)):
+        if isinstance(message, (Heartbeat, Submit, Join, Leave, ReduceReport)):
             refusal = self.access.refusal(message, identity)
             if refusal is not None:
                 self._refuse(peer, out, *refusal, message)
@@ -273,6 +302,8 @@ class Coordinator:
         elif isinstance(message, Leave):
             if self._peers.get(message.worker_id) == peer:
                 self._step(WorkerLeft(message.worker_id, LeaveCause.LEFT), out)
+        elif isinstance(message, ReduceReport) and self.collective is not None:
+            self._on_report(peer, message, out)
         else:
             self._refuse(peer, out, ErrorCode.BAD_MESSAGE,
                          f"a coordinator does not accept {type(message).__name__} messages", message)
@@ -315,7 +346,12 @@ class Coordinator:
                          f"worker speaks protocol version {msg.protocol_version}; this coordinator speaks "
                          f"version {PROTOCOL_VERSION}", msg)
             return
-        if self.store is None:
+        if self.collective is not None:
+            refusal = self.collective.check_join(msg, self.fsm.is_member)
+            if refusal is not None:
+                self._refuse(peer, out, *refusal, msg)
+                return
+        elif self.store is None:
             if not msg.spec:
                 self._refuse(peer, out, ErrorCode.BAD_MESSAGE, "the join's spec lists no tensors: a model "
                              "needs at least one parameter", msg)
@@ -374,6 +410,13 @@ class Coordinator:
             return
         fid = msg.fragment_id
         tensors = None
+        if self.collective is not None:
+            if msg.tensors or msg.scales:
+                self._refuse(peer, out, ErrorCode.BAD_MESSAGE, "this run is on the collective data plane: a Submit "
+                             "says 'ready' and carries no tensors (they stay on the workers)", msg)
+                return
+            self._step(ContributionSubmitted(wid, fid, msg.round_id), out, peer=peer, submit=msg, tensors={})
+            return
         if self.store is not None and type(fid) is int and 0 <= fid < self.config.fsm.num_fragments:
             # Decoded to fp32 first (SPEC.md section 11, "Wire dtypes"); then the checks of any submission.
             tensors = self._decode_submission(peer, msg, out)
@@ -396,6 +439,18 @@ class Coordinator:
                                  f"--max-update-norm {limit:g}", msg)
                     return
         self._step(ContributionSubmitted(wid, fid, msg.round_id), out, peer=peer, submit=msg, tensors=tensors)
+
+    def _on_report(self, peer: str, msg: ReduceReport, out: Outgoing) -> None:
+        wid = msg.worker_id
+        if self._peers.get(wid) != peer or not self.fsm.is_member(wid):
+            self._refuse(peer, out, ErrorCode.UNKNOWN_WORKER,
+                         f"worker {wid!r} is not a live member on this connection (join first)", msg)
+            return
+        if not msg.ok:
+            self._notify("reduce_failed", self.fsm.now_s, worker_id=wid, fragment_id=msg.fragment_id,
+                         round_id=msg.round_id, attempt=msg.attempt, detail=msg.detail)
+        self._step(ReduceReported(wid, msg.fragment_id, msg.round_id, msg.attempt, msg.ok, msg.digest), out,
+                   peer=peer, report=msg)
 
     def _decode_submission(self, peer: str, msg: Submit, out: Outgoing) -> Tensors | None:
         """The submission's tensors as fp32, or None after refusing it (bad_message, tensor_mismatch)."""
@@ -474,7 +529,8 @@ class Coordinator:
     # ---------------------------------------------------------------- effects
 
     def _step(self, event, out: Outgoing, *, peer: str | None = None, join: Join | None = None,
-              submit: Submit | None = None, tensors: Tensors | None = None) -> list:
+              submit: Submit | None = None, tensors: Tensors | None = None,
+              report: ReduceReport | None = None) -> list:
         effects = self.fsm.step(event)
         now = self.fsm.now_s
         if type(event) is WorkerLeft and not (effects and type(effects[0]) is Reject):
@@ -495,10 +551,12 @@ class Coordinator:
                 target = peer if peer is not None else self._peers.get(effect.worker_id)
                 if target is not None:
                     self._refuse(target, out, ErrorCode(effect.reason.value), effect.detail,
-                                 submit or join or event)
+                                 submit or join or report or event)
             elif kind is AcceptJoin:
                 self._welcome(effect, peer, join, out, now)
             elif kind is DeclareDead:
+                if self.collective is not None:
+                    self.collective.forget(effect.worker_id)
                 self._peers.pop(effect.worker_id, None)
                 self.speeds.forget(effect.worker_id)
                 self._notify("dead", now, worker_id=effect.worker_id, last_seen_s=effect.last_seen_s)
@@ -510,11 +568,17 @@ class Coordinator:
                 self._quorum_changed(effect, now)
             elif kind is PhaseChanged:
                 self._notify("phase", now, old=effect.old.value, new=effect.new.value)
+            elif kind is OrderReduce:
+                self._order(effect, out, now)
+            elif kind is AbortReduce:
+                self._abort(effect, out, now)
             elif kind is StopRun:
                 self._stop_kind = effect.kind
                 self._quorum_changed(None, now)
                 self._notify("stop", now, kind=effect.kind.value)
         if type(event) is WorkerLeft:
+            if self.collective is not None and not self.fsm.is_member(event.worker_id):
+                self.collective.forget(event.worker_id)
             self._peers.pop(event.worker_id, None)
             self.speeds.forget(event.worker_id)
         self._released.clear()
@@ -522,6 +586,9 @@ class Coordinator:
 
     def _welcome(self, effect: AcceptJoin, peer: str | None, join: Join | None, out: Outgoing, now: float) -> None:
         assert peer is not None and join is not None
+        if self.collective is not None:
+            self._welcome_collective(effect, peer, join, out, now)
+            return
         if self.store is None:
             self.install_params(join.params)
         self._peers[effect.worker_id] = peer
@@ -544,10 +611,56 @@ class Coordinator:
         self.stats.bytes_sent += compression.tensor_nbytes(store.params)
         self._notify("join", now, worker_id=effect.worker_id, parked=list(effect.parked))
 
+    def _welcome_collective(self, effect: AcceptJoin, peer: str, join: Join, out: Outgoing, now: float) -> None:
+        """C6: no params; the joiner heals from a member that holds the committed state, or starts the run."""
+        plane = self.collective
+        self._peers[effect.worker_id] = peer
+        source, prefix = plane.heal_source_for(effect.worker_id)
+        if source is not None:
+            out.append((self._peers[source], HealOrder(effect.worker_id, prefix)))
+        out.append((peer, Welcome(
+            worker_id=effect.worker_id, round_ids=effect.round_ids, parked=effect.parked,
+            mode=self.config.fsm.mode.value, fragments=plane.fragments, min_workers=self.fsm.min_workers,
+            below_min_workers=self.fsm.below_min_workers, heartbeat_interval_s=self.config.heartbeat_interval_s,
+            params={}, wire_dtype=self.config.wire_dtype, sync_every=self.sync_every_of(effect.worker_id),
+            data_plane=DataPlane.COLLECTIVE.value, store_port=plane.store_port, heal_source=source or "",
+            heal_prefix=prefix, outer=self.config.outer.to_dict(),
+            collective_timeout_s=self.config.collective_timeout_s)))
+        self._notify("join", now, worker_id=effect.worker_id, parked=list(effect.parked), heal_source=source or "")
+
+    def _order(self, effect: OrderReduce, out: Outgoing, now: float) -> None:
+        prefix = self.collective.group_prefix(effect.group)
+        message = ReduceOrder(effect.fragment_id, effect.round_id, effect.attempt, effect.group, prefix)
+        for wid in effect.group:
+            peer = self._peers.get(wid)
+            if peer is not None:
+                out.append((peer, message))
+        self._notify("reduce", now, fragment_id=effect.fragment_id, round_id=effect.round_id,
+                     attempt=effect.attempt, group=list(effect.group))
+
+    def _abort(self, effect: AbortReduce, out: Outgoing, now: float) -> None:
+        # A failed group may be broken (a dead or wedged peer): the next order builds a new one.
+        self.collective.retire_group()
+        message = ReduceAbort(effect.fragment_id, effect.round_id, effect.attempt, effect.reason.value)
+        for wid in effect.group:
+            peer = self._peers.get(wid)
+            if peer is not None and self.fsm.is_member(wid):
+                out.append((peer, message))
+        self.collective.stats["aborts"] += 1
+        self._notify("abort", now, fragment_id=effect.fragment_id, round_id=effect.round_id,
+                     attempt=effect.attempt, reason=effect.reason.value)
+
     def _accept(self, effect: AcceptContribution, submit: Submit | None, tensors: Tensors | None,
                 peer: str | None, out: Outgoing) -> None:
-        assert submit is not None and tensors is not None and peer is not None and self.store is not None
+        assert submit is not None and tensors is not None and peer is not None
         self.stats.contributions_accepted += 1
+        if self.collective is not None:
+            # C2: "ready"; the pseudo-gradient stays on the worker. Having been ready proves it
+            # holds the committed state (it healed, or was in the last group): a heal source.
+            self.collective.holds_state(effect.worker_id)
+            out.append((peer, Accepted(effect.fragment_id, effect.round_id)))
+            return
+        assert self.store is not None
         nbytes = compression.tensor_nbytes
         self.stats.bytes_received += nbytes(submit.tensors) + nbytes(submit.scales)
         if self._sync:
@@ -558,6 +671,15 @@ class Coordinator:
         out.append((peer, Accepted(effect.fragment_id, effect.round_id)))
 
     def _apply(self, effect: ApplyRound, now: float) -> None:
+        if self.collective is not None:
+            # C4: the commit. The group computed the step; what is durable here is the decision.
+            self.collective.committed(effect.fragment_id, effect.round_id, effect.digest)
+            self.stats.rounds_applied += 1
+            self.last_applied_s = now
+            self.metrics.round_applied(now, effect.fragment_id, effect.round_id, effect.contributors)
+            self._notify("apply", now, fragment_id=effect.fragment_id, round_id=effect.round_id,
+                         contributors=list(effect.contributors), digest=effect.digest)
+            return
         store = self.store
         assert store is not None
         fid = effect.fragment_id
@@ -622,6 +744,12 @@ class Coordinator:
             next_round = self.fsm.open_round_ids()[effect.fragment_id]
             out.append((peer, Result(effect.fragment_id, effect.round_id, effect.outcome.value, next_round)))
             return
+        if self.collective is not None:
+            # C4: adopt what you proposed; the digest says which proposal was committed.
+            fid = effect.fragment_id
+            out.append((peer, Result(fid, effect.round_id, effect.outcome.value, effect.round_id + 1,
+                                     digest=self.collective.last_commit[fid][1])))
+            return
         # The values right after the ApplyRound that released this worker, not the live
         # tensors: a driver may hold the message while later steps apply more rounds
         # (the simulator delays delivery), and in async mode several held contributions
@@ -644,6 +772,8 @@ class Coordinator:
                      answer=answer)
 
     def _discard(self, effect: DiscardContribution) -> None:
+        if self.collective is not None:
+            return  # nothing of the pseudo-gradient is here
         if self._sync:
             # Discards happen only at a stop (P1), which discards the whole round.
             if self.store is not None:

@@ -18,8 +18,10 @@ if TYPE_CHECKING:  # torch only for tensors: an admin command must not pay for i
 
 #: Bumped on any incompatible change to these messages or their encoding. 3: the run's
 #: wire dtype (``Welcome.wire_dtype``; ``Submit`` and ``Result`` carry it, with ``scales``,
-#: and a ``Result`` may carry a delta).
-PROTOCOL_VERSION = 3
+#: and a ``Result`` may carry a delta). 4: the collective data plane (``Welcome.data_plane``,
+#: ``ReduceOrder``, ``ReduceReport``, ``ReduceAbort``, ``HealOrder``, ``Result.digest``,
+#: ``Join.holds_params``).
+PROTOCOL_VERSION = 4
 
 #: How tensors of ``Submit`` and ``Result`` travel (``diloco.wire.compression``, SPEC.md
 #: section 11, "Wire dtypes"). Plain names here so that decoding a header needs no torch.
@@ -60,6 +62,8 @@ TRANSPORT_ERROR_CODES: dict[str, str] = {
                  "or a worker message from an admin key)",
     "WRONG_KEY": "the worker id is bound to another key: the key that first joined it",
     "BANNED": "the worker id (or, with authentication, its key) was banned with `kick --ban`",
+    "START_PARAMS_REQUIRED": "collective plane: no member holds the run's state yet; join again with "
+                             "holds_params (your own initial params start the run; they are not sent)",
 }
 
 #: Codes in ``Error`` replies: every ``RejectReason`` of the core (same names and
@@ -114,6 +118,9 @@ class Join:
     protocol_version: int
     spec: tuple[TensorSpec, ...]
     params: Tensors = field(default_factory=dict)
+    #: Collective plane: the worker holds initial params it can start the run from (they are
+    #: not sent: the coordinator of a collective run never holds the model, SPEC.md C6).
+    holds_params: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +150,22 @@ class Submit:
     tensors: Tensors
     wire_dtype: str = "fp32"
     scales: Tensors = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ReduceReport:
+    """Collective plane: how my reduce of (fragment, round, attempt) ended (SPEC.md C4).
+
+    ``ok`` with ``digest``, the digest of the params I would adopt; or not ok, ``detail`` why.
+    """
+
+    worker_id: str
+    fragment_id: int
+    round_id: int
+    attempt: int
+    ok: bool
+    digest: str = ""
+    detail: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +204,52 @@ class Welcome:
     #: DyLU (SPEC.md section 14, "DyLU"): the inner steps per round this worker should take,
     #: adopted at a round boundary. None (left out of the header): the run does not use DyLU.
     sync_every: int | None = None
+    #: "hub" (``params`` are the run's) or "collective" (``params`` empty; SPEC.md C6).
+    data_plane: str = "hub"
+    #: Collective: the port of the coordinator's rendezvous store (on the coordinator's host).
+    store_port: int = 0
+    #: Collective: the member to copy the committed state from ("": start from your own params),
+    #: and the store prefix of that one-to-one transfer (random per run, SPEC.md C6).
+    heal_source: str = ""
+    heal_prefix: str = ""
+    #: Collective: every worker runs the outer optimizer (``diloco.coordinator.outer.OuterConfig``
+    #: fields) and bounds each collective by ``collective_timeout_s``.
+    outer: dict[str, Any] = field(default_factory=dict)
+    collective_timeout_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReduceOrder:
+    """Collective plane: reduce (fragment, round) with ``group`` (rank = index), attempt ``attempt``.
+
+    Build (or reuse) the process group under the store prefix ``prefix``, all-reduce your
+    pseudo-gradient, compute the outer step on a copy and answer ``ReduceReport`` with the
+    digest of the params you would adopt. Adopt nothing before the ``Result`` (SPEC.md C3).
+    """
+
+    fragment_id: int
+    round_id: int
+    attempt: int
+    group: tuple[str, ...]
+    prefix: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReduceAbort:
+    """Collective plane: that attempt will not commit; drop its result, keep your pseudo-gradient."""
+
+    fragment_id: int
+    round_id: int
+    attempt: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class HealOrder:
+    """Collective plane: send your committed state to ``joiner`` over a two-rank group at ``prefix``."""
+
+    joiner: str
+    prefix: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +295,9 @@ class Result:
     delta: bool = False
     wire_dtype: str = "fp32"
     scales: Tensors = field(default_factory=dict)
+    #: Collective plane: the committed digest; ``params`` are empty and each member adopts the
+    #: params it computed for this round, whose digest this is (SPEC.md C4).
+    digest: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,10 +330,10 @@ class AdminReply:
 
 Message = (
     Join | Heartbeat | Submit | Leave | Welcome | HeartbeatReply | Accepted | Result | Error
-    | AdminRequest | AdminReply
+    | AdminRequest | AdminReply | ReduceOrder | ReduceReport | ReduceAbort | HealOrder
 )
 
 MESSAGE_TYPES: tuple[type, ...] = (
     Join, Heartbeat, Submit, Leave, Welcome, HeartbeatReply, Accepted, Result, Error,
-    AdminRequest, AdminReply,
+    AdminRequest, AdminReply, ReduceOrder, ReduceReport, ReduceAbort, HealOrder,
 )

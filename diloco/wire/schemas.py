@@ -24,6 +24,8 @@ from diloco.wire.messages import (
 
 #: Longest string field (worker ids, names, details) the decoder accepts.
 MAX_STR_LEN = 1 << 16
+#: Most members a ``ReduceOrder`` may name (the core's ``max_workers`` ceiling).
+MAX_GROUP = 1_000_000
 
 
 class FieldError(Exception):
@@ -87,6 +89,24 @@ def _names_tuple(v: Any) -> tuple[tuple[str, ...], ...]:
             isinstance(g, list) and all(isinstance(n, str) for n in g) for g in v):
         raise FieldError("a list of lists of tensor names (strings)")
     return tuple(tuple(g) for g in v)
+
+
+def _str_tuple(v: Any) -> tuple[str, ...]:
+    if not isinstance(v, (list, tuple)) or len(v) > MAX_GROUP:
+        raise FieldError(f"a list of at most {MAX_GROUP} strings")
+    return tuple(_str(x) for x in v)
+
+
+def _data_plane(v: Any) -> str:
+    if v not in ("hub", "collective"):
+        raise FieldError("'hub' or 'collective'")
+    return v
+
+
+def _port(v: Any) -> int:
+    if not is_int(v) or not 0 <= v <= 65535:
+        raise FieldError("a port number in 0..65535")
+    return v
 
 
 def _spec(v: Any) -> tuple[TensorSpec, ...]:
@@ -176,7 +196,8 @@ TENSOR_FIELD = object()
 
 #: Per message type: field name -> checker (or TENSOR_FIELD). SPEC.md section 11 lists the same.
 SCHEMAS: dict[str, dict[str, Any]] = {
-    "Join": {"worker_id": _str, "protocol_version": _int, "spec": _spec, "params": TENSOR_FIELD},
+    "Join": {"worker_id": _str, "protocol_version": _int, "spec": _spec, "params": TENSOR_FIELD,
+             "holds_params": _bool},
     "Heartbeat": {"worker_id": _str, "metrics": _metrics},
     "Submit": {"worker_id": _str, "fragment_id": _int, "round_id": _int, "tensors": TENSOR_FIELD,
                "wire_dtype": _wire_dtype, "scales": TENSOR_FIELD},
@@ -184,15 +205,22 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "Welcome": {"worker_id": _str, "round_ids": _int_tuple, "parked": _pair_tuple, "mode": _str,
                 "fragments": _names_tuple, "min_workers": _int, "below_min_workers": _bool,
                 "heartbeat_interval_s": _float, "params": TENSOR_FIELD, "wire_dtype": _wire_dtype,
-                "sync_every": _sync_every},
+                "sync_every": _sync_every, "data_plane": _data_plane, "store_port": _port, "heal_source": _str,
+                "heal_prefix": _str, "outer": _plain_map, "collective_timeout_s": _float},
     "HeartbeatReply": {"below_min_workers": _bool, "min_workers": _int, "phase": _str,
                        "command": _enum(Command), "sync_every": _sync_every},
     "Accepted": {"fragment_id": _int, "round_id": _int},
     "Result": {"fragment_id": _int, "round_id": _int, "outcome": _str, "next_round_id": _int,
-               "params": TENSOR_FIELD, "delta": _bool, "wire_dtype": _wire_dtype, "scales": TENSOR_FIELD},
+               "params": TENSOR_FIELD, "delta": _bool, "wire_dtype": _wire_dtype, "scales": TENSOR_FIELD,
+               "digest": _str},
     "Error": {"code": _enum(ErrorCode), "detail": _str, "in_reply_to": _str},
     "AdminRequest": {"command": _str, "args": _plain_map},
     "AdminReply": {"ok": _bool, "data": _plain_map, "error": _str},
+    "ReduceOrder": {"fragment_id": _int, "round_id": _int, "attempt": _int, "group": _str_tuple, "prefix": _str},
+    "ReduceReport": {"worker_id": _str, "fragment_id": _int, "round_id": _int, "attempt": _int, "ok": _bool,
+                     "digest": _str, "detail": _str},
+    "ReduceAbort": {"fragment_id": _int, "round_id": _int, "attempt": _int, "reason": _str},
+    "HealOrder": {"joiner": _str, "prefix": _str},
 }
 _CLASSES: dict[str, type] = {cls.__name__: cls for cls in MESSAGE_TYPES}
 assert set(SCHEMAS) == set(_CLASSES), "every message type needs a wire schema"

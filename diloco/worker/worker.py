@@ -84,6 +84,8 @@ from typing import Callable
 
 import torch
 
+from diloco.collective.endpoint import CollectiveEndpoint
+
 from diloco.wire import compression
 from diloco.wire.endpoints import WorkerEndpoint
 from diloco.wire.messages import PROTOCOL_VERSION, Join, Submit, TensorSpec, Tensors, Welcome
@@ -150,7 +152,10 @@ class DilocoWorker:
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.endpoint = endpoint
-        self.link = Link(endpoint, worker_id, threaded=(clock is None) if comm_thread is None else bool(comm_thread))
+        # Transparent on a hub run; on a collective one it turns the plane's messages into the
+        # hub's, so the session is the same on both (diloco.collective.endpoint).
+        self.data_plane = CollectiveEndpoint(endpoint, worker_id)
+        self.link = Link(self.data_plane, worker_id, threaded=(clock is None) if comm_thread is None else bool(comm_thread))
         self.worker_id = worker_id
         self.sync_every = sync_every
         self.poll_interval_s = float(poll_interval_s)

@@ -129,7 +129,7 @@ class Run:
     def _observe(self, kind: str, now: float, info: dict) -> None:
         # Runs on the coordinator thread, so reading the store here is race-free.
         self.events.append((kind, dict(info)))
-        if kind == "apply":
+        if kind == "apply" and self.coordinator.store is not None:  # the hub plane holds the params
             fid = info["fragment_id"]
             self.applied.append((fid, info["round_id"], {
                 n: t.clone() for n, t in self.coordinator.store.fragment_params(fid).items()}))

@@ -1,0 +1,97 @@
+"""A joiner copies the committed state from a live member, over a two-rank gloo group.
+
+The coordinator never holds the model on the collective plane (SPEC.md C6), so a
+joiner's params and outer-optimizer state come from a member: the coordinator
+names a source and a fresh store prefix, the source is rank 0 and the joiner rank
+1, and the source broadcasts a msgpack header (round ids, the optimizer states'
+plain parts, the tensor table) followed by every tensor. The source serves the
+heal on its data-plane thread after any reduce it is in has its verdict, so what
+it sends is always committed state, with the round ids that go with it.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+from diloco.collective.groups import CollectiveError, build_group
+
+#: Largest header a joiner accepts (the tensor table of a very large model fits easily).
+MAX_HEADER_BYTES = 64 << 20
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "int32": torch.int32}
+
+
+def _plain_state(state: dict, tensors: list[torch.Tensor]) -> dict:
+    """An optimizer ``state_dict`` with each tensor replaced by its index in ``tensors``."""
+    out = {}
+    for idx, entries in state["state"].items():
+        plain = {}
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                plain[key] = ["t", len(tensors), str(value.dtype).removeprefix("torch."), list(value.shape)]
+                tensors.append(value.detach().to("cpu").contiguous())
+            else:
+                plain[key] = ["v", value]
+        out[int(idx)] = plain
+    return {"state": out, "param_groups": state["param_groups"]}
+
+
+def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, timeout_s: float) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    try:
+        group.broadcast([tensor], opts).wait(datetime.timedelta(seconds=timeout_s))
+    except Exception as exc:
+        raise CollectiveError(f"the heal transfer failed: {exc}") from exc
+
+
+def send_state(store, prefix: str, interface: str, timeout_s: float, round_ids: list[int],
+               params: dict[str, torch.Tensor], optimizer_states: list[dict]) -> None:
+    group = build_group(store, prefix, 0, 2, interface, timeout_s)
+    tensors: list[torch.Tensor] = []
+    names = list(params)
+    for n in names:
+        tensors.append(params[n].detach().contiguous())
+    states = [_plain_state(s, tensors) for s in optimizer_states]
+    table = [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in tensors]
+    header = msgpack.packb({"round_ids": round_ids, "names": names, "states": states, "table": table},
+                           use_bin_type=True, strict_types=False)
+    _broadcast(group, torch.tensor([len(header)], dtype=torch.int64), timeout_s)
+    _broadcast(group, torch.frombuffer(bytearray(header), dtype=torch.uint8), timeout_s)
+    for t in tensors:
+        _broadcast(group, t, timeout_s)
+
+
+def recv_state(store, prefix: str, interface: str, timeout_s: float):
+    """(round_ids, params, optimizer_states) from the source at ``prefix``."""
+    group = build_group(store, prefix, 1, 2, interface, timeout_s)
+    length = torch.zeros(1, dtype=torch.int64)
+    _broadcast(group, length, timeout_s)
+    n = int(length[0])
+    if not 0 < n <= MAX_HEADER_BYTES:
+        raise CollectiveError(f"the heal header is {n} bytes (at most {MAX_HEADER_BYTES})")
+    raw = torch.empty(n, dtype=torch.uint8)
+    _broadcast(group, raw, timeout_s)
+    try:
+        header = msgpack.unpackb(raw.numpy().tobytes(), raw=False, strict_map_key=False)
+        tensors = []
+        for dtype, shape in header["table"]:
+            tensors.append(torch.empty(shape, dtype=_DTYPES[dtype]))
+        names = header["names"]
+        round_ids = [int(r) for r in header["round_ids"]]
+    except (KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
+        raise CollectiveError(f"the heal header is malformed: {exc}") from exc
+    for t in tensors:
+        _broadcast(group, t, timeout_s)
+    params = {name: tensors[i] for i, name in enumerate(names)}
+    states = []
+    for plain in header["states"]:
+        state = {}
+        for idx, entries in plain["state"].items():
+            state[int(idx)] = {k: (tensors[v[1]] if v[0] == "t" else v[1]) for k, v in entries.items()}
+        states.append({"state": state, "param_groups": plain["param_groups"]})
+    return round_ids, params, states

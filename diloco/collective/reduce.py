@@ -1,0 +1,78 @@
+"""One round's pseudo-gradients combined among the group, in the run's wire dtype.
+
+* fp32: one all-reduce (sum) of the flattened fragment, then / k. gloo's ring hands every
+  rank the same reduced bytes, so every member computes the same mean.
+* bf16 and int8: an all-gather of each member's *encoded* pseudo-gradient (bf16 values, or
+  int8 blocks plus their fp32 scales, the hub's codec exactly) and a local fp32 sum in rank
+  order: what the hub computes from the same Submits (it decodes each to fp32 and sums), and
+  identical on every member. k x the encoded size in memory, for a short while.
+
+Everything travels as one flat buffer per dtype, so a fragment of many tensors costs one
+collective, not one per tensor.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+from diloco.collective.groups import CollectiveError
+from diloco.wire import compression
+
+Tensors = dict[str, torch.Tensor]
+
+
+def _wait(work, timeout_s: float, what: str) -> None:
+    try:
+        work.wait(datetime.timedelta(seconds=timeout_s))
+    except Exception as exc:
+        raise CollectiveError(f"{what} failed: {exc}") from exc
+
+
+def _flat(tensors: Mapping[str, torch.Tensor], names: list[str], dtype: torch.dtype) -> torch.Tensor:
+    return torch.cat([tensors[n].detach().reshape(-1).to(dtype) for n in names]) if names else torch.empty(0, dtype=dtype)
+
+
+def _unflat(flat: torch.Tensor, shapes: Mapping[str, torch.Size], names: list[str]) -> Tensors:
+    out: Tensors = {}
+    offset = 0
+    for n in names:
+        numel = shapes[n].numel()
+        out[n] = flat[offset:offset + numel].view(shapes[n])
+        offset += numel
+    return out
+
+
+def mean_pseudo_gradient(group: dist.ProcessGroupGloo, encoded: compression.Encoded, wire_dtype: str,
+                         shapes: Mapping[str, torch.Size], timeout_s: float) -> Tensors:
+    """The group's mean pseudo-gradient (fp32) from this member's ``encoded`` one."""
+    names = list(shapes)
+    size = group.size()
+    if wire_dtype == "fp32":
+        flat = _flat(encoded.values, names, torch.float32).clone()
+        _wait(group.allreduce([flat]), timeout_s, "the all-reduce")
+        flat /= size
+        return _unflat(flat, shapes, names)
+    values = _flat(encoded.values, names, encoded.values[names[0]].dtype if names else torch.float32)
+    gathered_values = [torch.empty_like(values) for _ in range(size)]
+    _wait(group.allgather([gathered_values], [values]), timeout_s, "the all-gather of values")
+    gathered_scales: list[torch.Tensor] = []
+    if wire_dtype == "int8":
+        scales = _flat(encoded.scales, names, torch.float32)
+        gathered_scales = [torch.empty_like(scales) for _ in range(size)]
+        _wait(group.allgather([gathered_scales], [scales]), timeout_s, "the all-gather of scales")
+    total = {n: torch.zeros(shapes[n], dtype=torch.float32) for n in names}
+    scale_shapes = {n: torch.Size([encoded.scales[n].numel()]) for n in names} if wire_dtype == "int8" else {}
+    for rank in range(size):  # rank order: the same sum on every member
+        member_values = _unflat(gathered_values[rank], shapes, names)
+        member_scales = _unflat(gathered_scales[rank], scale_shapes, names) if wire_dtype == "int8" else {}
+        decoded = compression.decode(member_values, member_scales, wire_dtype,
+                                     [(n, tuple(shapes[n])) for n in names], f"rank {rank}'s pseudo-gradient")
+        for n in names:
+            total[n] += decoded[n]
+    for t in total.values():
+        t /= size
+    return total

@@ -1,0 +1,147 @@
+"""The outer step every member runs on its own replica, and the digest it votes with.
+
+On the collective plane each member holds the committed params of every fragment
+(fp32) and one outer optimizer per fragment, exactly as the hub's coordinator does
+(``diloco.coordinator.outer``). A reduce *proposes*: the outer step runs in place
+on the committed tensors after a backup (params and optimizer state) is taken;
+the commit drops the backup, an abort restores it. So nothing a member adopts
+differs from what it voted for, and nothing is adopted without a commit
+(SPEC.md C3, C4).
+
+bf16 and int8 runs round the step the way the hub does (``quantized_update``:
+params = old + decode(encode(new - old))), so the planes follow the same
+trajectory whatever the wire dtype.
+
+The digest is SHA-256 over, per tensor, its name, size and two int64 checksums of
+its fp32 bit patterns (their sum and the sum of their squares, wrapping). Any
+replica that computed one different bit almost surely disagrees; it guards
+against divergence (a bug, a nondeterministic kernel), not against a forger:
+a member that lies can also lie about its pseudo-gradient.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from diloco.coordinator.outer import OuterConfig, build_outer_optimizer
+from diloco.wire import compression
+
+Tensors = dict[str, torch.Tensor]
+
+#: Elements per checksum chunk: bounds the int64 temporary (128 MB) whatever the tensor size.
+_CHUNK = 1 << 24
+
+
+def digest(params: Mapping[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name, t in params.items():
+        bits = t.detach().contiguous().reshape(-1).view(torch.int32)
+        plain = squares = 0
+        for start in range(0, bits.numel(), _CHUNK):
+            chunk = bits[start:start + _CHUNK].to(torch.int64)
+            plain += int(chunk.sum())
+            squares += int(chunk.mul_(chunk).sum())
+        h.update(f"{name}:{t.numel()}:{plain}:{squares};".encode())
+    return h.hexdigest()
+
+
+@dataclass
+class _Backup:
+    round_id: int
+    params: Tensors
+    optimizer: dict
+    digest: str
+
+
+class Replica:
+    """Committed params and outer optimizers of every fragment, with at most one proposal each."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor], fragments: tuple[tuple[str, ...], ...],
+                 round_ids: list[int], outer: OuterConfig, wire_dtype: str, min_workers: int,
+                 optimizer_states: list[dict] | None = None) -> None:
+        self.fragments = fragments
+        self.round_ids = list(round_ids)
+        self.outer = outer
+        self.wire_dtype = wire_dtype
+        self.params: Tensors = {n: params[n].detach().to("cpu", torch.float32).clone()
+                                for f in fragments for n in f}
+        self.optimizers = [build_outer_optimizer([self.params[n] for n in f], outer, min_workers)
+                           for f in fragments]
+        if optimizer_states is not None:
+            for opt, state in zip(self.optimizers, optimizer_states):
+                opt.load_state_dict(state)
+        self._proposals: dict[int, _Backup] = {}
+
+    def fragment(self, fid: int) -> Tensors:
+        return {n: self.params[n] for n in self.fragments[fid]}
+
+    def has_proposal(self, fid: int) -> bool:
+        return fid in self._proposals
+
+    def propose(self, fid: int, round_id: int, mean: Mapping[str, torch.Tensor]) -> str:
+        """Step fragment ``fid`` with the group's mean pseudo-gradient; return the digest to vote with."""
+        if fid in self._proposals:
+            raise RuntimeError(f"fragment {fid} already has a proposal (round {self._proposals[fid].round_id})")
+        if round_id != self.round_ids[fid]:
+            raise RuntimeError(f"fragment {fid}: asked to reduce round {round_id}, this replica is at "
+                               f"round {self.round_ids[fid]}")
+        params = self.fragment(fid)
+        opt = self.optimizers[fid]
+        before = {n: p.detach().clone() for n, p in params.items()}
+        opt_before = copy.deepcopy(opt.state_dict())
+        try:
+            for n, p in params.items():
+                p.grad = mean[n]
+            opt.step()
+            if self.wire_dtype != "fp32":
+                _, new = compression.quantized_update(before, params, self.wire_dtype)
+                with torch.no_grad():
+                    for n, p in params.items():
+                        p.copy_(new[n])
+        except BaseException:
+            self._restore(fid, before, opt_before)
+            raise
+        finally:
+            for p in params.values():
+                p.grad = None
+        bad = next((n for n, p in params.items() if not bool(torch.isfinite(p).all())), None)
+        if bad is not None:
+            self._restore(fid, before, opt_before)
+            raise FloatingPointError(f"fragment {fid}: the outer step made {bad!r} non-finite")
+        vote = digest(params)
+        self._proposals[fid] = _Backup(round_id, before, opt_before, vote)
+        return vote
+
+    def commit(self, fid: int, round_id: int, committed_digest: str) -> bool:
+        """Adopt the proposal if it is the one committed; False (and rolled back) if not."""
+        backup = self._proposals.pop(fid, None)
+        if backup is None:
+            return False
+        if backup.round_id != round_id or backup.digest != committed_digest:
+            self._restore(fid, backup.params, backup.optimizer)
+            return False
+        self.round_ids[fid] = round_id + 1
+        return True
+
+    def rollback(self, fid: int) -> None:
+        backup = self._proposals.pop(fid, None)
+        if backup is not None:
+            self._restore(fid, backup.params, backup.optimizer)
+
+    def rollback_all(self) -> None:
+        for fid in list(self._proposals):
+            self.rollback(fid)
+
+    def optimizer_states(self) -> list[dict]:
+        return [opt.state_dict() for opt in self.optimizers]
+
+    def _restore(self, fid: int, params: Tensors, optimizer: dict) -> None:
+        with torch.no_grad():
+            for n, p in self.fragment(fid).items():
+                p.copy_(params[n])
+        self.optimizers[fid].load_state_dict(optimizer)

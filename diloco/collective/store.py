@@ -1,0 +1,58 @@
+"""The coordinator's side of the collective plane: the long-lived store every group meets on.
+
+One ``TCPStore`` master, hosted by the coordinator's process for the whole run, so a
+group's rendezvous never depends on a member that may die (SPEC.md C7). Groups
+meet under prefixes the coordinator hands out; ``forget`` deletes an old prefix's
+rendezvous keys once the coordinator retired it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+
+import torch.distributed as dist
+
+#: The keys gloo's rendezvous writes under a group's prefix (ranks are 0..size-1): what ``forget`` deletes.
+_RENDEZVOUS_KEYS = ("rank_{}",)
+
+
+class DataPlaneSecurityError(ValueError):
+    """A non-loopback data plane without the operator's word that the network is trusted."""
+
+
+def check_data_plane_host(host: str, trusted_network: bool) -> None:
+    """gloo and NCCL traffic is neither authenticated nor encrypted: loopback only, unless told."""
+    if trusted_network:
+        return
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback:
+        raise DataPlaneSecurityError(
+            f"--data-plane collective on {host!r}: the collective plane's tensors and its store travel "
+            f"unauthenticated and unencrypted (gloo, NCCL); bind a loopback address, or say "
+            f"--trusted-data-network if every host that can reach this network is yours")
+
+
+class StoreHost:
+    """A ``TCPStore`` master on ``host`` (port 0: any free one)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 60.0) -> None:
+        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=timeout_s), use_libuv=True)
+        self.host = host
+        self.port = self.store.port
+
+    def forget(self, prefix: str, max_ranks: int) -> int:
+        """Delete a retired group's rendezvous keys; returns how many existed."""
+        deleted = 0
+        for rank in range(max_ranks):
+            for key in _RENDEZVOUS_KEYS:
+                if self.store.delete_key(f"{prefix}/{key.format(rank)}"):
+                    deleted += 1
+        return deleted
+
+    def num_keys(self) -> int:
+        return self.store.num_keys()

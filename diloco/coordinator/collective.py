@@ -1,0 +1,132 @@
+"""The coordinator's share of the collective data plane: who can heal whom, and group prefixes.
+
+Sans-IO like the rest of the coordinator. The core decides *when* a group reduces
+and *whether* it commits (SPEC.md C3-C5); this file only keeps what the driver needs
+to carry those decisions out without ever holding the model (C6):
+
+* the members that hold the committed state (they were ready for a round: they were in
+  the last group or healed since), the heal sources, chosen round robin;
+* the store prefix of each group: ``<secret>/g<epoch>``, a new epoch whenever the group
+  changes or an attempt failed, so workers rebuild a group only then (C7); the secret is
+  random per run and reaches workers only over the control plane;
+* the last commit of each fragment (round, digest): the durable record of the run here.
+"""
+
+from __future__ import annotations
+
+import collections
+import secrets
+from typing import Callable
+
+from diloco.wire.messages import ErrorCode, Join, TensorSpec
+
+
+class CollectivePlane:
+    def __init__(self, num_fragments: int, secret: str | None = None) -> None:
+        #: Random per run; workers learn prefixes only from Welcomes and orders (SPEC.md C7).
+        self.secret = secret or secrets.token_hex(16)
+        self.spec: tuple[TensorSpec, ...] | None = None
+        self.fragments: tuple[tuple[str, ...], ...] = ()
+        self.num_fragments = num_fragments
+        #: Port of the store the runner hosts (set by ``diloco server``; 0 in the simulator).
+        self.store_port = 0
+        self._holders: dict[str, None] = {}
+        self._next_source = 0
+        self._epoch = 0
+        self._group: tuple[str, ...] | None = None
+        self._heals = 0
+        #: fragment -> (round_id, digest) of its last commit; (-1, "") before any.
+        self.last_commit: list[tuple[int, str]] = [(-1, "")] * num_fragments
+        #: Group prefixes no longer in use, for the runner to delete from the store.
+        self.retired: collections.deque[str] = collections.deque(maxlen=1024)
+        self.stats: collections.Counter = collections.Counter()
+
+    # -- joins and heals
+
+    def check_join(self, join: Join, is_member: Callable[[str], bool]) -> tuple[ErrorCode, str] | None:
+        """What to refuse a join with, if anything (the model's layout; who can start the run)."""
+        from diloco.coordinator.params import partition
+
+        if not join.spec:
+            return ErrorCode.BAD_MESSAGE, "the join's spec lists no tensors: a model needs at least one parameter"
+        if self.spec is None:
+            not_fp32 = [s for s in join.spec if s.dtype != "float32"]
+            if not_fp32:
+                return ErrorCode.BAD_MESSAGE, (f"initial params must be float32: tensor {not_fp32[0].name!r} is "
+                                               f"{not_fp32[0].dtype}")
+        elif tuple(join.spec) != self.spec:
+            from diloco.coordinator.service import _describe_mismatch
+            return ErrorCode.MODEL_MISMATCH, _describe_mismatch(join.spec, self.spec)
+        if join.params:
+            return ErrorCode.BAD_MESSAGE, ("this run is on the collective data plane: the coordinator takes no "
+                                           "params (join with holds_params; diloco >= protocol 4 does)")
+        if not any(is_member(w) for w in self._holders) and not join.holds_params:
+            return ErrorCode.START_PARAMS_REQUIRED, ("no member holds the run's state yet: join with your own "
+                                                     "initial params to start it (they stay on your side)")
+        if self.spec is None:
+            self.spec = tuple(join.spec)
+            self.fragments = partition(self.spec, self.num_fragments)
+        return None
+
+    def heal_source_for(self, joiner: str) -> tuple[str | None, str]:
+        """(source, prefix) for a joiner; (None, "") when nobody holds the state: the joiner starts it."""
+        holders = [w for w in self._holders if w != joiner]
+        if not holders:
+            self._holders[joiner] = None
+            return None, ""
+        source = holders[self._next_source % len(holders)]
+        self._next_source += 1
+        self._heals += 1
+        self.stats["heals"] += 1
+        return source, f"{self.secret}/heal{self._heals}"
+
+    def holds_state(self, worker_id: str) -> None:
+        self._holders[worker_id] = None
+
+    def forget(self, worker_id: str) -> None:
+        self._holders.pop(worker_id, None)
+
+    # -- groups
+
+    def group_prefix(self, group: tuple[str, ...]) -> str:
+        if group != self._group:
+            self.retire_group()
+            self._group = group
+        return f"{self.secret}/g{self._epoch}"
+
+    def retire_group(self) -> None:
+        if self._group is not None:
+            self.retired.append(f"{self.secret}/g{self._epoch}")
+            self.stats["groups"] += 1
+        self._group = None
+        self._epoch += 1
+
+    def committed(self, fragment_id: int, round_id: int, digest: str) -> None:
+        self.last_commit[fragment_id] = (round_id, digest)
+        self.stats["commits"] += 1
+
+    # -- status and checkpoints (kilobytes: no tensors, SPEC.md C6)
+
+    def status(self) -> dict:
+        return {"holders": list(self._holders), "epoch": self._epoch, "store_port": self.store_port,
+                "last_commit": [list(c) for c in self.last_commit], **dict(self.stats)}
+
+    def to_dict(self) -> dict:
+        return {"secret": self.secret, "last_commit": [list(c) for c in self.last_commit],
+                "spec": [[s.name, list(s.shape), s.dtype] for s in self.spec] if self.spec else None,
+                "epoch": self._epoch}
+
+    def restore(self, d: dict) -> None:
+        """A resumed run keeps its secret, layout and commit record; holders re-join and are re-learned."""
+        from diloco.coordinator.params import partition
+
+        self.secret = str(d["secret"])
+        commits = [(int(r), str(g)) for r, g in d["last_commit"]]
+        if len(commits) != self.num_fragments:
+            raise ValueError(f"{len(commits)} fragment commits for {self.num_fragments} fragments")
+        self.last_commit = commits
+        if d.get("spec"):
+            self.spec = tuple(TensorSpec(str(n), tuple(int(x) for x in shape), str(dt)) for n, shape, dt in d["spec"])
+            self.fragments = partition(self.spec, self.num_fragments)
+        # Old epochs' groups are gone with their workers: start past them.
+        self._epoch = int(d.get("epoch", 0)) + 1
