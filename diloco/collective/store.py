@@ -13,8 +13,9 @@ import ipaddress
 
 import torch.distributed as dist
 
-#: The keys gloo's rendezvous writes under a group's prefix (ranks are 0..size-1): what ``forget`` deletes.
-_RENDEZVOUS_KEYS = ("rank_{}",)
+#: The keys gloo's rendezvous writes under a group's prefix, one per rank (torch 2.x: context 0,
+#: then the rank): what ``forget`` deletes. A test checks the store is empty after ``forget``.
+_RENDEZVOUS_KEYS = ("0/{}",)
 
 
 class DataPlaneSecurityError(ValueError):

@@ -35,10 +35,12 @@ class CollectivePlane:
         self._epoch = 0
         self._group: tuple[str, ...] | None = None
         self._heals = 0
+        #: joiner -> the prefix of its heal, retired once it is ready for a round or gone.
+        self._healing: dict[str, str] = {}
         #: fragment -> (round_id, digest) of its last commit; (-1, "") before any.
         self.last_commit: list[tuple[int, str]] = [(-1, "")] * num_fragments
-        #: Group prefixes no longer in use, for the runner to delete from the store.
-        self.retired: collections.deque[str] = collections.deque(maxlen=1024)
+        #: (prefix, group size) of groups no longer in use, for the runner to delete from the store.
+        self.retired: collections.deque[tuple[str, int]] = collections.deque(maxlen=1024)
         self.stats: collections.Counter = collections.Counter()
 
     # -- joins and heals
@@ -78,13 +80,23 @@ class CollectivePlane:
         self._next_source += 1
         self._heals += 1
         self.stats["heals"] += 1
-        return source, f"{self.secret}/heal{self._heals}"
+        prefix = f"{self.secret}/heal{self._heals}"
+        self._retire_heal(joiner)
+        self._healing[joiner] = prefix
+        return source, prefix
 
     def holds_state(self, worker_id: str) -> None:
         self._holders[worker_id] = None
+        self._retire_heal(worker_id)
 
     def forget(self, worker_id: str) -> None:
         self._holders.pop(worker_id, None)
+        self._retire_heal(worker_id)
+
+    def _retire_heal(self, worker_id: str) -> None:
+        prefix = self._healing.pop(worker_id, None)
+        if prefix is not None:
+            self.retired.append((prefix, 2))
 
     # -- groups
 
@@ -96,7 +108,7 @@ class CollectivePlane:
 
     def retire_group(self) -> None:
         if self._group is not None:
-            self.retired.append(f"{self.secret}/g{self._epoch}")
+            self.retired.append((f"{self.secret}/g{self._epoch}", len(self._group)))
             self.stats["groups"] += 1
         self._group = None
         self._epoch += 1

@@ -89,11 +89,22 @@ def serve(endpoint: CoordinatorEndpoint, coordinator: Coordinator, *,
                 raise
         if audit is not None:
             audit.flush()
+        _forget_retired_groups(coordinator)
         for peer, message in out:
             endpoint.send(peer, message)
         if stopped_at is not None and now - stopped_at >= linger_s:
             break
     return coordinator
+
+
+def _forget_retired_groups(coordinator: Coordinator) -> None:
+    """Collective plane: delete old groups' rendezvous keys from the store (SPEC.md C7)."""
+    plane, host = coordinator.collective, getattr(coordinator, "collective_store", None)
+    if plane is None or host is None:
+        return
+    while plane.retired:
+        prefix, size = plane.retired.popleft()
+        host.forget(prefix, size)
 
 
 def _persist(coordinator: Coordinator, checkpoint_dir: str | os.PathLike, keep: int):

@@ -142,6 +142,24 @@ def register(subparsers) -> None:
                         "catch a diverging worker: set X to a few times the largest healthy pseudo-gradient "
                         "norm, which the workers' round lines or a trial run show. 0: no limit (on --resume: "
                         "default the saved limit)")
+    p.add_argument("--data-plane", choices=("hub", "collective"), default=None,
+                   help="how a round's pseudo-gradients combine. hub (default): every worker sends its "
+                        "pseudo-gradient here and gets the new params back; right for a few workers, small "
+                        "models, or workers that can only connect out (NAT). collective: the workers all-reduce "
+                        "among themselves over torch.distributed (gloo) and each runs the outer step; this "
+                        "server only orders the reduce and commits it on a unanimous digest vote of at least "
+                        "--min-workers members, and never holds the model (its link carries no tensors; its "
+                        "checkpoints are kilobytes). Workers must reach each other. Sync mode only "
+                        "(on --resume: the saved plane)")
+    p.add_argument("--collective-timeout", type=_positive_float, default=None, metavar="S",
+                   help="collective plane: bound on each group creation, all-reduce and heal transfer on a "
+                        "worker (default: a third of the heartbeat timeout); must be below the heartbeat "
+                        "timeout. An attempt whose members have not all reported within 4x this aborts and is "
+                        "retried by the survivors")
+    p.add_argument("--trusted-data-network", action="store_true",
+                   help="collective plane: allow a non-loopback --bind. gloo traffic and the rendezvous store "
+                        "are neither authenticated nor encrypted (--auth covers only the control plane): say "
+                        "this only when every host that can reach the network is yours")
     p.add_argument("--auth", default=None, metavar="DIR",
                    help="authenticate and encrypt every connection (ZeroMQ CURVE): DIR/server.key_secret is the "
                         "server's key, DIR/workers/*.key the public keys allowed to train, DIR/admins/*.key those "
@@ -340,6 +358,8 @@ def cmd_server(args) -> int:
         max_update_norm=args.max_update_norm, wire_dtype=args.wire_dtype,
         dylu=args.dylu, sync_every=args.sync_every,
         auth_dir=args.auth, io_threads=args.io_threads, http=args.http, log_dir=args.log_dir,
+        data_plane=args.data_plane, collective_timeout_s=args.collective_timeout,
+        trusted_data_network=args.trusted_data_network,
     )
     if args.http is not None and args.auth is None and not args.insecure and not _is_loopback_bind(f"tcp://{args.http}"):
         raise UsageError(f"--http {args.http}: serving the dashboard beyond loopback needs --auth DIR or --insecure "

@@ -72,6 +72,10 @@ class ServerSettings:
     http: str | None = None
     #: ``--log-dir DIR``: the JSONL metrics log DIR/metrics.jsonl (None: off).
     log_dir: str | None = None
+    #: ``--data-plane hub|collective`` (None: hub, or on resume the saved plane) and its options.
+    data_plane: str | None = None
+    collective_timeout_s: float | None = None
+    trusted_data_network: bool = False
 
 
 class EventPrinter:
@@ -92,7 +96,17 @@ class EventPrinter:
     def __call__(self, kind: str, now_s: float, info: dict) -> None:
         if kind == "join":
             parked = f", parked on {info['parked']}" if info.get("parked") else ""
-            line = f"join     {info['worker_id']} ({self._live()}){parked}"
+            heal = f", heals from {info['heal_source']}" if info.get("heal_source") else ""
+            line = f"join     {info['worker_id']} ({self._live()}){parked}{heal}"
+        elif kind == "reduce":
+            line = (f"reduce   fragment {info['fragment_id']} round {info['round_id']} attempt {info['attempt']} "
+                    f"by [{', '.join(info['group'])}]")
+        elif kind == "abort":
+            line = (f"ABORTED  fragment {info['fragment_id']} round {info['round_id']} attempt {info['attempt']} "
+                    f"({info['reason']}); the survivors stay ready")
+        elif kind == "reduce_failed":
+            line = (f"failed   {info['worker_id']}: fragment {info['fragment_id']} round {info['round_id']} "
+                    f"attempt {info['attempt']}: {info['detail']}")
         elif kind == "step_refused":
             self._refused = (info["fragment_id"], info["round_id"])
             who = ", ".join(info["contributors"])
@@ -103,8 +117,9 @@ class EventPrinter:
                 self._refused = None
                 return  # the REFUSED line said it all
             who = ", ".join(info["contributors"])
+            digest = f", digest {info['digest'][:12]}" if info.get("digest") else ""
             line = (f"applied  fragment {info['fragment_id']} round {info['round_id']} "
-                    f"from {len(info['contributors'])} contributors [{who}]")
+                    f"from {len(info['contributors'])} contributors [{who}]{digest}")
         elif kind == "quorum":
             state = "BELOW" if info["below_min_workers"] else "ok"
             line = f"quorum   {state}: {info['live_workers']} live, min {info['min_workers']} ({info['reason']})"
@@ -160,9 +175,12 @@ def build_config(s: ServerSettings, base: CoordinatorConfig | None = None) -> Co
     fsm = base.fsm
     changes = {}
     for field, value in (("min_workers", s.min_workers), ("heartbeat_timeout_s", s.heartbeat_timeout_s),
-                         ("mode", s.mode), ("num_fragments", s.fragments)):
+                         ("mode", s.mode), ("num_fragments", s.fragments), ("data_plane", s.data_plane)):
         if value is not None:
             changes[field] = value
+    if s.data_plane == "collective" and (s.mode or fsm.mode.value) == "async":
+        raise ServerError("--data-plane collective runs in sync mode only: an async contribution is its own "
+                          "outer step, applied on the coordinator (use the hub plane for --mode async)")
     outer = base.outer
     outer_changes = {k: v for k, v in (("name", s.outer_optimizer), ("lr", s.outer_lr),
                                         ("momentum", s.outer_momentum)) if v is not None}
@@ -180,8 +198,19 @@ def build_config(s: ServerSettings, base: CoordinatorConfig | None = None) -> Co
         if dylu and sync_every is None:
             raise ServerError("--dylu needs --sync-every H: the inner steps per round of the fastest worker "
                               "(slower workers get fewer)")
+        collective_timeout = (s.collective_timeout_s if s.collective_timeout_s is not None
+                              else 0.0 if s.heartbeat_timeout_s is not None else base.collective_timeout_s)
+        if collective_timeout == 0.0:
+            collective_timeout = fsm.heartbeat_timeout_s / 3
+        if fsm.data_plane.value == "collective":
+            if max_norm is not None:
+                raise ServerError("--max-update-norm needs the hub plane: on the collective plane the coordinator "
+                                  "never sees a pseudo-gradient to measure")
+            # C7: op timeout < the core's reduce deadline < ... (the heartbeat timeout bounds the op too).
+            fsm = dataclasses.replace(fsm, reduce_timeout_s=4 * collective_timeout)
         return CoordinatorConfig(fsm=fsm, outer=outer, heartbeat_interval_s=hb_interval, max_update_norm=max_norm,
-                                 wire_dtype=wire_dtype, dylu=dylu, sync_every=sync_every)
+                                 wire_dtype=wire_dtype, dylu=dylu, sync_every=sync_every,
+                                 collective_timeout_s=collective_timeout)
     except (ConfigError, ValueError) as exc:
         raise ServerError(str(exc)) from None
 
@@ -323,6 +352,9 @@ def run_server(s: ServerSettings, out: TextIO = sys.stdout, stop_event: threadin
                      mode=coordinator.config.fsm.mode.value, pid=os.getpid(), run_id=coordinator.run_id)
         audit.flush()
     warm_up(coordinator.config)
+    store_host = None
+    if coordinator.collective is not None:
+        store_host = _start_store(s, coordinator)
     overrides = {}
     if s.max_message_bytes is not None:
         overrides["max_message_bytes"] = s.max_message_bytes
@@ -338,6 +370,10 @@ def run_server(s: ServerSettings, out: TextIO = sys.stdout, stop_event: threadin
           f"heartbeat timeout {cfg.fsm.heartbeat_timeout_s:g} s (workers beat every {cfg.heartbeat_interval_s:g} s), "
           f"outer {cfg.outer.name} lr {cfg.outer.lr:g} momentum {cfg.outer.momentum:g}", file=out, flush=True)
     print(f"  {wire_line(cfg)}", file=out, flush=True)
+    if store_host is not None:
+        print(f"  data plane collective: workers all-reduce among themselves (gloo) on the store at "
+              f"{store_host.host}:{store_host.port}; each collective bounded by {cfg.collective_timeout_s:g} s, "
+              f"an attempt by {cfg.fsm.reduce_timeout_s:g} s; this server holds no params", file=out, flush=True)
     if cfg.dylu:
         print(f"  DyLU: each worker takes H_w = max(1, floor(v_w / v_max * {cfg.sync_every})) inner steps per round "
               f"(v: its training speed; the fastest keeps {cfg.sync_every}; no measurement yet: {cfg.sync_every})",
@@ -354,7 +390,7 @@ def run_server(s: ServerSettings, out: TextIO = sys.stdout, stop_event: threadin
     if coordinator.resumed_from is not None:
         print(f"  resumed from {coordinator.resumed_from}: open rounds {list(coordinator.fsm.open_round_ids())}, "
               f"rounds applied {coordinator.fsm.rounds_applied}, "
-              f"{sum(t.numel() for t in coordinator.store.params.values())} params, "
+              f"{coordinator._num_params()} params, "
               f"incarnation {coordinator.incarnation}", file=out, flush=True)
     if s.checkpoint_dir:
         print(f"  durable rounds: every applied round is written to {s.checkpoint_dir} (newest {s.keep} kept) "
@@ -398,15 +434,39 @@ def run_server(s: ServerSettings, out: TextIO = sys.stdout, stop_event: threadin
     if coordinator.stopped:
         kind = coordinator.stop_kind.value
         extra = ""
-        if kind == "save_and_stop" and s.checkpoint_dir and coordinator.store is not None:
+        if kind == "save_and_stop" and s.checkpoint_dir and coordinator.has_state:
             extra = f"; checkpoint {_newest(s.checkpoint_dir)}"
         print(f"run ended ({kind}) after {coordinator.fsm.rounds_applied} applied rounds{extra}", file=out, flush=True)
     else:
         saved = (f"; every applied round is in {_newest(s.checkpoint_dir)}" if s.checkpoint_dir
-                 and coordinator.store is not None else " (nothing saved)")
+                 and coordinator.has_state else " (nothing saved)")
         print(f"server stopped by signal after {coordinator.fsm.rounds_applied} applied rounds{saved}",
               file=out, flush=True)
     return coordinator
+
+
+def _start_store(s: ServerSettings, coordinator: Coordinator):
+    """The collective plane's store, on the control plane's host (SPEC.md C7)."""
+    from diloco.collective.store import DataPlaneSecurityError, StoreHost, check_data_plane_host
+
+    host = _bind_host(s.bind)
+    try:
+        check_data_plane_host(host, s.trusted_data_network)
+        store_host = StoreHost("0.0.0.0" if host in ("*", "0.0.0.0") else host)
+    except DataPlaneSecurityError as exc:
+        raise ServerError(str(exc)) from None
+    except Exception as exc:
+        raise ServerError(f"cannot host the collective plane's store on {host!r}: {exc}") from None
+    coordinator.collective.store_port = store_host.port
+    coordinator.collective_store = store_host
+    return store_host
+
+
+def _bind_host(bind: str) -> str:
+    rest = bind.split("://", 1)[1] if "://" in bind else bind
+    if bind.startswith("ipc://"):
+        return "127.0.0.1"
+    return rest.rsplit(":", 1)[0].strip("[]")
 
 
 def _newest(directory: str) -> str:
