@@ -57,3 +57,28 @@ class StoreHost:
 
     def num_keys(self) -> int:
         return self.store.num_keys()
+
+
+def host_store(coordinator, bind: str, trusted_network: bool) -> StoreHost:
+    """Host the run's store on the control plane's host and tell the coordinator its port (C7).
+
+    Raises ``DataPlaneSecurityError`` for a non-loopback host without ``trusted_network``, and
+    ``DataPlaneSecurityError`` too (with the cause) when the store cannot start there.
+    """
+    host = bind_host(bind)
+    check_data_plane_host(host, trusted_network)
+    try:
+        store_host = StoreHost(host)
+    except Exception as exc:  # torch raises RuntimeError subclasses (address in use, unknown host)
+        raise DataPlaneSecurityError(f"cannot host the collective plane's store on {host!r}: {exc}") from None
+    coordinator.collective.store_port = store_host.port
+    coordinator.collective_store = store_host
+    return store_host
+
+
+def bind_host(bind: str) -> str:
+    """The host of a ``--bind`` address (``ipc://`` binds are loopback)."""
+    if bind.startswith("ipc://"):
+        return "127.0.0.1"
+    rest = bind.split("://", 1)[1] if "://" in bind else bind
+    return rest.rsplit(":", 1)[0].strip("[]")

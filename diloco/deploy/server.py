@@ -26,6 +26,7 @@ from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.coordinator.audit import AuditLog, Tee, last_run_id
 from diloco.coordinator.checkpoint import DEFAULT_KEEP, find_newest, list_checkpoints, restore_coordinator
 from diloco.coordinator.runner import serve
+from diloco.deploy.events import EventPrinter
 from diloco.core import ConfigError, Mode
 from diloco.deploy.commands import DEFAULT_WIRE_DTYPE
 from diloco.tensorfile import CheckpointError
@@ -76,71 +77,6 @@ class ServerSettings:
     data_plane: str | None = None
     collective_timeout_s: float | None = None
     trusted_data_network: bool = False
-
-
-class EventPrinter:
-    """The coordinator's observer: one readable line per event worth a line."""
-
-    def __init__(self, out: TextIO = sys.stdout) -> None:
-        self.out = out
-        self.coordinator: Coordinator | None = None
-        #: (fragment, round) of the last refused step: its "apply" event needs no second line.
-        self._refused: tuple[int, int] | None = None
-
-    def _live(self) -> str:
-        c = self.coordinator
-        if c is None:
-            return ""
-        return f"{c.fsm.live_workers} live, min {c.fsm.min_workers}"
-
-    def __call__(self, kind: str, now_s: float, info: dict) -> None:
-        if kind == "join":
-            parked = f", parked on {info['parked']}" if info.get("parked") else ""
-            heal = f", heals from {info['heal_source']}" if info.get("heal_source") else ""
-            line = f"join     {info['worker_id']} ({self._live()}){parked}{heal}"
-        elif kind == "reduce":
-            line = (f"reduce   fragment {info['fragment_id']} round {info['round_id']} attempt {info['attempt']} "
-                    f"by [{', '.join(info['group'])}]")
-        elif kind == "abort":
-            line = (f"ABORTED  fragment {info['fragment_id']} round {info['round_id']} attempt {info['attempt']} "
-                    f"({info['reason']}); the survivors stay ready")
-        elif kind == "reduce_failed":
-            line = (f"failed   {info['worker_id']}: fragment {info['fragment_id']} round {info['round_id']} "
-                    f"attempt {info['attempt']}: {info['detail']}")
-        elif kind == "step_refused":
-            self._refused = (info["fragment_id"], info["round_id"])
-            who = ", ".join(info["contributors"])
-            line = (f"REFUSED  fragment {info['fragment_id']} round {info['round_id']}: the outer step made "
-                    f"{info['tensor']!r} non-finite; params unchanged, contributions of [{who}] discarded")
-        elif kind == "apply":
-            if self._refused == (info["fragment_id"], info["round_id"]):
-                self._refused = None
-                return  # the REFUSED line said it all
-            who = ", ".join(info["contributors"])
-            digest = f", digest {info['digest'][:12]}" if info.get("digest") else ""
-            line = (f"applied  fragment {info['fragment_id']} round {info['round_id']} "
-                    f"from {len(info['contributors'])} contributors [{who}]{digest}")
-        elif kind == "quorum":
-            state = "BELOW" if info["below_min_workers"] else "ok"
-            line = f"quorum   {state}: {info['live_workers']} live, min {info['min_workers']} ({info['reason']})"
-        elif kind == "dead":
-            line = f"dead     {info['worker_id']} (silent for {now_s - info['last_seen_s']:.1f} s) ({self._live()})"
-        elif kind == "left":
-            line = f"left     {info['worker_id']} ({info['cause']}) ({self._live()})"
-        elif kind == "phase":
-            line = f"phase    {info['old']} -> {info['new']}"
-        elif kind == "discard":
-            line = (f"discard  fragment {info['fragment_id']} round {info['round_id']} of {info['worker_id']} "
-                    f"({info['reason']})")
-        elif kind == "reconciled":
-            line = (f"RECONCILED {info['worker_id']} submitted fragment {info['fragment_id']} round "
-                    f"{info['round_id']}, ahead of this coordinator's durable round {info['open_round']}: "
-                    f"the durable state wins, the worker re-joins and takes its params")
-        elif kind == "stop":
-            line = f"stopped  {info['kind']}"
-        else:
-            line = f"{kind:8} {info}"
-        print(f"{time.strftime('%H:%M:%S')} {line}", file=self.out, flush=True)
 
 
 class _StatusEndpoint:
@@ -354,7 +290,12 @@ def run_server(s: ServerSettings, out: TextIO = sys.stdout, stop_event: threadin
     warm_up(coordinator.config)
     store_host = None
     if coordinator.collective is not None:
-        store_host = _start_store(s, coordinator)
+        from diloco.collective.store import DataPlaneSecurityError, host_store
+
+        try:
+            store_host = host_store(coordinator, s.bind, s.trusted_data_network)
+        except DataPlaneSecurityError as exc:
+            raise ServerError(str(exc)) from None
     overrides = {}
     if s.max_message_bytes is not None:
         overrides["max_message_bytes"] = s.max_message_bytes
@@ -443,30 +384,6 @@ def run_server(s: ServerSettings, out: TextIO = sys.stdout, stop_event: threadin
         print(f"server stopped by signal after {coordinator.fsm.rounds_applied} applied rounds{saved}",
               file=out, flush=True)
     return coordinator
-
-
-def _start_store(s: ServerSettings, coordinator: Coordinator):
-    """The collective plane's store, on the control plane's host (SPEC.md C7)."""
-    from diloco.collective.store import DataPlaneSecurityError, StoreHost, check_data_plane_host
-
-    host = _bind_host(s.bind)
-    try:
-        check_data_plane_host(host, s.trusted_data_network)
-        store_host = StoreHost("0.0.0.0" if host in ("*", "0.0.0.0") else host)
-    except DataPlaneSecurityError as exc:
-        raise ServerError(str(exc)) from None
-    except Exception as exc:
-        raise ServerError(f"cannot host the collective plane's store on {host!r}: {exc}") from None
-    coordinator.collective.store_port = store_host.port
-    coordinator.collective_store = store_host
-    return store_host
-
-
-def _bind_host(bind: str) -> str:
-    rest = bind.split("://", 1)[1] if "://" in bind else bind
-    if bind.startswith("ipc://"):
-        return "127.0.0.1"
-    return rest.rsplit(":", 1)[0].strip("[]")
 
 
 def _newest(directory: str) -> str:
