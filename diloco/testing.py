@@ -91,6 +91,7 @@ def make_coordinator(
     max_update_norm: float | None = None,
     observer: Observer | None = None,
     wire_dtype: str = "fp32",
+    collective_timeout_s: float = 0.0,
     **fsm: Any,
 ) -> Coordinator:
     """``Coordinator(CoordinatorConfig(FSMConfig(**fsm), outer=..., max_update_norm=..., wire_dtype=...), now_s,
@@ -102,7 +103,8 @@ def make_coordinator(
     from diloco.core import FSMConfig
 
     config = CoordinatorConfig(FSMConfig(**fsm), outer=outer if outer is not None else OuterConfig(),
-                               max_update_norm=max_update_norm, wire_dtype=wire_dtype)
+                               max_update_norm=max_update_norm, wire_dtype=wire_dtype,
+                               collective_timeout_s=collective_timeout_s)
     return Coordinator(config, now_s, observer=observer)
 
 

@@ -96,6 +96,8 @@ class CollectiveEndpoint:
         self._last_join: Join | None = None
         #: What the data plane did, for status lines and tests.
         self.stats = collections.Counter()
+        #: The last commits this member adopted: (fragment, round, digest), newest last (bounded).
+        self.adopted: collections.deque[tuple[int, int, str]] = collections.deque(maxlen=4096)
 
     # ------------------------------------------------------------------ the endpoint interface
 
@@ -291,6 +293,7 @@ class CollectiveEndpoint:
                 if self._pending.get(fid, (None,))[0] == rid:
                     del self._pending[fid]
             self.stats["committed"] += 1
+            self.adopted.append((fid, rid, verdict.result.digest))
             result = dataclasses.replace(verdict.result, params={n: t.clone() for n, t in replica.fragment(fid).items()},
                                          delta=False, wire_dtype="fp32", scales={}, digest="")
             self._post(result, to_session=True)

@@ -1,0 +1,225 @@
+"""The collective data plane end to end, in one process: real gloo groups among worker threads.
+
+A real coordinator loop (``Run``), real ``DilocoWorker``s, a real store. What is
+checked is the plane's promise (SPEC.md C4): no worker adopts a round the
+machine did not commit, every commit has at least ``min_workers`` confirming
+contributors, members hold bit-identical params, round ids never skip or
+repeat -- also when a member dies at each point of a round.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from diloco.collective.groups import CollectiveError
+from diloco.collective.store import StoreHost
+from diloco.testing import make_coordinator
+from diloco.wire.messages import ReduceReport, Submit
+
+from training_harness import Run, batches, mlp, wait_for
+
+HB_TIMEOUT_S = 3.0
+COLLECTIVE_TIMEOUT_S = 1.0
+
+
+@pytest.fixture
+def store():
+    return StoreHost()
+
+
+def collective_run(store: StoreHost, *, min_workers: int = 2, wire_dtype: str = "fp32", fragments: int = 1,
+                   heartbeat_timeout_s: float = HB_TIMEOUT_S) -> Run:
+    coord = make_coordinator(time.monotonic(), min_workers=min_workers, heartbeat_timeout_s=heartbeat_timeout_s,
+                             data_plane="collective", reduce_timeout_s=4 * COLLECTIVE_TIMEOUT_S,
+                             collective_timeout_s=COLLECTIVE_TIMEOUT_S, wire_dtype=wire_dtype,
+                             num_fragments=fragments)
+    coord.collective.store_port = store.port
+    return Run(coordinator=coord, linger_s=2.0)
+
+
+def commits(run: Run) -> list[tuple[int, int, str, int]]:
+    return [(e["fragment_id"], e["round_id"], e["digest"], len(e["contributors"]))
+            for kind, e in list(run.events) if kind == "apply"]
+
+
+def assert_plane_promise(run: Run, workers, min_workers: int) -> None:
+    done = commits(run)
+    committed = {(f, r): d for f, r, d, _ in done}
+    assert all(n >= min_workers for *_, n in done), f"a commit below min_workers {min_workers}: {done}"
+    for fid in {f for f, *_ in done}:
+        rounds = [r for f, r, *_ in done if f == fid]
+        assert rounds == list(range(len(rounds))), f"fragment {fid}: rounds skipped or repeated: {rounds}"
+    for w in workers:
+        for fid, rid, digest in w.data_plane.adopted:
+            assert committed.get((fid, rid)) == digest, f"{w.worker_id} adopted uncommitted {fid}/{rid}/{digest}"
+
+
+def same_params(workers) -> bool:
+    """Every fragment that the members committed equally often holds bit-identical params on each."""
+    replicas = [w.data_plane.replica for w in workers]
+    compared = 0
+    for fid, names in enumerate(replicas[0].fragments):
+        if len({r.round_ids[fid] for r in replicas}) != 1:
+            continue  # a member left before the last commit of this fragment
+        compared += 1
+        if not all(torch.equal(replicas[0].params[n], r.params[n]) for r in replicas[1:] for n in names):
+            return False
+    return compared > 0
+
+
+@pytest.mark.parametrize("wire_dtype, fragments", [("fp32", 1), ("int8", 2), ("bf16", 1)])
+def test_members_heal_reduce_and_commit_to_bit_identical_params(store, wire_dtype, fragments):
+    with collective_run(store, wire_dtype=wire_dtype, fragments=fragments) as run:
+        workers = [run.worker(f"w{i}", mlp(i), sync_every=4) for i in range(3)]
+        for i, w in enumerate(workers):
+            run.start(w, batches(i), max_steps=24)
+        reports = run.join_workers(60)
+        assert all(r.rounds_synced >= 4 for r in reports.values()), reports
+        assert same_params(workers)
+        assert_plane_promise(run, workers, 2)
+        # Two joiners healed from a member; the coordinator never held a parameter.
+        assert sum(w.data_plane.stats["healed"] for w in workers) == 2
+        assert run.coordinator.store is None
+        assert run.coordinator.status()["data_plane"] == "collective"
+
+
+class Death:
+    """Kills one in-process worker at a chosen point of a round: cut off from the coordinator
+    (partitioned) and from its group (its collectives never run), as a killed process is."""
+
+    def __init__(self, run: Run, worker, phase: str) -> None:
+        self.run, self.worker, self.phase = run, worker, phase
+        self.dead = threading.Event()
+        self.release = threading.Event()  # ends the blocked data thread at teardown
+        ep = worker.data_plane
+        if phase == "before_ready":
+            real_send = ep.send
+
+            def send(message):
+                if isinstance(message, Submit) and message.round_id >= 1:
+                    self.die()
+                real_send(message)
+            ep.send = send
+        elif phase in ("group_forms", "in_reduce"):
+            real_cache = ep._group_cache
+
+            def group_cache():
+                cache = real_cache()
+                if ep.replica is not None and ep.replica.round_ids[0] >= 1 and not self.dead.is_set():
+                    return _DyingCache(cache, self, during_collective=phase == "in_reduce")
+                return cache
+            ep._group_cache = group_cache
+        elif phase == "after_report":
+            inner = ep.inner
+            real = inner.send
+
+            def inner_send(message):
+                real(message)
+                if isinstance(message, ReduceReport) and message.round_id >= 1:
+                    self.die()
+            inner.send = inner_send
+        elif phase == "after_commit":
+            real_commit = None
+
+            def watch():
+                nonlocal real_commit
+                wait_for(lambda: ep.replica is not None, 30, "the victim's replica")
+                real_commit = ep.replica.commit
+
+                def commit(fid, rid, digest):
+                    ok = real_commit(fid, rid, digest)
+                    if rid >= 1:
+                        self.die()
+                    return ok
+                ep.replica.commit = commit
+            threading.Thread(target=watch, daemon=True).start()
+
+    def die(self) -> None:
+        if not self.dead.is_set():
+            self.run.net.partition(self.worker.worker_id)
+            self.dead.set()
+
+
+class _DyingCache:
+    """A group cache whose member dies while the group forms or inside the collective."""
+
+    def __init__(self, cache, death: Death, during_collective: bool) -> None:
+        self._cache, self._death, self._during = cache, death, during_collective
+        self.store, self.interface, self.timeout_s = cache.store, cache.interface, cache.timeout_s
+
+    def get(self, prefix, rank, size):
+        if not self._during:
+            self._death.die()
+            self._death.release.wait(30)
+            raise CollectiveError("dead")
+        group = self._cache.get(prefix, rank, size)
+        death = self._death
+
+        class _Group:
+            def size(self):
+                return group.size()
+
+            def allreduce(self, tensors):
+                death.die()
+                death.release.wait(30)
+                raise CollectiveError("dead inside the all-reduce")
+            allgather = allreduce
+        return _Group()
+
+    def drop(self):
+        self._cache.drop()
+
+
+@pytest.mark.parametrize("phase", ["before_ready", "group_forms", "in_reduce", "after_report", "after_commit"])
+def test_a_death_at_any_point_of_a_round_never_commits_without_the_quorum_and_the_run_goes_on(store, phase):
+    """Three members, quorum 2: one dies at ``phase`` of round 1; the survivors go on, identical."""
+    with collective_run(store, min_workers=2) as run:
+        workers = [run.worker(f"w{i}", mlp(i), sync_every=3, coordinator_timeout_s=5.0) for i in range(3)]
+        victim = workers[2]
+        death = Death(run, victim, phase)
+        handles = [run.start(w, batches(i), max_steps=30) for i, w in enumerate(workers)]
+        try:
+            wait_for(death.dead.is_set, 60, f"the victim to die ({phase})")
+            before = run.coordinator.fsm.rounds_applied
+            wait_for(lambda: run.coordinator.fsm.rounds_applied >= before + 2, 60, "two rounds after the death")
+            for h in handles[:2]:
+                h.join(60)
+        finally:
+            death.release.set()
+            victim.request_stop()
+            handles[2].join(30, expect_error=True)
+        survivors = workers[:2]
+        assert same_params(survivors)
+        assert_plane_promise(run, workers, 2)
+        assert not run.coordinator.fsm.is_member("w2")
+        aborts = [e["reason"] for k, e in run.events if k == "abort"]
+        if phase in ("group_forms", "in_reduce"):  # after its report, the commit may include it: legal
+            assert aborts, f"{phase}: the attempt the victim was in must abort"
+
+
+def test_below_quorum_the_collective_run_pauses_and_a_replacement_resumes_it(store):
+    with collective_run(store, min_workers=2) as run:
+        a, b = run.worker("a", mlp(0), sync_every=3), run.worker("b", mlp(1), sync_every=3)
+        ha = run.start(a, batches(0), max_steps=60)
+        hb = run.start(b, batches(1), max_steps=60)
+        wait_for(lambda: run.coordinator.fsm.rounds_applied >= 2, 60, "two rounds")
+        death = Death(run, b, "before_ready")
+        death.die()
+        wait_for(lambda: run.coordinator.fsm.phase.value == "paused", 30, "the run to pause")
+        frozen = run.coordinator.fsm.rounds_applied
+        time.sleep(1.0)
+        assert run.coordinator.fsm.rounds_applied == frozen
+        c = run.worker("c", mlp(2), sync_every=3)
+        hc = run.start(c, batches(2), max_steps=30)
+        wait_for(lambda: run.coordinator.fsm.rounds_applied >= frozen + 2, 60, "the replacement resumes the run")
+        b.request_stop()
+        hb.join(30, expect_error=True)
+        a.request_stop(), c.request_stop()
+        ha.join(30), hc.join(30)
+        assert c.data_plane.stats["healed"] == 1
+        assert same_params([a, c])
+        assert_plane_promise(run, [a, c], 2)
