@@ -56,6 +56,9 @@ from diloco.wire.messages import (
 
 #: Heals a joiner tries (each from a source the coordinator picks anew) before it gives up.
 MAX_HEAL_ATTEMPTS = 5
+#: A heal waits for its source, which serves it only after the verdict of any attempt it is in
+#: (up to the core's reduce timeout, 4 collective timeouts): so a heal is bounded by this many.
+HEAL_TIMEOUTS = 6
 
 
 @dataclasses.dataclass
@@ -93,6 +96,7 @@ class CollectiveEndpoint:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._heal_attempts = 0
+        self._heal_orders: dict[str, str] = {}
         self._last_join: Join | None = None
         #: What the data plane did, for status lines and tests.
         self.stats = collections.Counter()
@@ -167,6 +171,8 @@ class CollectiveEndpoint:
             self._resolve(msg.fragment_id, msg.round_id, "abort", attempt=msg.attempt)
             return None
         if isinstance(msg, HealOrder):
+            # A joiner that re-joined got a new order: serve only the newest one per joiner.
+            self._heal_orders[msg.joiner] = msg.prefix
             self._start_thread()
             self._jobs.put(("heal_source", msg))
             return None
@@ -194,10 +200,11 @@ class CollectiveEndpoint:
             if self._held_params is None:
                 return Error(ErrorCode.BAD_MESSAGE, "collective Welcome without a heal source, but this "
                                                     "worker sent no params to start the run from", "Join")
-            self.replica = self._new_replica(msg, self._held_params, list(msg.round_ids), None)
+            # On the data thread: building the first torch.optim optimizer can take seconds, and
+            # this (communication) thread must keep heartbeating meanwhile.
+            self._jobs.put(("start", msg, self._held_params))
             self._held_params = None
-            self._heal_attempts = 0
-            return dataclasses.replace(msg, params=self._session_params())
+            return None
         self._jobs.put(("heal_joiner", msg))
         return None
 
@@ -253,7 +260,7 @@ class CollectiveEndpoint:
                 return
             try:
                 {"reduce": self._reduce, "heal_source": self._serve_heal,
-                 "heal_joiner": self._heal}[job[0]](*job[1:])
+                 "heal_joiner": self._heal, "start": self._start}[job[0]](*job[1:])
             except Exception as exc:  # never let the thread die: report and go on
                 self.stats["internal_errors"] += 1
                 self._post(Error(ErrorCode.BAD_MESSAGE, f"collective data plane: {type(exc).__name__}: {exc}",
@@ -303,13 +310,20 @@ class CollectiveEndpoint:
             replica.rollback(fid)
             self.stats["aborted"] += 1
 
+    def _start(self, welcome: Welcome, params) -> None:
+        """C6: this member starts the run from its own params."""
+        self.replica = self._new_replica(welcome, params, list(welcome.round_ids), None)
+        self._heal_attempts = 0
+        self._post(dataclasses.replace(welcome, params=self._session_params()), to_session=True)
+
     def _serve_heal(self, order: HealOrder) -> None:
         replica = self.replica
-        if replica is None:
-            return
+        if replica is None or self._heal_orders.get(order.joiner) != order.prefix:
+            return  # superseded by a newer order for the same joiner (it re-joined)
         try:
             heal.send_state(self._group_cache().store, order.prefix, self._group_cache().interface,
-                            self._timeout_s, list(replica.round_ids), replica.params, replica.optimizer_states())
+                            HEAL_TIMEOUTS * self._timeout_s, list(replica.round_ids), replica.params,
+                            replica.optimizer_states())
             self.stats["heals_served"] += 1
         except CollectiveError:
             self.stats["heals_failed"] += 1
@@ -317,7 +331,8 @@ class CollectiveEndpoint:
     def _heal(self, welcome: Welcome) -> None:
         try:
             round_ids, params, states = heal.recv_state(self._group_cache().store, welcome.heal_prefix,
-                                                        self._group_cache().interface, self._timeout_s)
+                                                        self._group_cache().interface,
+                                                        HEAL_TIMEOUTS * self._timeout_s)
             self.replica = self._new_replica(welcome, params, round_ids, states)
         except (CollectiveError, KeyError, ValueError, RuntimeError) as exc:
             self._heal_attempts += 1
