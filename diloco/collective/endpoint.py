@@ -37,7 +37,7 @@ from diloco.collective.groups import CollectiveError, GroupCache, connect_store,
 from diloco.collective import heal
 from diloco.collective.reduce import mean_pseudo_gradient
 from diloco.collective.replica import Replica
-from diloco.coordinator.outer import OuterConfig
+from diloco.outer import OuterConfig
 from diloco.wire import compression
 from diloco.wire.messages import (
     Error,
@@ -389,4 +389,4 @@ def _host_of(address: str | None) -> str:
         return "127.0.0.1"
     rest = address.split("://", 1)[1]
     host = rest.rsplit(":", 1)[0].strip("[]")
-    return "127.0.0.1" if host in ("*", "0.0.0.0", "localhost", "") else host
+    return "127.0.0.1" if host in ("*", "0.0.0.0", "localhost", "") else host  # a wildcard bind: dial loopback

@@ -2,7 +2,7 @@
 
 On the collective plane each member holds the committed params of every fragment
 (fp32) and one outer optimizer per fragment, exactly as the hub's coordinator does
-(``diloco.coordinator.outer``). A reduce *proposes*: the outer step runs in place
+(``diloco.outer``). A reduce *proposes*: the outer step runs in place
 on the committed tensors after a backup (params and optimizer state) is taken;
 the commit drops the backup, an abort restores it. So nothing a member adopts
 differs from what it voted for, and nothing is adopted without a commit
@@ -28,7 +28,7 @@ from typing import Mapping
 
 import torch
 
-from diloco.coordinator.outer import OuterConfig, build_outer_optimizer
+from diloco.outer import OuterConfig, build_outer_optimizer
 from diloco.wire import compression
 
 Tensors = dict[str, torch.Tensor]

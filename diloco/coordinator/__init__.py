@@ -7,7 +7,7 @@ real transport.
 """
 
 from diloco.coordinator.config import CoordinatorConfig
-from diloco.coordinator.outer import OuterConfig
+from diloco.outer import OuterConfig
 from diloco.coordinator.service import Coordinator
 
 __all__ = ["Coordinator", "CoordinatorConfig", "OuterConfig"]

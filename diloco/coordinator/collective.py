@@ -18,6 +18,7 @@ import collections
 import secrets
 from typing import Callable
 
+from diloco.coordinator.params import describe_mismatch, partition
 from diloco.wire.messages import ErrorCode, Join, TensorSpec
 
 
@@ -47,8 +48,6 @@ class CollectivePlane:
 
     def check_join(self, join: Join, is_member: Callable[[str], bool]) -> tuple[ErrorCode, str] | None:
         """What to refuse a join with, if anything (the model's layout; who can start the run)."""
-        from diloco.coordinator.params import partition
-
         if not join.spec:
             return ErrorCode.BAD_MESSAGE, "the join's spec lists no tensors: a model needs at least one parameter"
         if self.spec is None:
@@ -57,8 +56,7 @@ class CollectivePlane:
                 return ErrorCode.BAD_MESSAGE, (f"initial params must be float32: tensor {not_fp32[0].name!r} is "
                                                f"{not_fp32[0].dtype}")
         elif tuple(join.spec) != self.spec:
-            from diloco.coordinator.service import _describe_mismatch
-            return ErrorCode.MODEL_MISMATCH, _describe_mismatch(join.spec, self.spec)
+            return ErrorCode.MODEL_MISMATCH, describe_mismatch(join.spec, self.spec)
         if join.params:
             return ErrorCode.BAD_MESSAGE, ("this run is on the collective data plane: the coordinator takes no "
                                            "params (join with holds_params; diloco >= protocol 4 does)")
@@ -130,8 +128,6 @@ class CollectivePlane:
 
     def restore(self, d: dict) -> None:
         """A resumed run keeps its secret, layout and commit record; holders re-join and are re-learned."""
-        from diloco.coordinator.params import partition
-
         self.secret = str(d["secret"])
         commits = [(int(r), str(g)) for r, g in d["last_commit"]]
         if len(commits) != self.num_fragments:

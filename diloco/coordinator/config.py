@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from diloco.core import ConfigError, DataPlane, FSMConfig, Mode
-from diloco.coordinator.outer import OuterConfig
+from diloco.outer import OuterConfig
 from diloco.wire.messages import MAX_SYNC_EVERY, WIRE_DTYPE_NAMES
 
 

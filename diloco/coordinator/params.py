@@ -192,3 +192,19 @@ class ParamStore:
 
     def pending_count(self, fragment_id: int) -> int:
         return self._counts[fragment_id]
+
+
+def describe_mismatch(got, want) -> str:
+    """Why a joiner's spec ``got`` is not the run's ``want``: the first tensor that differs."""
+    got_by_name = {s.name: s for s in got}
+    for s in want:
+        g = got_by_name.get(s.name)
+        if g is None:
+            return f"the worker's model has no tensor {s.name!r} (the run's model has {len(want)} tensors)"
+        if tuple(g.shape) != tuple(s.shape) or g.dtype != s.dtype:
+            return (f"tensor {s.name!r}: the worker's model has shape {list(g.shape)} dtype {g.dtype}; "
+                    f"the run's has shape {list(s.shape)} dtype {s.dtype}")
+    extra = [s.name for s in got if s.name not in {w.name for w in want}]
+    if extra:
+        return f"the worker's model has tensors the run's model does not: {extra[:5]}"
+    return "the worker's model lists the run's tensors in a different order"

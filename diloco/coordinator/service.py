@@ -68,8 +68,9 @@ from diloco.coordinator.config import CoordinatorConfig
 from diloco.coordinator.collective import CollectivePlane
 from diloco.coordinator.dylu import SpeedTable
 from diloco.coordinator.metrics import MetricsHistory
-from diloco.coordinator.outer import build_outer_optimizer
+from diloco.outer import build_outer_optimizer
 from diloco.coordinator.params import (
+    describe_mismatch,
     NonFinite,
     ParamMismatch,
     ParamStore,
@@ -386,7 +387,7 @@ class Coordinator:
                 # Only the first join's params are used: drop these at once, keep no reference.
                 msg = dataclasses.replace(msg, params={})
             if tuple(msg.spec) != self.store.spec:
-                self._refuse(peer, out, ErrorCode.MODEL_MISMATCH, _describe_mismatch(msg.spec, self.store.spec),
+                self._refuse(peer, out, ErrorCode.MODEL_MISMATCH, describe_mismatch(msg.spec, self.store.spec),
                              msg)
                 return
         wid = msg.worker_id
@@ -800,18 +801,3 @@ class Coordinator:
     def _notify(self, what: str, now: float, **info) -> None:
         if self._observer is not None:
             self._observer(what, now, info)
-
-
-def _describe_mismatch(got, want) -> str:
-    got_by_name = {s.name: s for s in got}
-    for s in want:
-        g = got_by_name.get(s.name)
-        if g is None:
-            return f"the worker's model has no tensor {s.name!r} (the run's model has {len(want)} tensors)"
-        if tuple(g.shape) != tuple(s.shape) or g.dtype != s.dtype:
-            return (f"tensor {s.name!r}: the worker's model has shape {list(g.shape)} dtype {g.dtype}; "
-                    f"the run's has shape {list(s.shape)} dtype {s.dtype}")
-    extra = [s.name for s in got if s.name not in {w.name for w in want}]
-    if extra:
-        return f"the worker's model has tensors the run's model does not: {extra[:5]}"
-    return "the worker's model lists the run's tensors in a different order"

@@ -11,7 +11,7 @@ import pathlib
 from dataclasses import dataclass, field
 
 from diloco.baselines import TrainSettings
-from diloco.coordinator.outer import OuterConfig, OuterConfigError
+from diloco.outer import OuterConfig, OuterConfigError
 from diloco.models import ModelConfig
 
 

@@ -241,7 +241,7 @@ def warm_up(config: CoordinatorConfig) -> None:
     """
     import torch
 
-    from diloco.coordinator.outer import build_outer_optimizer
+    from diloco.outer import build_outer_optimizer
 
     p = torch.zeros(1)
     opt = build_outer_optimizer([p], config.outer, 1)

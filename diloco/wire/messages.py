@@ -212,7 +212,7 @@ class Welcome:
     #: and the store prefix of that one-to-one transfer (random per run, SPEC.md C6).
     heal_source: str = ""
     heal_prefix: str = ""
-    #: Collective: every worker runs the outer optimizer (``diloco.coordinator.outer.OuterConfig``
+    #: Collective: every worker runs the outer optimizer (``diloco.outer.OuterConfig``
     #: fields) and bounds each collective by ``collective_timeout_s``.
     outer: dict[str, Any] = field(default_factory=dict)
     collective_timeout_s: float = 0.0
