@@ -35,7 +35,7 @@ from typing import Any
 
 from diloco.collective.groups import CollectiveError, GroupCache, connect_store, local_address_towards
 from diloco.collective import heal
-from diloco.collective.reduce import mean_pseudo_gradient
+from diloco.collective.reduce import bytes_on_link, mean_pseudo_gradient
 from diloco.collective.replica import Replica
 from diloco.outer import OuterConfig
 from diloco.wire import compression
@@ -283,6 +283,7 @@ class CollectiveEndpoint:
                 mean = mean_pseudo_gradient(group, pending[1], replica.wire_dtype, shapes, self._timeout_s)
                 vote = replica.propose(fid, rid, mean)
                 ok = True
+                self.stats["bytes_sent"] += bytes_on_link(pending[1], replica.wire_dtype, len(order.group))
             except (CollectiveError, FloatingPointError, RuntimeError) as exc:
                 self._group_cache().drop()
                 detail = str(exc)
@@ -325,6 +326,7 @@ class CollectiveEndpoint:
                             HEAL_TIMEOUTS * self._timeout_s, list(replica.round_ids), replica.params,
                             replica.optimizer_states())
             self.stats["heals_served"] += 1
+            self.stats["bytes_sent"] += compression.tensor_nbytes(replica.params) * 2  # params and momentum
         except CollectiveError:
             self.stats["heals_failed"] += 1
 

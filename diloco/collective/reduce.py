@@ -46,6 +46,14 @@ def _unflat(flat: torch.Tensor, shapes: Mapping[str, torch.Size], names: list[st
     return out
 
 
+def bytes_on_link(encoded: compression.Encoded, wire_dtype: str, size: int) -> int:
+    """What one member sends for one reduce, by the algorithm's own count: a ring all-reduce sends
+    2(k-1)/k of the fp32 payload; an all-gather sends the encoded payload to each of the k-1 others."""
+    if wire_dtype == "fp32":
+        return int(2 * (size - 1) * compression.tensor_nbytes(encoded.values) / size)
+    return (size - 1) * encoded.nbytes
+
+
 def mean_pseudo_gradient(group: dist.ProcessGroupGloo, encoded: compression.Encoded, wire_dtype: str,
                          shapes: Mapping[str, torch.Size], timeout_s: float) -> Tensors:
     """The group's mean pseudo-gradient (fp32) from this member's ``encoded`` one."""

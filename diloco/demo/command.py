@@ -65,6 +65,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="do not kill a worker (min_workers = 1)")
     p.add_argument("--no-baselines", dest="baselines", action="store_false",
                    help="skip sync data parallel and the single worker")
+    p.add_argument("--data-plane", choices=("hub", "collective"), default="hub",
+                   help="hub (default): pseudo-gradients go through the coordinator; collective: the "
+                        "workers all-reduce among themselves (gloo, on loopback) and the coordinator only "
+                        "orders and commits each round (see `diloco server --help`). Same run, same loss")
     p.add_argument("--seed", type=int, default=0, help="seed for init, shards and batches (default 0)")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("demo-out"), metavar="DIR",
                    help="where to write demo.png and demo.json (default ./demo-out)")
@@ -120,7 +124,8 @@ def main(args: argparse.Namespace) -> int:
                                  model=ModelConfig(seq_len=args.seq_len))
         cfg = DemoConfig(workers=args.workers, steps=args.steps, sync_every=args.sync_every,
                          outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, faults=args.faults,
-                         baselines=args.baselines, seed=args.seed, data=args.data, settings=settings)
+                         baselines=args.baselines, seed=args.seed, data=args.data, settings=settings,
+                         data_plane=args.data_plane)
     except (DemoError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     if args.data is not None and not args.data.is_file():
@@ -131,6 +136,7 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError(f"--out {args.out}: cannot create the directory ({exc.strerror})") from None
     console.print(f"[bold]diloco demo[/bold]: k={cfg.workers} workers, H={cfg.sync_every}, "
                   f"{cfg.steps} inner steps each, faults {'on' if cfg.faults else 'off'}, "
+                  f"data plane {cfg.data_plane}, "
                   f"data: {cfg.data or 'Python standard library sources'}")
     ui = _RichUI(console)
     try:

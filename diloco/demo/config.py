@@ -41,6 +41,8 @@ class DemoConfig:
     stall_timeout_s: float = 120.0
     #: Skip the two baselines (faster; the table then shows DiLoCo only).
     baselines: bool = True
+    #: "hub" or "collective" (SPEC.md section 7b): where the rounds are combined.
+    data_plane: str = "hub"
     seed: int = 0
     #: A text file to train on instead of the Python standard library's sources.
     data: pathlib.Path | None = None
@@ -62,6 +64,8 @@ class DemoConfig:
         if self.faults and self.steps < 4 * self.sync_every:
             bad("steps", f"at least 4 * sync_every = {4 * self.sync_every} with faults on "
                          "(rounds before the kill and after the replacement)")
+        if self.data_plane not in ("hub", "collective"):
+            bad("data_plane", "'hub' or 'collective'")
         if not 0 < self.heartbeat_timeout_s <= 60:
             bad("heartbeat_timeout_s", "a number of seconds in (0, 60]")
         if not 0 < self.stall_timeout_s < float("inf"):

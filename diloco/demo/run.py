@@ -47,6 +47,10 @@ from diloco.transport.inproc import InprocNetwork
 from diloco.wire.messages import AdminRequest
 from diloco.worker import DilocoWorker
 
+#: Collective demo: the heartbeat timeout (the collective timeout is a third of it, SPEC.md C7).
+COLLECTIVE_HEARTBEAT_S = 6.0
+
+
 class DemoUI(Protocol):
     def phase(self, name: str, total: int) -> None: ...
     def advance(self, name: str, step: int, loss: float) -> None: ...
@@ -98,11 +102,24 @@ class _Run:
         self.losses: dict[int, list[float]] = {}
         self.samplers = worker_samplers(corpus, cfg.workers, self.s, cfg.seed)
         self.net = InprocNetwork()
-        fsm = FSMConfig(min_workers=cfg.workers if cfg.faults else 1,
-                        heartbeat_timeout_s=cfg.heartbeat_timeout_s)
+        collective = cfg.data_plane == "collective"
+        # Collective: every collective is bounded below the heartbeat timeout (SPEC.md C7); worker
+        # threads share 2 cores here, so the demo gives them a few seconds rather than a fraction.
+        heartbeat_timeout_s = max(cfg.heartbeat_timeout_s, COLLECTIVE_HEARTBEAT_S) if collective \
+            else cfg.heartbeat_timeout_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        fsm = FSMConfig(min_workers=cfg.workers if cfg.faults else 1, heartbeat_timeout_s=heartbeat_timeout_s,
+                        data_plane=cfg.data_plane, reduce_timeout_s=heartbeat_timeout_s * 4 / 3)
         self.coordinator = Coordinator(
-            CoordinatorConfig(fsm, OuterConfig("nesterov", cfg.outer_lr, cfg.outer_momentum)),
+            CoordinatorConfig(fsm, OuterConfig("nesterov", cfg.outer_lr, cfg.outer_momentum),
+                              collective_timeout_s=heartbeat_timeout_s / 3),
             now_s=time.monotonic(), observer=self._observe)
+        self.store_host = None
+        if collective:
+            from diloco.collective.store import StoreHost
+
+            self.store_host = StoreHost()
+            self.coordinator.collective.store_port = self.store_host.port
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -125,8 +142,7 @@ class _Run:
             if what == "apply":
                 self.rounds_applied += 1
                 self.recorder.applied_round(t, info["fragment_id"], info["round_id"])
-                params = {n: p.detach().clone() for n, p in self.coordinator.store.params.items()}
-                self.round_params.append((info["round_id"], params))
+                self.round_params.append((info["round_id"], self._committed_params(info)))
             elif what == "quorum":
                 self.below = info["below_min_workers"]
                 if self.rounds_applied >= self.target_rounds:
@@ -140,9 +156,27 @@ class _Run:
             elif what == "dead":
                 self.recorder.set_state(info["worker_id"], WorkerState.DEAD, t)
                 self.log(f"{info['worker_id']} declared dead (no heartbeat for "
-                         f"{self.cfg.heartbeat_timeout_s:g}s)")
+                         f"{self.heartbeat_timeout_s:g}s)")
             elif what == "join" and self.rounds_applied:
                 self.log(f"{info['worker_id']} joined; enlisted in the open round")
+
+    def _bytes_moved(self, status: dict) -> int:
+        """Tensor bytes on the wire: through the coordinator (hub), or among the workers (collective:
+        what each member's reduces and heals sent, by the algorithms' own counts)."""
+        if self.store_host is None:
+            return status["bytes_received"] + status["bytes_sent"]
+        return sum(w.data_plane.stats["bytes_sent"] for w in self.workers.values())
+
+    def _committed_params(self, info: dict) -> dict[str, torch.Tensor]:
+        """The params the round just committed: the hub's, or (collective) a contributor's proposal,
+        which is what every contributor adopts (it waits for this very commit before it changes)."""
+        if self.coordinator.store is not None:
+            return {n: p.detach().clone() for n, p in self.coordinator.store.params.items()}
+        for wid in info["contributors"]:
+            replica = self.workers[wid].data_plane.replica if wid in self.workers else None
+            if replica is not None:
+                return {n: p.detach().clone() for n, p in replica.params.items()}
+        raise RuntimeError(f"round {info['round_id']} committed, but no contributor's replica is at hand")
 
     def _on_state(self, worker_id: str, state: str, _t: float) -> None:
         mapped = WorkerState(state)  # the worker's vocabulary is the timeline's
@@ -236,7 +270,7 @@ class _Run:
         wall = self.now()
         timeline = self.recorder.finish(wall)
         self.timeline = timeline
-        return self._result(status, wall), status["paused_s"], status["bytes_received"] + status["bytes_sent"]
+        return self._result(status, wall), status["paused_s"], self._bytes_moved(status)
 
     def _inject_fault(self, kill: threading.Event, victim: int, threads: list[threading.Thread]) -> None:
         cfg = self.cfg
@@ -245,7 +279,7 @@ class _Run:
                    lambda: everyone, stall=True)
         survivors = [w for w in everyone if w != f"worker-{victim + 1}"]
         self._wait(f"the coordinator to notice that worker-{victim + 1} is gone", self.below_event.is_set,
-                   lambda: everyone, limit_s=cfg.heartbeat_timeout_s * 10 + 30)
+                   lambda: everyone, limit_s=self.heartbeat_timeout_s * 10 + 30)
         # Let the survivors reach their sync point and sit there paused (R10), so the
         # pause is visible, then keep it a little longer before the replacement comes.
         self._wait("the survivors to report PAUSED at their sync point",
@@ -319,7 +353,7 @@ class _Run:
             name="diloco", label=f"DiLoCo k={cfg.workers} H={cfg.sync_every}", steps=steps,
             train_losses=[sum(v) / len(v) for _, v in sorted(self.losses.items())],
             eval_steps=eval_steps, eval_losses=eval_losses, final_eval_loss=eval_losses[-1],
-            syncs=status["rounds_applied"], bytes_moved=status["bytes_received"] + status["bytes_sent"],
+            syncs=status["rounds_applied"], bytes_moved=self._bytes_moved(status),
             k=cfg.workers, H=cfg.sync_every, num_params=status["num_params"], wall_s=wall,
             config=dict(dataclasses.asdict(cfg), settings=s.to_dict(), data=str(cfg.data) if cfg.data else None),
             final_state=final or {},

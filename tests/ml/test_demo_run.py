@@ -66,3 +66,17 @@ def test_bad_demo_flags_exit_2_naming_the_setting(flags, message):
                           timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_the_collective_demo_pauses_resumes_and_ends_where_the_hub_does(tiny_settings):
+    """``diloco demo --data-plane collective``: the same story (kill, pause, replacement that heals
+    from a member) and the same loss as on the hub, up to the order of fp32 sums."""
+    hub, _ = _run(tiny_settings, baselines=False)
+    coll, ui = _run(tiny_settings, baselines=False, data_plane="collective")
+    notes = _untimed(ui.notes)
+    assert notes[0].startswith("worker-3 killed before its step 13, mid-round"), notes
+    assert any(n.startswith("quorum lost: paused: 2 live workers < min_workers 3") for n in notes), notes
+    assert any(n.startswith("quorum back: quorum met: 3 live workers >= min_workers 3") for n in notes), notes
+    assert coll.diloco.syncs == hub.diloco.syncs == 30 // 5
+    assert coll.paused_s > 0 and coll.bytes_moved > 0
+    assert coll.diloco.eval_losses[-1] == pytest.approx(hub.diloco.eval_losses[-1], rel=5e-3)
