@@ -98,6 +98,8 @@ class CollectiveEndpoint:
         self._heal_attempts = 0
         self._heal_orders: dict[str, str] = {}
         self._last_join: Join | None = None
+        #: The outer optimizers' state from this worker's checkpoint: used if it starts the run (C6).
+        self.restored_outer: list[dict] | None = None
         #: What the data plane did, for status lines and tests.
         self.stats = collections.Counter()
         #: The last commits this member adopted: (fragment, round, digest), newest last (bounded).
@@ -297,23 +299,56 @@ class CollectiveEndpoint:
             return
         if verdict.kind == "commit" and verdict.result is not None and replica.commit(
                 fid, rid, verdict.result.digest):
-            with self._lock:
-                if self._pending.get(fid, (None,))[0] == rid:
-                    del self._pending[fid]
-            self.stats["committed"] += 1
-            self.adopted.append((fid, rid, verdict.result.digest))
+            self._adopted(fid, rid, verdict.result.digest)
             result = dataclasses.replace(verdict.result, params={n: t.clone() for n, t in replica.fragment(fid).items()},
                                          delta=False, wire_dtype="fp32", scales={}, digest="")
             self._post(result, to_session=True)
         elif verdict.kind == "commit":
             self._post(self._lost_track(verdict.result), to_session=True)
-        else:
+        elif verdict.kind == "abort":
             replica.rollback(fid)
             self.stats["aborted"] += 1
+        # "reset": the connection to the coordinator was lost with the verdict; the proposal stays
+        # until the next Welcome says whether it was committed (``_settle_orphans``).
+
+    def _adopted(self, fid: int, rid: int, digest: str) -> None:
+        with self._lock:
+            if self._pending.get(fid, (None,))[0] == rid:
+                del self._pending[fid]
+        self.stats["committed"] += 1
+        self.adopted.append((fid, rid, digest))
+
+    def _settle_orphans(self, welcome: Welcome) -> None:
+        """Proposals whose verdict a lost connection swallowed: adopt those the coordinator durably
+        committed (its Welcome names each fragment's last commit), roll back the rest (C4)."""
+        replica = self.replica
+        if replica is None:
+            return
+        for fid in range(len(replica.fragments)):
+            proposal = replica.proposal(fid)
+            if proposal is None:
+                continue
+            committed = welcome.committed[fid] if fid < len(welcome.committed) else (-1, "")
+            if tuple(committed) == (proposal.round_id, proposal.digest) and replica.commit(fid, *committed):
+                self._adopted(fid, proposal.round_id, proposal.digest)
+                self.stats["adopted_after_reconnect"] += 1
+            else:
+                replica.rollback(fid)
 
     def _start(self, welcome: Welcome, params) -> None:
-        """C6: this member starts the run from its own params."""
-        self.replica = self._new_replica(welcome, params, list(welcome.round_ids), None)
+        """C6: this member starts the run from its own params (and, restored, its outer momentum)."""
+        states, self.restored_outer = self.restored_outer, None
+        if self.replica is not None and self.replica.fragments == tuple(tuple(f) for f in welcome.fragments):
+            # The coordinator restarted and this member re-joins first: it holds the committed
+            # state in memory (and adopts a proposal whose commit Result the crash swallowed).
+            self._settle_orphans(welcome)
+            if self.replica.round_ids != list(welcome.round_ids):
+                self.stats["relabelled"] += 1
+                self.replica.round_ids = list(welcome.round_ids)
+        else:
+            if states is not None and len(states) != len(welcome.fragments):
+                states = None  # another fragment layout: fresh momentum
+            self.replica = self._new_replica(welcome, params, list(welcome.round_ids), states)
         self._heal_attempts = 0
         self._post(dataclasses.replace(welcome, params=self._session_params()), to_session=True)
 
@@ -331,6 +366,8 @@ class CollectiveEndpoint:
             self.stats["heals_failed"] += 1
 
     def _heal(self, welcome: Welcome) -> None:
+        if self.replica is not None:
+            self.replica.rollback_all()  # the healed state replaces whatever this member proposed
         try:
             round_ids, params, states = heal.recv_state(self._group_cache().store, welcome.heal_prefix,
                                                         self._group_cache().interface,
@@ -358,6 +395,13 @@ class CollectiveEndpoint:
         outer = OuterConfig(**welcome.outer) if welcome.outer else OuterConfig()
         return Replica(params, tuple(tuple(f) for f in welcome.fragments), round_ids, outer, welcome.wire_dtype,
                        welcome.min_workers, states)
+
+    def committed_outer_states(self) -> list[dict] | None:
+        """The outer optimizers' committed state (for the worker's checkpoint); None on the hub."""
+        replica = self.replica
+        if not self.collective or replica is None:
+            return None
+        return replica.committed_optimizer_states()
 
     def _session_params(self) -> dict:
         assert self.replica is not None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import threading
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -76,12 +77,18 @@ class Replica:
             for opt, state in zip(self.optimizers, optimizer_states):
                 opt.load_state_dict(state)
         self._proposals: dict[int, _Backup] = {}
+        #: Guards proposals against a checkpoint read from the training thread.
+        self._lock = threading.Lock()
 
     def fragment(self, fid: int) -> Tensors:
         return {n: self.params[n] for n in self.fragments[fid]}
 
     def has_proposal(self, fid: int) -> bool:
         return fid in self._proposals
+
+    def proposal(self, fid: int) -> "_Backup | None":
+        """The open proposal of ``fid`` (its round and digest), or None."""
+        return self._proposals.get(fid)
 
     def propose(self, fid: int, round_id: int, mean: Mapping[str, torch.Tensor]) -> str:
         """Step fragment ``fid`` with the group's mean pseudo-gradient; return the digest to vote with."""
@@ -94,6 +101,8 @@ class Replica:
         opt = self.optimizers[fid]
         before = {n: p.detach().clone() for n, p in params.items()}
         opt_before = copy.deepcopy(opt.state_dict())
+        with self._lock:  # from here a checkpoint reads the backup, not the state being stepped
+            self._proposals[fid] = _Backup(round_id, before, opt_before, "")
         try:
             for n, p in params.items():
                 p.grad = mean[n]
@@ -105,6 +114,8 @@ class Replica:
                         p.copy_(new[n])
         except BaseException:
             self._restore(fid, before, opt_before)
+            with self._lock:
+                del self._proposals[fid]
             raise
         finally:
             for p in params.values():
@@ -112,26 +123,34 @@ class Replica:
         bad = next((n for n, p in params.items() if not bool(torch.isfinite(p).all())), None)
         if bad is not None:
             self._restore(fid, before, opt_before)
+            with self._lock:
+                del self._proposals[fid]
             raise FloatingPointError(f"fragment {fid}: the outer step made {bad!r} non-finite")
         vote = digest(params)
-        self._proposals[fid] = _Backup(round_id, before, opt_before, vote)
+        self._proposals[fid].digest = vote
         return vote
 
     def commit(self, fid: int, round_id: int, committed_digest: str) -> bool:
         """Adopt the proposal if it is the one committed; False (and rolled back) if not."""
-        backup = self._proposals.pop(fid, None)
+        backup = self._proposals.get(fid)
         if backup is None:
             return False
         if backup.round_id != round_id or backup.digest != committed_digest:
-            self._restore(fid, backup.params, backup.optimizer)
+            self.rollback(fid)
             return False
-        self.round_ids[fid] = round_id + 1
+        with self._lock:
+            del self._proposals[fid]
+            self.round_ids[fid] = round_id + 1
         return True
 
     def rollback(self, fid: int) -> None:
-        backup = self._proposals.pop(fid, None)
-        if backup is not None:
-            self._restore(fid, backup.params, backup.optimizer)
+        """Restore the committed state, then drop the backup (a checkpoint reads the backup until then)."""
+        backup = self._proposals.get(fid)
+        if backup is None:
+            return
+        self._restore(fid, backup.params, backup.optimizer)
+        with self._lock:
+            del self._proposals[fid]
 
     def rollback_all(self) -> None:
         for fid in list(self._proposals):
@@ -139,6 +158,12 @@ class Replica:
 
     def optimizer_states(self) -> list[dict]:
         return [opt.state_dict() for opt in self.optimizers]
+
+    def committed_optimizer_states(self) -> list[dict]:
+        """Copies of each fragment's committed optimizer state (a proposal's backup where one is open)."""
+        with self._lock:
+            return [copy.deepcopy(self._proposals[fid].optimizer if fid in self._proposals else opt.state_dict())
+                    for fid, opt in enumerate(self.optimizers)]
 
     def _restore(self, fid: int, params: Tensors, optimizer: dict) -> None:
         with torch.no_grad():

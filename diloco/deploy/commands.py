@@ -218,6 +218,10 @@ def register(subparsers) -> None:
                    help="the worker's own checkpoint (its inner optimizer state and place in the run), written "
                         "on save-and-stop (and before exit 3, see --coordinator-timeout) and read when it starts "
                         "again")
+    p.add_argument("--checkpoint-every", type=_positive_int, default=None, metavar="N",
+                   help="with --checkpoint-dir: also write the checkpoint after every N rounds it synced (at a "
+                        "commit boundary). On the collective plane the workers hold the run's params and outer "
+                        "optimizer state, so this is what a whole-run `--resume` continues from")
     p.add_argument("--max-steps", type=_positive_int, default=None, metavar="N",
                    help="stop (leave the run) after N inner steps (default: train until the coordinator stops)")
     p.add_argument("--coordinator-timeout", type=_positive_float, default=None, metavar="S",

@@ -227,7 +227,8 @@ def _run_leader(args, setup, worker_id: str, sync_every: int, info, device, over
     try:
         worker = DilocoWorker(setup.model, setup.optimizer, endpoint, worker_id=worker_id, sync_every=sync_every,
                               checkpoint_dir=args.checkpoint_dir, on_state=printer.on_state,
-                              coordinator_timeout_s=coordinator_timeout, on_outage=printer.on_outage, **overlap)
+                              coordinator_timeout_s=coordinator_timeout, on_outage=printer.on_outage,
+                              checkpoint_every=args.checkpoint_every, **overlap)
     except DilocoWorkerError as exc:
         endpoint.close()
         raise UsageError(str(exc)) from None

@@ -216,6 +216,9 @@ class Welcome:
     #: fields) and bounds each collective by ``collective_timeout_s``.
     outer: dict[str, Any] = field(default_factory=dict)
     collective_timeout_s: float = 0.0
+    #: Collective: per fragment, the last commit (round_id, digest); (-1, "") before any. A member
+    #: whose commit Result a coordinator crash swallowed adopts its proposal if it is this one.
+    committed: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -97,6 +97,17 @@ def _str_tuple(v: Any) -> tuple[str, ...]:
     return tuple(_str(x) for x in v)
 
 
+def _commits(v: Any) -> tuple[tuple[int, str], ...]:
+    if not isinstance(v, (list, tuple)) or len(v) > 1024:
+        raise FieldError("a list of at most 1024 [round_id, digest] pairs")
+    out = []
+    for item in v:
+        if not isinstance(item, (list, tuple)) or len(item) != 2 or not is_int(item[0]) or item[0] < -1:
+            raise FieldError("[round_id, digest] pairs (round_id an integer >= -1)")
+        out.append((item[0], _str(item[1])))
+    return tuple(out)
+
+
 def _data_plane(v: Any) -> str:
     if v not in ("hub", "collective"):
         raise FieldError("'hub' or 'collective'")
@@ -206,7 +217,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                 "fragments": _names_tuple, "min_workers": _int, "below_min_workers": _bool,
                 "heartbeat_interval_s": _float, "params": TENSOR_FIELD, "wire_dtype": _wire_dtype,
                 "sync_every": _sync_every, "data_plane": _data_plane, "store_port": _port, "heal_source": _str,
-                "heal_prefix": _str, "outer": _plain_map, "collective_timeout_s": _float},
+                "heal_prefix": _str, "outer": _plain_map, "collective_timeout_s": _float,
+                "committed": _commits},
     "HeartbeatReply": {"below_min_workers": _bool, "min_workers": _int, "phase": _str,
                        "command": _enum(Command), "sync_every": _sync_every},
     "Accepted": {"fragment_id": _int, "round_id": _int},

@@ -69,6 +69,9 @@ class WorkerCheckpoint:
     model_state: dict[str, torch.Tensor]
     optimizer_state: dict
     global_params: dict[str, torch.Tensor]
+    #: Collective plane: the outer optimizers' committed state per fragment (the worker holds the run's,
+    #: SPEC.md C6); None on the hub, where the coordinator's checkpoint holds it.
+    outer_states: list[dict] | None = None
 
 
 def save_worker_checkpoint(path: pathlib.Path, ckpt: WorkerCheckpoint) -> None:
@@ -80,6 +83,8 @@ def save_worker_checkpoint(path: pathlib.Path, ckpt: WorkerCheckpoint) -> None:
     for name, t in ckpt.global_params.items():
         tensors[f"global/{name}"] = t
     optimizer = flatten_named(ckpt.optimizer_state, "optim", tensors)
+    outer = None if ckpt.outer_states is None else [
+        flatten_named(state, f"outer/{fid}", tensors) for fid, state in enumerate(ckpt.outer_states)]
     meta = {
         "kind": KIND,
         "version": VERSION,
@@ -95,6 +100,7 @@ def save_worker_checkpoint(path: pathlib.Path, ckpt: WorkerCheckpoint) -> None:
         "model_keys": list(ckpt.model_state),
         "global_names": list(ckpt.global_params),
         "optimizer": optimizer,
+        "outer": outer,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     write_safetensors(path, tensors, meta, KIND)
@@ -126,6 +132,8 @@ def load_worker_checkpoint(path: pathlib.Path) -> WorkerCheckpoint:
             model_state={k: tensors[f"model/{k}"] for k in meta["model_keys"]},
             optimizer_state=unflatten_named(meta["optimizer"], tensors),
             global_params={n: tensors[f"global/{n}"] for n in meta["global_names"]},
+            outer_states=(None if meta.get("outer") is None
+                          else [unflatten_named(state, tensors) for state in meta["outer"]]),
         )
     except CheckpointError:
         raise

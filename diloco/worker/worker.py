@@ -134,7 +134,8 @@ class DilocoWorker:
                  comm_thread: bool | None = None,
                  join_timeout_s: float | None = None,
                  overlap_steps: int = 0,
-                 overlap_alpha: float = DEFAULT_OVERLAP_ALPHA) -> None:
+                 overlap_alpha: float = DEFAULT_OVERLAP_ALPHA,
+                 checkpoint_every: int | None = None) -> None:
         if join_timeout_s is not None:
             warnings.warn("DilocoWorker(join_timeout_s=...) is deprecated: coordinator_timeout_s governs every "
                           "wait for the coordinator, joining included", DeprecationWarning, stacklevel=2)
@@ -196,6 +197,12 @@ class DilocoWorker:
         self._training_thread: int | None = None
         self._left = False
 
+        if checkpoint_every is not None and (isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int)
+                                             or checkpoint_every < 1 or checkpoint_dir is None):
+            raise ValueError(f"checkpoint_every={checkpoint_every!r}: expected an integer >= 1, with a checkpoint_dir")
+        #: Write the checkpoint after every this many synced rounds (at a commit boundary), or never.
+        self.checkpoint_every = checkpoint_every
+        self._saved_at_rounds = 0
         self.checkpoint_path = checkpoint_path(checkpoint_dir, worker_id) if checkpoint_dir is not None else None
         if self.checkpoint_path is not None and self.checkpoint_path.exists():
             self._restore()
@@ -351,7 +358,13 @@ class DilocoWorker:
             self._run(actions)
             if not self.uses_comm_thread:
                 self._pump(0.0, only_if_expected=True)
-            return self._wait_until_trainable()
+            trainable = self._wait_until_trainable()
+            every = self.checkpoint_every
+            if trainable and every is not None and self.session.rounds_synced - self._saved_at_rounds >= every:
+                # Here the model holds every Result taken so far: a commit boundary.
+                self._saved_at_rounds = self.session.rounds_synced
+                self.save_checkpoint()
+            return trainable
         except DilocoWorkerError as exc:
             self._fail(exc)
             raise
@@ -382,7 +395,7 @@ class DilocoWorker:
             sched_step=s.sched_step, next_close=list(s.next_close), round_ids=list(s.round_ids),
             rounds_synced=s.rounds_synced, mode=s.mode, fragments=s.fragments,
             model_state=self.model.state_dict(), optimizer_state=self.inner_optimizer.state_dict(),
-            global_params=self._global,
+            global_params=self._global, outer_states=self.data_plane.committed_outer_states(),
         ))
         log.info("worker %s: checkpoint written to %s (inner step %d)", self.worker_id, self.checkpoint_path,
                  s.inner_step)
@@ -659,6 +672,8 @@ class DilocoWorker:
         self._global = {}
         for n, t in ckpt.global_params.items():
             self._set_global(n, t)
+        # Collective plane: if this worker starts the run again, it continues its outer momentum (C6).
+        self.data_plane.restored_outer = ckpt.outer_states
         self.session.restore(fragments=ckpt.fragments, round_ids=ckpt.round_ids, next_close=ckpt.next_close,
                              sched_step=ckpt.sched_step, inner_step=ckpt.inner_step,
                              rounds_synced=ckpt.rounds_synced, mode=ckpt.mode)
