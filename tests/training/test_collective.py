@@ -223,3 +223,45 @@ def test_below_quorum_the_collective_run_pauses_and_a_replacement_resumes_it(sto
         assert c.data_plane.stats["healed"] == 1
         assert same_params([a, c])
         assert_plane_promise(run, [a, c], 2)
+
+
+def test_a_coordinator_crash_costs_at_most_the_open_round_and_the_members_carry_on(store, tmp_path):
+    """The coordinator dies (no goodbye); a new one resumes from its checkpoint, which holds no
+    params (kilobytes). The members re-join: the first starts the run again from the committed
+    state it holds, the other heals from it; round ids continue where the durable ones stopped."""
+    from diloco.coordinator.checkpoint import list_checkpoints, load_coordinator
+    from diloco.coordinator.runner import CoordinatorThread
+
+    ckpt = tmp_path / "coordinator"
+    coord = make_coordinator(time.monotonic(), min_workers=2, heartbeat_timeout_s=HB_TIMEOUT_S,
+                             data_plane="collective", reduce_timeout_s=4 * COLLECTIVE_TIMEOUT_S,
+                             collective_timeout_s=COLLECTIVE_TIMEOUT_S)
+    coord.collective.store_port = store.port
+    run = Run(coordinator=coord, linger_s=2.0, checkpoint_dir=ckpt)
+    try:
+        workers = [run.worker(f"w{i}", mlp(i), sync_every=3, coordinator_timeout_s=60.0) for i in range(2)]
+        handles = [run.start(w, batches(i), max_steps=60) for i, w in enumerate(workers)]
+        wait_for(lambda: coord.fsm.rounds_applied >= 3, 60, "three commits")
+        run.thread.stop(10.0)  # the crash: nothing more is sent
+        newest = list_checkpoints(ckpt)[0]
+        assert newest.stat().st_size < 64 * 1024, "a collective coordinator's checkpoint holds no params"
+        durable = int(newest.name.split("-")[1].split(".")[0])
+        restored = load_coordinator(ckpt, time.monotonic(), observer=run._observe)
+        assert restored.store is None and restored.fsm.open_round_ids() == (durable,)
+        restored.collective.store_port = store.port
+        run.coordinator = restored
+        run.thread = CoordinatorThread(run.net.coordinator(), restored, checkpoint_dir=ckpt, linger_s=2.0)
+        run.thread.start()
+        wait_for(lambda: restored.fsm.rounds_applied >= durable + 2, 60, "two commits after the restart")
+        for w in workers:
+            w.request_stop()
+        for h in handles:
+            h.join(30)
+    finally:
+        run.close()
+    assert same_params(workers)
+    # Every commit of either incarnation is in order (the observer heard both), none repeated.
+    rounds = [e["round_id"] for k, e in run.events if k == "apply"]
+    assert rounds == list(range(len(rounds))), rounds
+    assert_plane_promise(run, workers, 2)
+    assert sum(w.data_plane.stats["healed"] for w in workers) >= 2  # one at the start, one after the restart
