@@ -140,7 +140,9 @@ class CollectiveEndpoint:
                 continue
             with self._lock:
                 busy = bool(self._inbox or self._outbox)
-            if not busy and time.monotonic() >= deadline:
+            if not busy:
+                # The deadline passed, or a ``wake`` ended the wait: the owner has something to
+                # send, as it would without this wrapper.
                 return None
 
     def wake(self) -> None:
