@@ -3,6 +3,7 @@
 
     python scripts/chaos.py --minutes 30 --workers 4 --seed 1     # the long soak (README)
     python scripts/chaos.py --minutes 1.5 --workers 3 --seed 7    # the CI variant
+    python scripts/chaos.py --minutes 30 --workers 4 --data-plane collective   # the collective plane
 
 A small supervisor starts ``diloco server --checkpoint-dir DIR --resume DIR``
 and N ``diloco worker`` processes (the built-in char transformer) on
@@ -24,11 +25,19 @@ At the end it drains the run and checks, **from the audit log
 4. the final params finite;
 5. held-out loss of the final params lower than of the initial ones;
 
-and reports how many applied rounds a coordinator kill lost (the rounds the
+On the collective plane (``--data-plane collective``) the coordinator's
+checkpoint holds no params: the workers write theirs after every commit
+(``--checkpoint-every 1``), and checks 4 and 5 read the newest worker
+checkpoint's committed params; in addition
+
+6. every two workers whose checkpoints hold the same round ids hold
+   bit-identical committed params (the replicas never diverge).
+
+It reports how many applied rounds a coordinator kill lost (the rounds the
 log recorded before the kill minus those the restarted coordinator resumed
 with: persist-before-announce makes it 0). Last line::
 
-    RESULT chaos minutes=M worker_kills=N coordinator_kills=N rounds_applied=N violations=N max_lost_rounds=N
+    RESULT chaos data_plane=P minutes=M worker_kills=N coordinator_kills=N rounds_applied=N violations=N max_lost_rounds=N
 
 A coordinator that exits by itself (for example, refusing to resume) and a
 final ``shutdown --save`` that fails are violations too: a run that cannot
@@ -110,14 +119,20 @@ class Soak:
         self.server = Proc(f"server-{self.server_starts:03d}", [
             "server", "--bind", self.address, "--min-workers", str(self.args.min_workers),
             "--heartbeat-timeout", str(self.args.heartbeat_timeout), "--checkpoint-dir", str(self.ckpt),
-            "--resume", str(self.ckpt)], self.out, self.env)
+            "--resume", str(self.ckpt), *self.plane_args()], self.out, self.env)
+
+    def plane_args(self) -> list[str]:
+        if self.args.data_plane != "collective":
+            return []
+        return ["--data-plane", "collective"]
 
     def start_worker(self, wid: str) -> None:
         if wid in self.workers:
             self.workers[wid].kill9()
         self.workers[wid] = Proc(f"worker-{wid}", [
             "worker", "--connect", self.address, "--id", wid, "--checkpoint-dir", str(self.out / f"ckpt-{wid}"),
-            "--sync-every", str(self.args.sync_every), "--coordinator-timeout", "600"], self.out, self.env)
+            "--sync-every", str(self.args.sync_every), "--coordinator-timeout", "600",
+            *(["--checkpoint-every", "1"] if self.args.data_plane == "collective" else [])], self.out, self.env)
 
     def admin(self, *args: str) -> int:
         r = subprocess.run([sys.executable, "-m", "diloco", *args, "--connect", self.address, "--timeout", "10"],
@@ -254,7 +269,38 @@ def check_audit_log(path: Path) -> tuple[list[str], dict]:
     return violations, {"rounds_applied": n_applied, "incarnations": len(incs), "max_lost_rounds": max(lost, default=0)}
 
 
-def check_checkpoint(ckpt_dir: Path) -> tuple[list[str], dict]:
+def collective_params(out: Path) -> tuple[list[str], dict | None, str]:
+    """Check 6 and the newest committed params among the workers' checkpoints (collective plane)."""
+    import torch
+
+    from diloco.tensorfile import CheckpointError
+    from diloco.worker.checkpoint import load_worker_checkpoint
+
+    violations: list[str] = []
+    by_rounds: dict[tuple[int, ...], tuple[str, dict]] = {}
+    newest: tuple[tuple[int, ...], str, dict] | None = None
+    for path in sorted(out.glob("ckpt-*/worker-*.safetensors")):
+        try:
+            ckpt = load_worker_checkpoint(path)
+        except CheckpointError as exc:
+            violations.append(f"{path}: unreadable worker checkpoint ({exc})")
+            continue
+        rounds = tuple(ckpt.round_ids)
+        if rounds in by_rounds:
+            other, params = by_rounds[rounds]
+            diff = [n for n, t in ckpt.global_params.items() if not torch.equal(t, params[n])]
+            if diff:
+                violations.append(f"{path} and {other} hold rounds {list(rounds)} with different params {diff[:3]}")
+        else:
+            by_rounds[rounds] = (str(path), ckpt.global_params)
+        if newest is None or rounds > newest[0]:
+            newest = (rounds, str(path), ckpt.global_params)
+    if newest is None:
+        return violations + ["no worker checkpoint to read the committed params from"], None, ""
+    return violations, newest[2], newest[1]
+
+
+def check_checkpoint(ckpt_dir: Path, params_from_workers: Path | None = None) -> tuple[list[str], dict]:
     import torch
     from safetensors.torch import load_file
 
@@ -266,12 +312,17 @@ def check_checkpoint(ckpt_dir: Path) -> tuple[list[str], dict]:
     found = find_newest(ckpt_dir)
     if found is None:
         return [f"no valid checkpoint in {ckpt_dir}"], {}
-    path = found.path
-    tensors = load_file(str(path))  # plain safetensors: what anyone outside diloco would read
+    violations = []
+    if params_from_workers is not None:
+        violations, tensors, path = collective_params(params_from_workers)
+        if tensors is None:
+            return violations, {}
+    else:
+        path = found.path
+        tensors = load_file(str(path))  # plain safetensors: what anyone outside diloco would read
     model = build_model(ModelConfig(seq_len=default_entry.SEQ_LEN), seed=0)
     names = set(dict(model.named_parameters()))
     params = {n: t for n, t in tensors.items() if n in names}
-    violations = []
     if set(params) != names:
         violations.append(f"{path}: the checkpoint lacks parameters {sorted(names - set(params))[:3]}")
         return violations, {}
@@ -320,12 +371,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker-restart-max-s", type=float, default=5.0)
     ap.add_argument("--coordinator-restart-max-s", type=float, default=3.0)
     ap.add_argument("--out", default=None, help="folder for logs and checkpoints (default: a new temporary one)")
+    ap.add_argument("--data-plane", choices=("hub", "collective"), default="hub",
+                    help="the server's --data-plane (collective: workers also checkpoint every commit)")
     args = ap.parse_args(argv)
     if args.workers < 1 or not 1 <= args.min_workers <= args.workers or args.minutes <= 0:
         ap.error("need --workers >= 1, 1 <= --min-workers <= --workers, --minutes > 0")
     out = Path(args.out or tempfile.mkdtemp(prefix="diloco-chaos-"))
     out.mkdir(parents=True, exist_ok=True)
     print(f"chaos: seed {args.seed}, {args.minutes:g} min, {args.workers} workers, min_workers {args.min_workers}, "
+          f"data plane {args.data_plane}, "
           f"logs and checkpoints in {out}", flush=True)
     soak = Soak(args, out)
     try:
@@ -334,14 +388,14 @@ def main(argv: list[str] | None = None) -> int:
         soak.close()
     violations, log_stats = check_audit_log(out / "ckpt" / "events.jsonl")
     violations += soak.server_failures
-    ck_violations, ck_stats = check_checkpoint(out / "ckpt")
+    ck_violations, ck_stats = check_checkpoint(out / "ckpt", out if args.data_plane == "collective" else None)
     violations += ck_violations
     for v in violations:
         print(f"VIOLATION {v}", flush=True)
     print(f"audit log: {log_stats['rounds_applied']} applied rounds over {log_stats['incarnations']} coordinator "
           f"incarnations; checkpoint {ck_stats.get('checkpoint')}: held-out loss {ck_stats.get('loss_start', math.nan):.4f} "
           f"-> {ck_stats.get('loss_end', math.nan):.4f}; {soak.min_worker_changes} min_workers changes", flush=True)
-    print(f"RESULT chaos minutes={args.minutes:g} worker_kills={soak.worker_kills} "
+    print(f"RESULT chaos data_plane={args.data_plane} minutes={args.minutes:g} worker_kills={soak.worker_kills} "
           f"coordinator_kills={soak.coordinator_kills} rounds_applied={log_stats['rounds_applied']} "
           f"violations={len(violations)} max_lost_rounds={log_stats['max_lost_rounds']}", flush=True)
     return 1 if violations else 0
