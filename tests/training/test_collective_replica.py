@@ -1,0 +1,105 @@
+"""The collective plane's replica and its vote, without a group: propose, commit, abort, digest,
+the orphaned proposal a coordinator crash leaves, and the heal transfer's wire format."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from diloco.collective.endpoint import CollectiveEndpoint
+from diloco.collective.replica import Replica, digest
+from diloco.outer import OuterConfig
+from diloco.wire.messages import Welcome
+
+FRAGMENTS = (("a",), ("b",))
+
+
+def replica(wire_dtype: str = "fp32") -> Replica:
+    params = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(4)}
+    return Replica(params, FRAGMENTS, [0, 0], OuterConfig(), wire_dtype, 2)
+
+
+def test_a_proposal_changes_nothing_until_committed_and_an_abort_restores_params_and_momentum():
+    r = replica()
+    before = {n: t.clone() for n, t in r.params.items()}
+    vote = r.propose(0, 0, {"a": torch.full((2, 3), 0.5)})
+    assert not torch.equal(r.params["a"], before["a"])           # proposed in place ...
+    assert r.committed_optimizer_states()[0] == {"state": {}, "param_groups": r.optimizers[0].state_dict()["param_groups"]}
+    r.rollback(0)                                                 # ... and rolled back exactly
+    assert torch.equal(r.params["a"], before["a"]) and r.optimizers[0].state_dict()["state"] == {}
+    again = r.propose(0, 0, {"a": torch.full((2, 3), 0.5)})
+    assert again == vote, "the same inputs give the same vote"
+    assert not r.commit(0, 0, "another digest") and torch.equal(r.params["a"], before["a"])
+    r.propose(0, 0, {"a": torch.full((2, 3), 0.5)})
+    assert r.commit(0, 0, vote) and r.round_ids == [1, 0]
+    assert digest(r.fragment(0)) == vote and "momentum_buffer" in r.optimizer_states()[0]["state"][0]
+
+
+def test_the_digest_sees_one_flipped_bit_and_a_swapped_name():
+    params = {"a": torch.randn(1000), "b": torch.randn(10)}
+    base = digest(params)
+    flipped = {n: t.clone() for n, t in params.items()}
+    flipped["a"].view(torch.int32)[17] ^= 1
+    assert digest(flipped) != base
+    assert digest({"b": params["a"], "a": params["b"]}) != base
+
+
+def test_int8_and_bf16_round_the_step_like_the_hub_and_stay_finite():
+    for dtype in ("bf16", "int8"):
+        r = replica(dtype)
+        vote = r.propose(1, 0, {"b": torch.full((4,), 1e-3)})
+        assert len(vote) == 64 and bool(torch.isfinite(r.params["b"]).all())
+
+
+def test_an_orphaned_proposal_is_adopted_only_if_the_restarted_coordinator_committed_it():
+    for committed, adopted in (((0, "VOTE"), True), ((-1, ""), False)):
+        ep = CollectiveEndpoint(_NullEndpoint(), "w1")
+        ep.replica = replica()
+        vote = ep.replica.propose(0, 0, {"a": torch.full((2, 3), 0.5)})
+        proposed = ep.replica.params["a"].clone()
+        record = (0, vote) if committed[1] == "VOTE" else committed
+        welcome = Welcome("w1", (1, 0) if adopted else (0, 0), (), "sync", FRAGMENTS, 2, False, 1.0, {},
+                          data_plane="collective", committed=(record, (-1, "")))
+        ep._settle_orphans(welcome)
+        assert ep.replica.proposal(0) is None
+        assert torch.equal(ep.replica.params["a"], proposed) is adopted
+        assert (list(ep.adopted) == [(0, 0, vote)]) is adopted
+        assert ep.replica.round_ids[0] == (1 if adopted else 0)
+
+
+class _NullEndpoint:
+    def send(self, message) -> None: ...
+    def recv(self, timeout_s):
+        return None
+    def wake(self) -> None: ...
+    def close(self) -> None: ...
+
+
+def test_the_heal_transfer_carries_params_momentum_and_round_ids():
+    from diloco.collective import heal
+    from diloco.collective.store import StoreHost
+    from diloco.collective.groups import connect_store
+
+    host = StoreHost()
+    source = replica()
+    vote = source.propose(0, 0, {"a": torch.full((2, 3), 0.5)})
+    assert source.commit(0, 0, vote)
+    got = {}
+
+    def joiner():
+        got["state"] = heal.recv_state(connect_store("127.0.0.1", host.port, 10), "run/heal1", "127.0.0.1", 10)
+
+    t = threading.Thread(target=joiner)
+    t.start()
+    heal.send_state(connect_store("127.0.0.1", host.port, 10), "run/heal1", "127.0.0.1", 10, source.round_ids,
+                    source.params, source.optimizer_states())
+    t.join(20)
+    round_ids, params, states = got["state"]
+    assert round_ids == [1, 0]
+    assert all(torch.equal(params[n], source.params[n]) for n in source.params)
+    healed = Replica(params, FRAGMENTS, round_ids, OuterConfig(), "fp32", 2, states)
+    assert digest(healed.params) == digest(source.params)
+    assert torch.equal(healed.optimizer_states()[0]["state"][0]["momentum_buffer"],
+                       source.optimizer_states()[0]["state"][0]["momentum_buffer"])
+    assert host.forget("run/heal1", 2) == 2 and host.num_keys() == 0, "a retired prefix leaves no key behind"
