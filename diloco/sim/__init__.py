@@ -10,6 +10,7 @@ replays from its seed, and ``--replay`` proves a trace reproduces byte for byte.
     diloco sim --seed 7 --trace run.jsonl --plot run.png
     diloco sim --replay run.jsonl
     diloco sim --swarm 200
+    diloco sim --swarm 50 --data-plane collective
 """
 
 from __future__ import annotations

@@ -64,6 +64,7 @@ from __future__ import annotations
 import json
 from typing import Iterable
 
+from diloco.sim.checks.collective import CollectiveChecks
 from diloco.sim.checks.liveness import LivenessChecks
 from diloco.sim.checks.model import (  # noqa: F401 (re-exported: the checker's public names)
     ALLOWED_PHASE_MOVES,
@@ -82,7 +83,7 @@ from diloco.sim.checks.rounds import RoundChecks
 from diloco.sim.checks.workers import WorkerChecks
 
 
-class TraceChecker(WorkerChecks, RoundChecks, ParamsChecks, ReplyChecks, LivenessChecks):
+class TraceChecker(WorkerChecks, RoundChecks, ParamsChecks, ReplyChecks, LivenessChecks, CollectiveChecks):
     """Feed records in order with ``feed``; ``finish`` returns the violations.
 
     The families of invariants live in ``diloco.sim.checks`` (one mixin each); this
@@ -147,6 +148,7 @@ class TraceChecker(WorkerChecks, RoundChecks, ParamsChecks, ReplyChecks, Livenes
                            lost_with_crash=0, rolled_back_rounds=0, joins=0, deaths=0, leaves=0,
                            coordinator_crashes=0, snapshots=0, outer_steps_checked=0, results=0,
                            messages=0, drops=0, pending_at_end=0, steps_refused=0)
+        self._init_collective()
 
     # ------------------------------------------------------------------ API
 
@@ -225,6 +227,7 @@ class TraceChecker(WorkerChecks, RoundChecks, ParamsChecks, ReplyChecks, Livenes
         self.hb_interval_s = rec["heartbeat_interval_s"]
         self.min_workers = rec["min_workers"]
         self.pending = [{} for _ in range(rec["num_fragments"])]
+        self._collective_config(rec)
 
 
 def check_records(records: Iterable[dict]) -> tuple[list[Violation], TraceChecker]:

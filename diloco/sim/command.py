@@ -10,7 +10,16 @@ import time
 from typing import TYPE_CHECKING
 
 from diloco.argtypes import flag_value
-from diloco.sim.config import FAULT_LEVELS, MAX_FRAGMENTS, MAX_ROUNDS, MAX_WORKERS, SHUTDOWN_KINDS, derive_config
+from diloco.sim.config import (
+    DATA_PLANES,
+    FAULT_LEVELS,
+    MAX_FRAGMENTS,
+    MAX_ROUNDS,
+    MAX_WORKERS,
+    REDUCE_FAULT_KINDS,
+    SHUTDOWN_KINDS,
+    derive_config,
+)
 
 if TYPE_CHECKING:  # diloco.sim.run loads the coordinator and torch: only when a run starts
     from diloco.sim.run import RunResult
@@ -37,10 +46,28 @@ independent Nesterov / Delayed Nesterov computation, every worker's params
 against the coordinator's, and the workers' own rules (W5 train only with
 nothing pending, W6 pause below quorum, W8 retry held_limit a heartbeat later).
 
+--data-plane collective runs the coordinator on the collective plane (SPEC.md
+C1-C7, sync only): the coordinator holds no model; each simulated worker keeps
+a replica (the real diloco.collective.replica.Replica), all-reduces its
+pseudo-gradient with its group over a simulated gloo (groups formed on the
+coordinator's store, rebuilt when the prefix moves), proposes the outer step,
+reports its digest and adopts it only on the commit; joiners heal from a
+member. On top of the faults above, a member's reduce may be hit by one of
+  REDUCE_FAULTS:
+it dies inside the reduce, its report is lost, it reports another digest, its
+collective fails, or its data plane wedges past the reduce timeout; a heal
+fails when its source is gone. The checker then also verifies I13
+(every commit is the open attempt's whole group, at least min_workers, each
+confirming the committed digest), I14 (orders and aborts), C5 (a broken
+attempt is not left open), C4 (no worker adopts an outer step that was not
+committed, nor one it did not propose; one commit, one set of params), C6
+(who starts the run, who heals from whom, and that a heal copies its source)
+and "fork" (honest members of an attempt proposing different digests).
+
 The seed is printed first, and again with the exact re-run command on any
 failure. The last line is machine-readable:
   RESULT sim seed=N events=N applied_rounds=N trace_sha256=HEX violations=N
-"""
+""".replace("REDUCE_FAULTS", ", ".join(REDUCE_FAULT_KINDS))
 
 EPILOG = """\
 examples:
@@ -48,6 +75,7 @@ examples:
   diloco sim --seed 7 --workers 8 --faults heavy --trace run.jsonl --plot run.png
   diloco sim --replay run.jsonl                        re-run it; exit 1 at the first differing record
   diloco sim --swarm 200 --seed 1000 --jobs 2          seeds 1000..1199; report the failing seeds
+  diloco sim --swarm 50 --data-plane collective        the collective data plane, 50 seeds
 
 exit codes: 0 every invariant held (and a replay matched), 1 a violation, a crash or
 a divergence (the seed is printed), 2 bad usage"""
@@ -73,6 +101,10 @@ def register(subparsers) -> None:
     run.add_argument("--fragments", type=_int_in("--fragments", 1, MAX_FRAGMENTS), metavar="F",
                      help="Streaming DiLoCo fragments")
     run.add_argument("--shutdown", choices=SHUTDOWN_KINDS, help="how the run ends after the liveness phase")
+    run.add_argument("--data-plane", choices=DATA_PLANES, dest="data_plane",
+                     help="where rounds are combined: hub (default: the coordinator runs the outer step) or "
+                          "collective (the workers all-reduce, propose and vote; sync only, so the seed's mode "
+                          "is ignored; adds the reduce faults and the I13/I14/C4-C6 checks)")
     out = p.add_argument_group("output")
     out.add_argument("--trace", metavar="FILE.jsonl", help="write the trace (one JSON record per line)")
     out.add_argument("--plot", metavar="FILE.png", help="write the membership timeline (PNG)")
@@ -86,7 +118,7 @@ def register(subparsers) -> None:
     p.set_defaults(handler=handle)
 
 
-_OVERRIDES = ("workers", "rounds", "faults", "mode", "fragments", "shutdown")
+_OVERRIDES = ("workers", "rounds", "faults", "mode", "fragments", "shutdown", "data_plane")
 
 
 def _usage(msg: str):
@@ -100,13 +132,15 @@ def _overrides(args) -> dict:
 
 
 def _rerun_command(seed: int, overrides: dict, extra: str = "") -> str:
-    flags = "".join(f" --{k} {v}" for k, v in overrides.items())
+    flags = "".join(f" --{k.replace('_', '-')} {v}" for k, v in overrides.items())
     return f"diloco sim --seed {seed}{flags}{extra}"
 
 
 def handle(args) -> int:
+    if args.data_plane == "collective" and args.mode == "async":
+        raise _usage("--data-plane collective is sync only (SPEC.md C1): drop --mode async")
     if args.replay is not None:
-        given = [f"--{k}" for k in ("seed",) + _OVERRIDES if getattr(args, k) is not None]
+        given = [f"--{k.replace('_', '-')}" for k in ("seed",) + _OVERRIDES if getattr(args, k) is not None]
         if args.swarm is not None:
             given.append("--swarm")
         if args.trace is not None:
@@ -179,6 +213,12 @@ def format_summary(r: RunResult) -> list[str]:
     faults = ", ".join(f"{k} {v}" for k, v in sorted(s.faults.items())) or "none"
     rows.append(("faults", faults))
     rows.append(("coordinator", f"{c.get('coordinator_crashes', 0)} crashes, {c.get('snapshots', 0)} snapshots"))
+    if cfg.collective:
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(c.get("abort_reasons", {}).items())) or "none"
+        rows.append(("collective", f"{c.get('reduce_orders', 0):,} orders, {c.get('commits', 0):,} commits, "
+                                   f"{c.get('reduce_aborts', 0):,} aborts ({reasons}); {c.get('reports', 0):,} "
+                                   f"reports; adopted {c.get('adopt_commit', 0):,} commits, "
+                                   f"{c.get('adopt_heal', 0):,} heals, {c.get('adopt_start', 0):,} starts"))
     end = s.end_reason
     if s.stop_at_s is not None:
         end += f" ({cfg.shutdown}{', while paused' if cfg.shutdown_paused else ''}) at {s.stop_at_s:,.1f} s"
@@ -186,7 +226,9 @@ def format_summary(r: RunResult) -> list[str]:
     if r.divergence is not None:
         rows.append(("replay", "DIVERGED"))
     verdict = "all hold" if r.violation_count == 0 else f"{r.violation_count} VIOLATION(S)"
-    rows.append(("invariants", f"{verdict} (I1 I2 I3 I4 I5 I6 I7 I11 I12, W5 W6 W8, outer steps, params)"))
+    checked = "I1 I2 I3 I4 I5 I6 I7 I11 I12 I13 I14, C4 C5 C6, W5 W6 W8" if cfg.collective else \
+        "I1 I2 I3 I4 I5 I6 I7 I11 I12, W5 W6 W8, outer steps, params"
+    rows.append(("invariants", f"{verdict} ({checked})"))
     if r.plot_path:
         rows.append(("plot", r.plot_path))
     width = max(len(k) for k, _ in rows)
@@ -231,7 +273,8 @@ def _swarm_one(item):
     except Exception as exc:  # noqa: BLE001 - a crash of one seed is a failure of that seed
         return seed, False, f"crash: {type(exc).__name__}: {exc}", "", 0, 0.0, ""
     first = str(r.violations[0]) if r.violations else (r.stats.error.strip().splitlines()[-1] if r.stats.error else "")
-    desc = f"{r.cfg.mode:<5} w={r.cfg.workers:<3} min={r.cfg.min_workers:<3} f={r.cfg.num_fragments} " \
+    desc = ("coll " if r.cfg.collective else "") + \
+        f"{r.cfg.mode:<5} w={r.cfg.workers:<3} min={r.cfg.min_workers:<3} f={r.cfg.num_fragments} " \
            f"faults={r.cfg.faults:<5} end={r.cfg.shutdown}"
     return seed, r.ok, first, desc, r.stats.events, r.wall_s, r.trace_sha256
 

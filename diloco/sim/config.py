@@ -15,7 +15,7 @@ so adding a knob here does not reshuffle every run's fault schedule.
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from diloco.worker.session import JOIN_RESEND_MAX_S, RESYNC_INTERVALS
 
@@ -26,6 +26,17 @@ SHUTDOWN_KINDS = ("none", "drain", "save_and_stop", "abort")
 #: Fault kinds the safety phase injects.
 FAULT_KINDS = ("crash", "leave", "kick", "freeze", "partition", "coord_crash", "straggle",
                "min_workers", "join")
+#: Where rounds are combined (SPEC.md C1): the coordinator (hub) or the workers' groups (collective).
+DATA_PLANES = ("hub", "collective")
+#: Collective plane: faults a group member's reduce may be given (``diloco.sim.collective``): it dies
+#: inside the reduce, its report is lost, it reports another digest, it reports failure, or its
+#: data plane wedges after the collective (no report: the core's reduce timeout ends the attempt).
+REDUCE_FAULT_KINDS = ("reduce_crash", "report_lost", "digest_mismatch", "report_fail", "wedge")
+
+#: Heals a joiner tries before it gives up, and how many collective timeouts bound one heal
+#: (``diloco.collective.endpoint.MAX_HEAL_ATTEMPTS``, ``HEAL_TIMEOUTS``).
+COLLECTIVE_HEAL_ATTEMPTS = 5
+COLLECTIVE_HEAL_TIMEOUTS = 6
 
 #: Hard limits on the overrides (a limit on everything that grows).
 MAX_WORKERS = 100_000
@@ -108,6 +119,24 @@ class SimConfig:
     param_sizes: tuple[int, ...]
     #: Overrides given on the command line (for the record; the values above already include them).
     overrides: dict = field(default_factory=dict)
+    #: "hub" or "collective" (an override only: a seed alone always means a hub run). The knobs
+    #: below are the collective plane's, drawn from their own stream ``f"{seed}/collective"``;
+    #: a hub run's trace leaves them out of its config record.
+    data_plane: str = "hub"
+    #: The core's reduce timeout (an attempt missing reports this long after its order aborts).
+    reduce_timeout_s: float = 0.0
+    #: Each group creation, collective and heal transfer on a worker is bounded by this.
+    collective_timeout_s: float = 0.0
+    #: A group's creation (store rendezvous and barrier), one all-reduce, one heal transfer.
+    group_build_s: float = 0.0
+    reduce_s: float = 0.0
+    heal_s: float = 0.0
+    #: Chance that an attempt's reduce gets one of ``REDUCE_FAULT_KINDS`` (0 without faults; each of
+    #: its k members draws with ``reduce_fault_p / k``), their
+    #: relative weights, and how long a wedged data plane stays wedged (in reduce timeouts).
+    reduce_fault_p: float = 0.0
+    reduce_fault_weights: tuple[float, ...] = ()
+    wedge_factor: float = 0.0
 
     # ------------------------------------------------------------ derived timings
 
@@ -146,8 +175,16 @@ class SimConfig:
         straggled = self.max_segment_s * self.straggle_max_factor
         rejoin = 3 * self.heartbeat_timeout_s + JOIN_RESEND_MAX_S
         resync = RESYNC_INTERVALS * self.heartbeat_interval_s + straggled + self.heartbeat_timeout_s
-        return (4 * self.heartbeat_timeout_s + rejoin + resync + straggled
-                + (self.num_fragments + 1) * self.max_segment_s + 10.0)
+        bound = (4 * self.heartbeat_timeout_s + rejoin + resync + straggled
+                 + (self.num_fragments + 1) * self.max_segment_s + 10.0)
+        if self.collective:
+            # Collective: an attempt ordered before the heal may run out its reduce timeout (a
+            # wedge its reduce timeouts more), a joiner may need a few heals (each bounded by the
+            # collective timeout) and every fragment a reduce and a retry.
+            heal = COLLECTIVE_HEAL_ATTEMPTS * (2 * COLLECTIVE_HEAL_TIMEOUTS * self.collective_timeout_s + self.heal_s)
+            bound += ((2 + self.wedge_factor) * self.reduce_timeout_s + heal
+                      + 2 * self.num_fragments * (self.group_build_s + self.reduce_s + self.collective_timeout_s))
+        return bound
 
     @property
     def linger_s(self) -> float:
@@ -160,17 +197,33 @@ class SimConfig:
         per_round = self.max_segment_s * (1.0 if self.mode == "sync" else 1.0 / max(1, self.workers))
         return 20 * self.heartbeat_timeout_s + 4 * self.rounds * per_round + 60.0
 
+    @property
+    def collective(self) -> bool:
+        return self.data_plane == "collective"
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["fault_weights"] = list(self.fault_weights)
         d["param_sizes"] = list(self.param_sizes)
+        if self.collective:
+            d["reduce_fault_weights"] = list(self.reduce_fault_weights)
+        else:
+            # A hub run's config record is what it was before the collective plane existed.
+            for name in _COLLECTIVE_FIELDS:
+                del d[name]
         return d
 
     def describe(self) -> str:
-        return (f"mode={self.mode} workers={self.workers} min_workers={self.min_workers} "
+        plane = (f"data_plane=collective reduce_timeout_s={self.reduce_timeout_s:.1f} "
+                 f"collective_timeout_s={self.collective_timeout_s:.2f} " if self.collective else "")
+        return (f"{plane}mode={self.mode} workers={self.workers} min_workers={self.min_workers} "
                 f"fragments={self.num_fragments} faults={self.faults} rounds={self.rounds} "
                 f"shutdown={self.shutdown} heartbeat_timeout_s={self.heartbeat_timeout_s:.1f} "
                 f"train_s={self.train_s:.1f}")
+
+
+_COLLECTIVE_FIELDS = ("data_plane", "reduce_timeout_s", "collective_timeout_s", "group_build_s", "reduce_s",
+                      "heal_s", "reduce_fault_p", "reduce_fault_weights", "wedge_factor")
 
 
 def _check_override(name: str, value, low: int, high: int) -> int:
@@ -181,8 +234,13 @@ def _check_override(name: str, value, low: int, high: int) -> int:
 
 def derive_config(seed: int, *, workers: int | None = None, rounds: int | None = None,
                   faults: str | None = None, mode: str | None = None,
-                  fragments: int | None = None, shutdown: str | None = None) -> SimConfig:
-    """The run that ``seed`` (plus the given overrides) stands for."""
+                  fragments: int | None = None, shutdown: str | None = None,
+                  data_plane: str | None = None) -> SimConfig:
+    """The run that ``seed`` (plus the given overrides) stands for.
+
+    ``data_plane="collective"`` runs the coordinator on the collective plane (SPEC.md C1-C7),
+    which is sync only: the seed's mode draw is ignored, and ``mode="async"`` with it is refused.
+    """
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise SimConfigError(f"seed={seed!r} is invalid: expected an integer >= 0")
     overrides = {}
@@ -204,6 +262,15 @@ def derive_config(seed: int, *, workers: int | None = None, rounds: int | None =
         if shutdown not in SHUTDOWN_KINDS:
             raise SimConfigError(f"shutdown={shutdown!r} is invalid: expected one of {', '.join(SHUTDOWN_KINDS)}")
         overrides["shutdown"] = shutdown
+    if data_plane is not None:
+        if data_plane not in DATA_PLANES:
+            raise SimConfigError(f"data_plane={data_plane!r} is invalid: expected one of {', '.join(DATA_PLANES)}")
+        if data_plane == "collective" and overrides.get("mode") == "async":
+            raise SimConfigError("mode='async' is invalid with data_plane='collective': the collective plane "
+                                 "is sync only (SPEC.md C1)")
+        if data_plane != "hub":
+            overrides["data_plane"] = data_plane
+    collective = overrides.get("data_plane") == "collective"
 
     rng = random.Random(seed)
     # A fixed number of draws in a fixed order, before any override is looked at.
@@ -226,7 +293,7 @@ def derive_config(seed: int, *, workers: int | None = None, rounds: int | None =
         n_workers = 5 + int(u[1] * 8)          # 5..12
     n_rounds = overrides.get("rounds") or 8 + int(u[2] * 33)
     level = overrides.get("faults") or pick(u[3], [(0.15, "none"), (0.40, "light"), (0.45, "heavy")])
-    run_mode = overrides.get("mode") or ("sync" if u[4] < 0.65 else "async")
+    run_mode = "sync" if collective else overrides.get("mode") or ("sync" if u[4] < 0.65 else "async")
     n_frag = overrides.get("fragments") or pick(u[5], [(0.6, 1), (0.25, 2), (0.1, 3), (0.05, 4)])
     if u[6] < 0.3:
         min_w = n_workers
@@ -299,17 +366,46 @@ def derive_config(seed: int, *, workers: int | None = None, rounds: int | None =
         param_sizes=sizes,
         overrides=overrides,
     )
+    if collective:
+        cfg = replace(cfg, **_collective_knobs(seed, cfg))
     return cfg
 
+
+def _collective_knobs(seed: int, cfg: SimConfig) -> dict:
+    """The collective plane's knobs, from their own stream (the hub knobs of the seed stay as they are).
+
+    The coordinator's rules (``CoordinatorConfig``): the collective timeout is below the
+    heartbeat timeout and the reduce timeout well above it (SPEC.md C7: at least four times).
+    A heal may take longer than a session's join resend (2.5 s), as a real model's does.
+    """
+    rng = random.Random(f"{seed}/collective")
+    u = [rng.random() for _ in range(12)]
+    weights_u = [rng.random() for _ in REDUCE_FAULT_KINDS]
+    timeout = cfg.heartbeat_timeout_s
+    collective_timeout = timeout * (0.1 + 0.2 * u[0])
+    p = {"none": 0.0, "light": 0.01 + 0.04 * u[5], "heavy": 0.05 + 0.15 * u[5]}[cfg.faults]
+    return dict(
+        data_plane="collective",
+        collective_timeout_s=round(collective_timeout, 6),
+        reduce_timeout_s=round(collective_timeout * (4.0 + 6.0 * u[1]), 6),
+        group_build_s=round(collective_timeout * (0.01 + 0.1 * u[2]), 6),
+        reduce_s=round(min(collective_timeout * (0.02 + 0.3 * u[3]), cfg.train_s * 0.2), 6),
+        heal_s=round(collective_timeout * (0.05 + 0.6 * u[4]), 6),
+        reduce_fault_p=round(p, 6),
+        reduce_fault_weights=tuple(round(0.2 + w, 6) for w in weights_u),
+        wedge_factor=round(1.0 + 1.5 * u[6], 6),
+    )
 
 def config_from_dict(d: dict) -> SimConfig:
     """Rebuild a config from a trace's first record (``--replay``)."""
     names = {f.name for f in fields(SimConfig)}
-    missing = sorted(names - set(d))
+    missing = sorted(names - set(d) - set(_COLLECTIVE_FIELDS))
     if missing:
         raise SimConfigError(f"the trace's config record lacks {missing}")
-    kwargs = {k: d[k] for k in names}
+    kwargs = {k: d[k] for k in names if k in d}
     kwargs["fault_weights"] = tuple(kwargs["fault_weights"])
+    if "reduce_fault_weights" in kwargs:
+        kwargs["reduce_fault_weights"] = tuple(kwargs["reduce_fault_weights"])
     kwargs["param_sizes"] = tuple(kwargs["param_sizes"])
     return SimConfig(**kwargs)
 

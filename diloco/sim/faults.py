@@ -97,6 +97,14 @@ class FaultInjector:
     def _count(self, kind: str) -> None:
         self.stats.faults[kind] = self.stats.faults.get(kind, 0) + 1
 
+    count_fault = _count
+
+    def crash_in_reduce(self, w: SimWorker, where: str) -> None:
+        """Collective plane: ``w`` dies inside a reduce (its fault was drawn and counted already)."""
+        self.emit({"k": "fault", "t": self.now, "what": "crash", "w": w.wid, "why": f"inside the reduce, {where}"})
+        w.crash()
+        self._after_exit(w, crashed=True)
+
     def _fault(self, _arg=None) -> None:
         if self.phase != "safety":
             return

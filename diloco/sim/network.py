@@ -29,15 +29,21 @@ from typing import TYPE_CHECKING
 
 from diloco.sim.config import MAX_LINK_DELAY_S
 from diloco.sim.trace import hash_values
+import dataclasses
+
 from diloco.wire.messages import (
     Accepted,
     AdminReply,
     AdminRequest,
     Error,
+    HealOrder,
     Heartbeat,
     HeartbeatReply,
     Join,
     Leave,
+    ReduceAbort,
+    ReduceOrder,
+    ReduceReport,
     Result,
     Submit,
     Welcome,
@@ -90,13 +96,17 @@ class Network:
         d = base - _log(1.0 - self._random()) * self._jitter * base
         return d if d < MAX_LINK_DELAY_S else MAX_LINK_DELAY_S
 
-    def send_from_worker(self, w: SimWorker, msg) -> None:
+    def send_from_worker(self, w: SimWorker, msg, lose: str = "") -> None:
         """Hand a worker's message to the network. It is traced when delivered (``recv``, with
-        its fields and ``ts``, the send time) or lost (``drop``, the same fields)."""
+        its fields and ``ts``, the send time) or lost (``drop``, the same fields). ``lose``: an
+        injected fault loses it (the ``drop`` record's ``why``)."""
         self._mid += 1
         mid = self._mid
         peer = w.peer
         self.stats.messages_sent += 1
+        if lose:
+            self._drop_from_worker(mid, peer, msg, self.now, lose)
+            return
         if self._partitioned and self._partitioned.get(w.wid):
             self._drop_from_worker(mid, peer, msg, self.now, "partition")
             return
@@ -134,7 +144,7 @@ class Network:
         rec.update(fields)
         if typ is Accepted:
             self.emit(rec, f'{head}"type":"Accepted","fragment_id":{msg.fragment_id},"round_id":{msg.round_id}}}')
-        elif typ is Result:
+        elif typ is Result and not msg.digest:
             self.emit(rec, f'{head}"type":"Result","fragment_id":{msg.fragment_id},"round_id":{msg.round_id},'
                            f'"outcome":"{msg.outcome}","next_round_id":{msg.next_round_id},"h":"{fields["h"]}"}}')
         else:
@@ -226,11 +236,12 @@ class Network:
             return msg, {"type": "Result", "fragment_id": msg.fragment_id, "round_id": msg.round_id,
                          "outcome": msg.outcome, "next_round_id": msg.next_round_id, "h": h}
         if typ is Welcome:
+            if msg.data_plane == "collective":
+                return msg, _encode(msg)  # no params: the joiner heals from a member (SPEC.md C6)
             frozen = _tensor_fields_frozen(msg.params)
             values = {n: t.tolist() for n, t in frozen.items()}
             hf = [hash_values((n, values[n]) for n in names) for names in msg.fragments]
-            msg = Welcome(msg.worker_id, msg.round_ids, msg.parked, msg.mode, msg.fragments, msg.min_workers,
-                          msg.below_min_workers, msg.heartbeat_interval_s, frozen)
+            msg = dataclasses.replace(msg, params=frozen)
             rec = _encode(msg)
             rec["hf"] = hf
             return msg, rec
@@ -261,20 +272,42 @@ def _encode(msg) -> dict:
         return {"type": "Accepted", "fragment_id": msg.fragment_id, "round_id": msg.round_id}
     if typ is Result:
         h = hash_values((n, t.tolist()) for n, t in msg.params.items()) if msg.params else ""
-        return {"type": "Result", "fragment_id": msg.fragment_id, "round_id": msg.round_id,
-                "outcome": msg.outcome, "next_round_id": msg.next_round_id, "h": h}
+        rec = {"type": "Result", "fragment_id": msg.fragment_id, "round_id": msg.round_id,
+               "outcome": msg.outcome, "next_round_id": msg.next_round_id, "h": h}
+        if msg.digest:
+            rec["digest"] = msg.digest
+        return rec
     if typ is Error:
         code = msg.code.value if hasattr(msg.code, "value") else str(msg.code)
         return {"type": "Error", "code": code, "detail": msg.detail, "in_reply_to": msg.in_reply_to}
     if typ is Join:
         v = _values(msg.params)
-        return {"type": "Join", "worker_id": msg.worker_id, "protocol_version": msg.protocol_version,
-                "spec": [[s.name, list(s.shape), s.dtype] for s in msg.spec], "h": hash_values(v.items()), "v": v}
+        rec = {"type": "Join", "worker_id": msg.worker_id, "protocol_version": msg.protocol_version,
+               "spec": [[s.name, list(s.shape), s.dtype] for s in msg.spec], "h": hash_values(v.items()), "v": v}
+        if msg.holds_params:
+            rec["holds_params"] = True
+        return rec
     if typ is Welcome:
-        return {"type": "Welcome", "worker_id": msg.worker_id, "round_ids": list(msg.round_ids),
-                "parked": [list(p) for p in msg.parked], "mode": msg.mode,
-                "fragments": [list(f) for f in msg.fragments], "min_workers": msg.min_workers,
-                "below_min_workers": msg.below_min_workers, "heartbeat_interval_s": msg.heartbeat_interval_s}
+        rec = {"type": "Welcome", "worker_id": msg.worker_id, "round_ids": list(msg.round_ids),
+               "parked": [list(p) for p in msg.parked], "mode": msg.mode,
+               "fragments": [list(f) for f in msg.fragments], "min_workers": msg.min_workers,
+               "below_min_workers": msg.below_min_workers, "heartbeat_interval_s": msg.heartbeat_interval_s}
+        if msg.data_plane == "collective":
+            rec.update(data_plane=msg.data_plane, heal_source=msg.heal_source, heal_prefix=msg.heal_prefix,
+                       committed=[list(c) for c in msg.committed])
+        return rec
+    if typ is ReduceOrder:
+        return {"type": "ReduceOrder", "fragment_id": msg.fragment_id, "round_id": msg.round_id,
+                "attempt": msg.attempt, "group": list(msg.group), "prefix": msg.prefix}
+    if typ is ReduceReport:
+        return {"type": "ReduceReport", "worker_id": msg.worker_id, "fragment_id": msg.fragment_id,
+                "round_id": msg.round_id, "attempt": msg.attempt, "ok": msg.ok, "digest": msg.digest,
+                "detail": msg.detail}
+    if typ is ReduceAbort:
+        return {"type": "ReduceAbort", "fragment_id": msg.fragment_id, "round_id": msg.round_id,
+                "attempt": msg.attempt, "reason": msg.reason}
+    if typ is HealOrder:
+        return {"type": "HealOrder", "joiner": msg.joiner, "prefix": msg.prefix}
     if typ is Leave:
         return {"type": "Leave", "worker_id": msg.worker_id}
     if typ is AdminReply:

@@ -14,6 +14,10 @@ This module keeps ``Simulation``: the run loop, the worker processes and their
 supervisor, the coordinator's driving (each step's records, then its sends),
 snapshots, and the shutdown that ends some runs (drain, save-and-stop, abort:
 every worker must have stopped within the coordinator's linger).
+
+``diloco sim --data-plane collective`` runs the coordinator on the collective plane; the
+workers' data plane (gloo groups on the coordinator's store, heals, the replicas) is
+``diloco.sim.collective``.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from diloco.sim.faults import FaultInjector
 from diloco.sim.network import ADMIN, COORDINATOR, Network, _encode
 from diloco.sim.scheduler import EventQueue
 from diloco.sim.trace import TRACE_FORMAT, TRACE_VERSION, ConsumerAbort, TraceWriter, hash_values
+from diloco.sim.collective import SimGloo
 from diloco.sim.worker import SimWorker
 
 
@@ -85,15 +90,26 @@ class Simulation(EventQueue, Network, FaultInjector):
         self.param_spec = spec_of(self.initial_params)
         self.param_sizes = {f"p{i}": n for i, n in enumerate(cfg.param_sizes)}
         # the coordinator
+        plane = {}
+        if cfg.collective:
+            plane = dict(data_plane="collective", reduce_timeout_s=cfg.reduce_timeout_s)
         self.coord_config = CoordinatorConfig(
             fsm=FSMConfig(min_workers=cfg.min_workers, mode=cfg.mode, num_fragments=cfg.num_fragments,
                           heartbeat_timeout_s=cfg.heartbeat_timeout_s, max_staleness=cfg.max_staleness,
-                          max_held_per_fragment=cfg.max_held_per_fragment, max_workers=cfg.max_workers),
+                          max_held_per_fragment=cfg.max_held_per_fragment, max_workers=cfg.max_workers,
+                          **plane),
             outer=OuterConfig("nesterov" if self.sync else "delayed_nesterov", cfg.outer_lr,
                               cfg.outer_momentum, cfg.outer_delay),
             heartbeat_interval_s=cfg.heartbeat_interval_s,
+            collective_timeout_s=cfg.collective_timeout_s if cfg.collective else 0.0,
         )
         self.coord: Coordinator | None = Coordinator(self.coord_config, 0.0, observer=self._observe)
+        #: Collective plane: the workers' data plane (gloo groups on the coordinator's store).
+        self.gloo: SimGloo | None = None
+        if cfg.collective:
+            # The run's secret names store prefixes; random in a real run, seeded here (determinism).
+            self.coord.collective.secret = random.Random(f"{cfg.seed}/secret").getrandbits(64).to_bytes(8, "big").hex()
+            self.gloo = SimGloo(self)
         self._coord_exited = False
         self._snapshot: tuple[dict, dict] | None = None
         # phases
@@ -199,11 +215,14 @@ class Simulation(EventQueue, Network, FaultInjector):
         rec.update(info)
         if what == "apply":
             fid = info["fragment_id"]
-            params = {n: t.tolist() for n, t in self.coord.store.fragment_params(fid).items()}
-            rec["p"] = params
-            rec["h"] = hash_values(params.items())
+            if self.coord.store is not None:
+                params = {n: t.tolist() for n, t in self.coord.store.fragment_params(fid).items()}
+                rec["p"] = params
+                rec["h"] = hash_values(params.items())
             rec["contributors"] = list(info["contributors"])
             self._on_applied(fid, len(info["contributors"]))
+        elif what == "reduce":
+            rec["group"] = list(info["group"])
         elif what == "join":
             rec["parked"] = [list(p) for p in info.get("parked", ())]
         elif what == "stop":
@@ -267,16 +286,20 @@ class Simulation(EventQueue, Network, FaultInjector):
     def _record_state(self, what: str, step: int | None = None) -> None:
         coord = self.coord
         store = coord.store
-        hf = [hash_values((n, store.params[n].tolist()) for n in names) for names in store.fragments]
         rec = {"k": "fault", "t": self.now, "what": what, "rounds": list(coord.fsm.open_round_ids()),
-               "min_workers": coord.fsm.min_workers, "hf": hf}
+               "min_workers": coord.fsm.min_workers}
+        if coord.collective is not None:
+            # No params on this plane (SPEC.md C6): the durable record is each fragment's last commit.
+            rec["commits"] = [list(c) for c in coord.collective.last_commit]
+        else:
+            rec["hf"] = [hash_values((n, store.params[n].tolist()) for n in names) for names in store.fragments]
         if step is not None:
             rec["s"] = step
         self.emit(rec)
 
     def _take_snapshot(self, _arg=None) -> None:
         coord = self.coord
-        if coord is not None and coord.store is not None and not coord.stopped and self.phase != "shutdown":
+        if coord is not None and coord.has_state and not coord.stopped and self.phase != "shutdown":
             self._snapshot = coordinator_state(coord)
             self._record_state("snapshot")
         if not self._done:
@@ -285,6 +308,8 @@ class Simulation(EventQueue, Network, FaultInjector):
     def _coord_crash(self) -> None:
         self.emit({"k": "fault", "t": self.now, "what": "coord_crash"})
         self.coord = None
+        if self.gloo is not None:
+            self.gloo.store_lost()  # the rendezvous store lives in the coordinator's process
 
     def _coord_restart(self, _arg=None) -> None:
         if self.coord is not None or self._snapshot is None:
@@ -314,4 +339,6 @@ class Simulation(EventQueue, Network, FaultInjector):
     def _coordinator_exits(self, _arg=None) -> None:
         self.emit({"k": "phase", "t": self.now, "what": "coordinator_exit"})
         self.coord = None
+        if self.gloo is not None:
+            self.gloo.store_lost()
         self._end("stopped")

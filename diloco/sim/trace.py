@@ -16,13 +16,19 @@ Record kinds (every record has ``k``, the kind, and ``t``, simulated seconds):
 ``tick`` ``lost`` ``admin``   other coordinator steps: a clock tick that changed something,
             the transport reporting a peer gone, an operator command.
 ``obs``     an event from the coordinator's observer (``what``: join, dead, left, quorum,
-            phase, apply, stop), in the order it fired; ``apply`` carries the fragment's
-            params after the step (``p``) and their hash.
+            phase, apply, stop; collective: reduce, abort, reduce_failed), in the order it
+            fired; ``apply`` carries the fragment's params after the step (``p``) and their
+            hash (hub), or the committed ``digest`` (collective).
 ``worker``  a worker's state changed (``diloco.worker.states``: joining, training, waiting,
             paused, stopping, stopped; frozen and dead as observed); ``adopt``: a worker
-            installed params for a fragment (``h``).
+            installed params for a fragment (``h``). Collective plane: ``adopt`` is a change
+            of the worker's replica (``src``: ``commit`` with the digest ``d``, ``heal``
+            ``from`` a member, or ``start``; ``r``, the round it is at after it; ``p``, the peer).
 ``fault``   a fault injected or healed, a snapshot, a coordinator crash or restart, a
-            supervisor restarting a worker that exited (``why``, ``resume``).
+            supervisor restarting a worker that exited (``why``, ``resume``). Collective
+            plane: a reduce fault (``what`` one of ``REDUCE_FAULT_KINDS``, with ``w``, ``f``,
+            ``r``, ``a``: worker, fragment, round, attempt), a heal that failed
+            (``heal_failed``, ``why``); snapshots carry ``commits`` instead of ``hf``.
 ``phase``   the simulation moved on: heal (with the liveness bound), liveness_ok,
             shutdown, end.
 

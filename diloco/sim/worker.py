@@ -29,6 +29,11 @@ the session's events and carries out the actions the session returns, in order:
   exit its supervisor retries; any other means a worker got something it
   could not use, and the run fails (``SimWorkerFailure``).
 
+On a collective run (``SimConfig.data_plane``) ``plane`` (``diloco.sim.collective.SimEndpoint``)
+stands where ``CollectiveEndpoint`` stands in the real worker: every message of the session
+goes out through it, every coordinator message comes in through it, and what it hands the
+session later (a healed Welcome, a commit's Result) arrives through ``deliver_local``.
+
 A process keeps one connection for its life, as the real worker keeps one
 ZeroMQ DEALER socket with a fixed routing id: re-joins, resyncs and a
 restarted coordinator all use it. Only a new incarnation (a restart) connects
@@ -45,6 +50,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from diloco.sim.collective import SimEndpoint
 from diloco.sim.trace import hash_values
 from diloco.wire.messages import PROTOCOL_VERSION, Heartbeat, Join, Submit
 from diloco.worker.actions import (
@@ -72,6 +78,8 @@ TICK_S = 0.5
 _HB_SLACK_S = 1e-6
 #: Fail codes of a refused join a real worker exits on and its supervisor retries.
 RESTARTABLE_FAILS = frozenset({"too_many_workers", "already_member"})
+#: What a collective joiner that could not copy the run's state says when it gives up.
+_HEAL_FAILED = "could not copy the run's state"
 
 _MEMBER = (WorkerState.TRAINING, WorkerState.WAITING, WorkerState.PAUSED)
 
@@ -128,6 +136,8 @@ class SimWorker:
         self._mid = 0          # the message being handled: adopt records name it
         self._stop: Stop | None = None
         self._fail: Fail | None = None
+        #: Collective plane: what ``CollectiveEndpoint`` does around the session (``collective.py``).
+        self.plane: SimEndpoint | None = SimEndpoint(self) if sim.cfg.collective else None
 
     # ------------------------------------------------------------ plumbing
 
@@ -152,6 +162,19 @@ class SimWorker:
         else:
             due = now + TICK_S
         self.arm(TICK, due - now)
+
+    def later(self, delay_s: float, fn, arg) -> None:
+        """Run ``fn(arg)`` in this process ``delay_s`` from now (not if it died; after a freeze ends)."""
+        self.sim.schedule(self.sim.now + delay_s, self._call, (fn, arg))
+
+    def _call(self, item) -> None:
+        if not self.alive:
+            return
+        if self.frozen:
+            self._deferred.append(item)
+            return
+        fn, arg = item
+        fn(arg)
 
     def _timer(self, arg: tuple[int, int]) -> None:
         if not self.alive:
@@ -181,7 +204,10 @@ class SimWorker:
                 msg = a.message
                 if type(msg) is Heartbeat:
                     self._hb_due = sim.now + self.session.heartbeat_interval_s + _HB_SLACK_S
-                sim.send_from_worker(self, msg)
+                if self.plane is not None:
+                    self.plane.send(msg)
+                else:
+                    sim.send_from_worker(self, msg)
             elif typ is StateChanged:
                 self.set_state(a.state.value)
                 if a.state not in _MEMBER:
@@ -195,11 +221,19 @@ class SimWorker:
                 fid, rid = a.fragment_id, a.round_id
                 tensors = seeded_update(sim.cfg.seed, self.wid, fid, rid, self.session.fragments[fid],
                                         sim.param_sizes)
-                sim.send_from_worker(self, Submit(self.wid, fid, rid, tensors))
+                if self.plane is not None:
+                    self.plane.send(Submit(self.wid, fid, rid, tensors))
+                else:
+                    sim.send_from_worker(self, Submit(self.wid, fid, rid, tensors))
             elif typ is InstallParams:
                 self._install(a)
             elif typ is SendJoinWithParams:
-                sim.send_from_worker(self, Join(self.wid, PROTOCOL_VERSION, sim.param_spec, sim.initial_params))
+                if self.plane is not None:
+                    # As DilocoWorker: the model's params (here, what it last installed, if all of it).
+                    params = self.params if set(self.params) == set(sim.initial_params) else sim.initial_params
+                    self.plane.send(Join(self.wid, PROTOCOL_VERSION, sim.param_spec, dict(params)))
+                else:
+                    sim.send_from_worker(self, Join(self.wid, PROTOCOL_VERSION, sim.param_spec, sim.initial_params))
             elif typ is Stop:
                 self._stop = a
             elif typ is Fail:
@@ -218,6 +252,8 @@ class SimWorker:
         names = a.names
         for n in names:
             self.params[n] = params[n]
+        if self.plane is not None:
+            return  # collective: the replica's changes are traced (collective.py), not their copies
         h = hash_values((n, params[n].tolist()) for n in names)
         now, mid, fid = self.sim.now, self._mid, a.fragment_id
         self.sim.emit({"k": "adopt", "t": now, "w": self.wid, "m": mid, "f": fid, "h": h},
@@ -243,8 +279,11 @@ class SimWorker:
     def _failed(self) -> None:
         fail, self._fail = self._fail, None
         self._exit(notice=False)
-        if fail.code not in RESTARTABLE_FAILS:
+        if fail.code not in RESTARTABLE_FAILS and not (self.plane is not None and _HEAL_FAILED in fail.detail):
             raise SimWorkerFailure(f"{self.wid} failed ({fail.code}): {fail.detail}")
+        # A join refused for a reason that passes (the run is full), or a joiner that could not
+        # heal after COLLECTIVE_HEAL_ATTEMPTS tries: the process exits with an error, and its
+        # supervisor starts it again.
         self.sim.worker_exited(self, fail.code)
 
     def _exit(self, *, notice: bool) -> None:
@@ -254,6 +293,8 @@ class SimWorker:
         self.frozen = False
         self._buffer = []
         self._deferred = []
+        if self.plane is not None:
+            self.plane.close()
         self.sim.close_connection(self, notice=notice)
 
     # ------------------------------------------------------------ lifecycle (the simulation's calls)
@@ -290,11 +331,26 @@ class SimWorker:
             self.sim.record_recv(mid, src, peer, message)
             self.on_message(mid, message)
         for arg in deferred:
-            self._timer(arg)
+            if len(arg) == 2 and callable(arg[0]):
+                self._call(arg)
+            else:
+                self._timer(arg)
 
     def buffer(self, mid: int, peer: str, src: str, message) -> None:
         self._buffer.append((mid, peer, src, message))
 
     def on_message(self, mid: int, msg) -> None:
         self._mid = mid
+        if self.plane is not None:
+            msg = self.plane.incoming(msg, mid)
+            if msg is None or not self.alive:
+                return
+        self._run(self.session.on_message(msg, self.sim.now))
+
+    def deliver_local(self, msg, mid: int | None = None) -> None:
+        """A message the collective plane hands the session (a healed Welcome, a commit's Result)."""
+        if not self.alive:
+            return
+        if mid is not None:
+            self._mid = mid
         self._run(self.session.on_message(msg, self.sim.now))

@@ -14,5 +14,8 @@ each other (tests/sim/test_trace.py keeps it so).
 * ``replies``: what the coordinator sends -- Welcome, Result, heartbeat replies,
   errors, admin replies (I5, I6, I11, P2, R6, R8, R12, params);
 * ``liveness``: the run's phases and its end (I7 after the heal; I5, every
-  worker stopped after a stop; a crash of the simulation).
+  worker stopped after a stop; a crash of the simulation);
+* ``collective``: the collective data plane, in place of the outer step and params
+  checks (I13, I14, C4, C5, C6, and ``fork``: honest members proposing different
+  digests).
 """

@@ -17,6 +17,9 @@ class ParamsChecks:
     """A mixin of ``TraceChecker``: the model, the outer step, adopts, snapshots and restarts."""
 
     def _install(self, step: _Step, sends: list, peer: str) -> None:
+        if self.collective:
+            self._install_collective(step, sends, peer)
+            return
         msg = step.msg
         welcome = next((s for s in sends if s["type"] == "Welcome" and s["dst"] == peer), None)
         if msg is None or msg["type"] != "Join" or welcome is None:
@@ -84,6 +87,9 @@ class ParamsChecks:
                     return
 
     def _on_adopt(self, rec: dict) -> None:
+        if "src" in rec:
+            self._on_adopt_collective(rec)
+            return
         sent = self._last_recv
         if sent is None or sent["m"] != rec["m"]:
             self._violate("params", f"{rec['w']} installed params from message {rec['m']}, which it did not just receive")
@@ -95,10 +101,13 @@ class ParamsChecks:
 
     def _on_fault(self, rec: dict) -> None:
         what = rec["what"]
+        if self.collective:
+            self._collective_fault(rec)
         if what == "snapshot":
             self.counts["snapshots"] += 1
             self._check_state(rec, "snapshot")
             self.snap = (copy.deepcopy(self.model), self.min_workers)
+            self.snap_commits = list(self.last_commit)
         elif what == "coord_crash":
             self.counts["coordinator_crashes"] += 1
             self.counts["lost_with_crash"] += sum(len(p) for p in self.pending)
@@ -107,6 +116,7 @@ class ParamsChecks:
             self.live.clear()
             self.up = False
             self.phase = "down"
+            self._coord_gone_collective()
         elif what == "coord_restart":
             if self.snap is None:
                 self._violate("snapshot", "the coordinator restarted but the trace shows no snapshot")
@@ -119,6 +129,9 @@ class ParamsChecks:
                     del self.applied_keys[key]
             self.model = copy.deepcopy(snap)
             self.min_workers = snap_min_workers
+            if self.collective:
+                self.last_commit = list(self.snap_commits)
+                self._coord_gone_collective()
             self.up = True
             self.phase = "forming"
             self.live.clear()
@@ -131,8 +144,10 @@ class ParamsChecks:
             return
         if rec["rounds"] != m.rounds:
             self._violate("snapshot", f"{what}: rounds {rec['rounds']} but the trace implies {m.rounds}")
-        hf = [m.fhash(f) for f in range(len(m.rounds))]
-        if rec["hf"] != hf:
+        if "commits" in rec:
+            self._check_commits(rec, what)
+        hf = [m.fhash(f) for f in range(len(m.rounds))] if "hf" in rec else None
+        if hf is not None and rec["hf"] != hf:
             self._violate("snapshot", f"{what}: params {rec['hf']} but the trace implies {hf}")
         if rec["min_workers"] != self.min_workers:
             self._violate("snapshot", f"{what}: min_workers {rec['min_workers']} but the trace implies "

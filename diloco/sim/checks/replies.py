@@ -28,7 +28,7 @@ class ReplyChecks:
             if rec["parked"] != join["parked"]:
                 self._violate("P2", f"Welcome to {wid} parks {rec['parked']}; its pending contributions are "
                                     f"{join['parked']}")
-            for f, h in enumerate(rec["hf"]):
+            for f, h in enumerate(rec.get("hf", ())):
                 want = m.hist[f].get(rec["round_ids"][f])
                 if h != want:
                     self._violate("params", f"Welcome to {wid}: fragment {f} params {h} are not the params of "
@@ -58,7 +58,11 @@ class ReplyChecks:
                 if rec["next_round_id"] != next_round:
                     self._violate("params", f"Result to {wid} names next round {rec['next_round_id']}; the apply "
                                             f"that released it opened round {next_round}")
-                if rec["h"] != m.hist[f].get(rec["next_round_id"]):
+                if self.collective:
+                    if (rec["round_id"], rec.get("digest")) != self.last_commit[f]:
+                        self._violate("I11", f"Result to {wid}: fragment {f} round {rec['round_id']} digest "
+                                             f"{rec.get('digest')} is not the commit {self.last_commit[f]}")
+                elif rec["h"] != m.hist[f].get(rec["next_round_id"]):
                     self._violate("params", f"Result to {wid}: fragment {f} params {rec['h']} are not the params of "
                                             f"round {rec['next_round_id']}")
         elif typ == "HeartbeatReply":

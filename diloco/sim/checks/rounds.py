@@ -20,7 +20,11 @@ class RoundChecks:
         recs = step.recs
         if len(recs) == 2 and recs[1]["k"] == "send" and recs[1]["type"] == "HeartbeatReply":
             self._send(recs[1], step)  # the commonest step: a heartbeat and its reply
+            if self.collective:
+                self._end_of_step_collective(step)
             return
+        if self.collective and msg is not None and msg["type"] == "ReduceReport":
+            self._report_received(step)
         sends = [r for r in step.recs if r["k"] == "send"]
         accepted = [r for r in sends if r["type"] == "Accepted"]
         if accepted:
@@ -44,6 +48,8 @@ class RoundChecks:
         for (wid, f, r), (outcomes, _next) in step.expect.items():
             self._violate("I11", f"{wid} has a pending contribution to fragment {f} round {r} released by "
                                  f"this step ({'/'.join(sorted(outcomes))}) but got no Result")
+        if self.collective:
+            self._end_of_step_collective(step)
 
     def _accept(self, step: _Step) -> None:
         wid, f, r, values, peer = step.accept
@@ -72,6 +78,8 @@ class RoundChecks:
                                     f"last base {last}")
             self.last_base[(wid, f)] = r
         pend[wid] = (r, values)
+        if self.collective:
+            self.holders[wid] = None  # ready for a round: it holds the committed state (C6)
 
     def _obs(self, rec: dict, step: _Step, sends: list) -> None:
         what = rec["what"]
@@ -83,6 +91,8 @@ class RoundChecks:
             peer = step.header.get("src")
             live[wid] = peer
             self.counts["joins"] += 1
+            if self.collective:
+                self._joined_collective(rec, step, sends)
             if self.model is None:
                 self._install(step, sends, peer)
             m = self.model
@@ -103,6 +113,8 @@ class RoundChecks:
             if wid not in live:
                 self._violate("R7", f"{wid} {what} but was not a live member")
             live.pop(wid, None)
+            if self.collective:
+                self._left_collective(wid)
             for key in [k for k in self.last_base if k[0] == wid]:
                 del self.last_base[key]
             self.counts["deaths" if what == "dead" else "leaves"] += 1
@@ -129,7 +141,14 @@ class RoundChecks:
         elif what == "step_refused":
             step.refused.add((rec["fragment_id"], rec["round_id"]))
         elif what == "apply":
-            self._apply(rec, step)
+            if self.collective:
+                self._commit(rec, step)
+            else:
+                self._apply(rec, step)
+        elif what == "reduce":
+            self._order(rec, step)
+        elif what == "abort":
+            self._abort_seen(rec)
         elif what == "stop":
             if step.accept is not None:
                 self._accept(step)

@@ -45,6 +45,8 @@ class WorkerChecks:
         sent = self._last_recv
         if sent is not None:
             typ = sent["type"]
+            if self.collective and typ in ("Result", "Welcome"):
+                self._result_delivered(sent, peer)
             if typ == "Welcome" or (typ == "Accepted" and self.last_submit.get(peer)
                                     == (sent["fragment_id"], sent["round_id"])):
                 self.fenced.add(peer)
@@ -61,6 +63,8 @@ class WorkerChecks:
         self.held_errors.pop(m, None)
         if rec.get("type") == "Submit" and "worker_id" in rec:
             self._worker_submitted(rec)
+        elif rec.get("type") == "ReduceReport" and "worker_id" in rec:
+            self._report_dropped(rec)
 
     def _on_worker(self, rec: dict) -> None:
         wid, state = rec["w"], rec["state"]
