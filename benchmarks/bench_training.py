@@ -45,6 +45,21 @@ whether the quorum held (every round applied from both, no pause) and the final 
 loss of the coordinator's params; then DyLU again for as many rounds as fit in the wall
 time of the run without it (the same time budget).
 
+Data planes (``--data-plane``, README "Scaling out: the collective data plane", SPEC.md 7b):
+``hub`` (the default) or ``collective`` selects the plane of the real system's DiLoCo runs in the
+main comparison. On the collective plane the coordinator (same ``CoordinatorThread``, in-process
+control plane) holds no params: the workers all-reduce (fp32) or all-gather (bf16, int8) their
+pseudo-gradients over gloo groups meeting on a ``StoreHost`` and each runs the outer step on its
+replica; the committed params are every member's ``data_plane.replica.params``, which the run
+checks bit-identical on all members and scores. ``--data-plane both`` compares the planes: the
+same run (seed, shards, k, H, steps) on each, per wire dtype (``--wire``, default fp32,bf16,int8),
+k = 2, H = 10 (``--planes-h``), 200 steps (quick 40) of batch 8 unless given; it scores the
+committed global params after the same number of rounds on both and ends with, per dtype::
+
+    RESULT training_planes wire=int8 hub_loss=X collective_loss=X rel_diff=R
+
+(``rel_diff`` = (collective - hub) / hub; goal |rel_diff| <= 0.005.)
+
 Usage::
 
     python benchmarks/bench_training.py            # 1000 inner steps (the reference calibration), 30-60+ min
@@ -53,6 +68,8 @@ Usage::
     python benchmarks/bench_training.py --overlap  # T = 0, 1, 2 at 1000 steps, about 5 minutes
     python benchmarks/bench_training.py --dylu     # one worker 2x slower, without and with DyLU, ~4 minutes
     python benchmarks/bench_training.py --outer-sweep   # outer lr x momentum at H = 10 and 50, ~11 minutes
+    python benchmarks/bench_training.py --data-plane both          # hub vs collective, fp32/bf16/int8, ~3 minutes
+    python benchmarks/bench_training.py --data-plane both --quick  # the same, 40 steps, under a minute
 
 Progress goes to stderr; the report to stdout, whose last line is::
 
@@ -131,6 +148,14 @@ DEFAULT_OUTER_LR = {10: 0.7, 50: 0.7}
 OUTER_MOMENTUM = 0.9
 
 METHODS = ("sync", "h10", "h50", "single")
+
+#: Data planes of the real system (README "Scaling out: the collective data plane"); ``both`` compares them.
+PLANES = ("hub", "collective")
+#: Collective plane bounds (SPEC.md C7): each group creation / all-reduce / heal transfer, and an attempt's reports.
+COLLECTIVE_TIMEOUT_S = 10.0
+COLLECTIVE_REDUCE_TIMEOUT_S = 40.0
+#: ``--data-plane both``: the final held-out losses of the two planes within 0.5% per wire dtype.
+GOAL_PLANES_REL_DIFF = 0.005
 
 
 def note(text: str) -> None:
@@ -243,10 +268,13 @@ class DilocoRun:
 
 class _RealDiloco:
     def __init__(self, k: int, H: int, steps: int, outer_lr: float, s: TrainSettings, corpus: Corpus,
-                 seed: int, wire_dtype: str = "fp32", overlap_steps: int = 0) -> None:
+                 seed: int, wire_dtype: str = "fp32", overlap_steps: int = 0, data_plane: str = "hub") -> None:
         if steps % H:
             raise SystemExit(f"--steps {steps} is not a multiple of H={H}")
+        if data_plane not in PLANES:
+            raise ValueError(f"data_plane={data_plane!r}: expected one of {PLANES}")
         self.T = overlap_steps
+        self.data_plane = data_plane
         #: Per worker: [(state, perf_counter())] from the on_state hook; and (first Welcome, last step) times.
         self.state_log: dict[str, list[tuple[str, float]]] = defaultdict(list)
         self.span: dict[str, tuple[float, float]] = {}
@@ -255,10 +283,23 @@ class _RealDiloco:
         self.samplers = worker_samplers(corpus, k, s, seed)
         self.probe = CoordinatorProbe()
         self.net = InprocNetwork()
-        fsm = FSMConfig(min_workers=k)
-        self.coordinator = Coordinator(
-            CoordinatorConfig(fsm, OuterConfig("nesterov", outer_lr, OUTER_MOMENTUM), wire_dtype=wire_dtype),
-            now_s=time.monotonic(), observer=self.probe.observe)
+        outer = OuterConfig("nesterov", outer_lr, OUTER_MOMENTUM)
+        #: Collective plane: the rendezvous store every group meets on (the coordinator's process hosts it).
+        self.store_host = None
+        if data_plane == "hub":
+            config = CoordinatorConfig(FSMConfig(min_workers=k), outer, wire_dtype=wire_dtype)
+        else:
+            # The README's / SPEC.md 7b's bounds: heartbeat 30 s (the default, as on the hub), every
+            # group creation, all-reduce and heal within 10 s, an attempt's reports within 40 s.
+            config = CoordinatorConfig(
+                FSMConfig(min_workers=k, data_plane="collective", reduce_timeout_s=COLLECTIVE_REDUCE_TIMEOUT_S),
+                outer, wire_dtype=wire_dtype, collective_timeout_s=COLLECTIVE_TIMEOUT_S)
+        self.coordinator = Coordinator(config, now_s=time.monotonic(), observer=self.probe.observe)
+        if data_plane == "collective":
+            from diloco.collective.store import StoreHost
+
+            self.store_host = StoreHost()
+            self.coordinator.collective.store_port = self.store_host.port
         self.lock = threading.Lock()
         self.losses: dict[int, list[float]] = defaultdict(list)
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
@@ -357,10 +398,24 @@ class _RealDiloco:
         admin.close()
         thread.stop(5.0)
 
+    def committed_params(self) -> dict[str, torch.Tensor]:
+        """The run's committed global params: the coordinator's (hub), or worker-1's replica (collective:
+        the coordinator holds none; every member holds the same, checked in ``_result``)."""
+        if self.coordinator.store is not None:
+            return {n: t.detach().clone() for n, t in self.coordinator.store.params.items()}
+        replica = self.workers["worker-1"].data_plane.replica
+        return {n: t.detach().clone() for n, t in replica.params.items()}
+
+    def bytes_moved(self, status: dict) -> int:
+        """Tensor payload bytes: the coordinator's counters (hub: pseudo-gradients in, Results and Welcomes
+        out), or what the members' reduces and heals sent (collective), as ``diloco demo`` counts them."""
+        if self.data_plane == "hub":
+            return status["bytes_received"] + status["bytes_sent"]
+        return sum(w.data_plane.stats["bytes_sent"] for w in self.workers.values())
+
     def _result(self, status: dict, wall: float) -> DilocoRun:
         s, H = self.s, self.H
-        store = self.coordinator.store
-        final = {n: t.detach().clone() for n, t in store.params.items()}
+        final = self.committed_params()
         model = build_model(s.model, derive_seed(self.seed, "model"))
 
         def score(params: dict[str, torch.Tensor]) -> float:
@@ -385,20 +440,30 @@ class _RealDiloco:
                 oddities.append(f"H={H}: {wid} spent {w.seconds_paused:.2f} s paused below quorum")
         last = self.snapshots.get(self.steps)
         if last is not None and any(not torch.equal(last[n], final[n]) for n in final):
-            oddities.append(f"H={H}: worker-1's final global copy differs from the coordinator's params")
+            oddities.append(f"H={H}: worker-1's final global copy differs from the committed params")
         for wid, w in self.workers.items():
             if any(not torch.equal(w.global_params[n], final[n]) for n in final):
-                oddities.append(f"H={H}: {wid}'s final global params differ from the coordinator's")
+                oddities.append(f"H={H}: {wid}'s final global params differ from the committed ones")
+            replica = w.data_plane.replica
+            if self.data_plane == "collective":
+                if replica is None:
+                    oddities.append(f"H={H}: {wid} holds no replica at the end")
+                    continue
+                if tuple(replica.round_ids) != (self.rounds,) * len(replica.round_ids):
+                    oddities.append(f"H={H}: {wid}'s replica is at rounds {replica.round_ids}, expected {self.rounds}")
+                if any(not torch.equal(replica.params[n], final[n]) for n in final):
+                    oddities.append(f"H={H}: {wid}'s replica differs from worker-1's")
         if status["messages_refused"]:
             oddities.append(f"H={H}: the coordinator refused {status['messages_refused']} messages")
         result = BaselineResult(
             name=f"diloco_h{H}", label=f"DiLoCo k={self.k} H={H} (real system)", steps=sorted(self.losses),
             train_losses=[sum(v) / len(v) for _, v in sorted(self.losses.items())],
             eval_steps=eval_steps, eval_losses=eval_losses, final_eval_loss=eval_losses[-1],
-            syncs=status["rounds_applied"], bytes_moved=status["bytes_received"] + status["bytes_sent"],
+            syncs=status["rounds_applied"], bytes_moved=self.bytes_moved(status),
             k=self.k, H=H, num_params=status["num_params"], wall_s=wall,
             config=dict(k=self.k, H=H, steps=self.steps, outer_lr=self.outer_lr, outer_momentum=OUTER_MOMENTUM,
-                        seed=self.seed, settings=s.to_dict()),
+                        seed=self.seed, settings=s.to_dict(), data_plane=self.data_plane,
+                        wire_dtype=self.coordinator.config.wire_dtype),
             final_state=final,
         )
         return DilocoRun(result, self.probe, self.rounds, self.outer_lr, status, oddities)
@@ -685,6 +750,95 @@ def wire_comparison(dtypes: list[str], k: int, steps: int, outer_lr: float, s: T
     return 0
 
 
+def planes_main(args, argv: list[str]) -> int:
+    """``--data-plane both``: the same DiLoCo run on the hub and on the collective plane, per wire dtype."""
+    dtypes = [d.strip() for d in (args.wire or "fp32,bf16,int8").split(",") if d.strip()]
+    k = args.k if _given(argv, "--k") else 2
+    H = args.planes_h
+    steps = args.steps or (40 if args.quick else 200)
+    if steps % H:
+        raise SystemExit(f"--steps {steps} is not a multiple of --planes-h {H}")
+    batch = args.batch_size if _given(argv, "--batch-size") else 8
+    s = TrainSettings(batch_size=batch, lr=args.lr, eval_every=steps)  # the final loss only
+    corpus = default_corpus()
+    pbytes = param_bytes(build_model(s.model, 0))
+    print(f"bench_training --data-plane both: k={k} workers, H={H}, {steps} inner steps ({steps // H} rounds), "
+          f"batch {s.batch_size} x {s.model.seq_len}, seed {args.seed}, outer Nesterov lr {args.outer_lr_h10:g} "
+          f"momentum {OUTER_MOMENTUM}, min_workers={k}, in-process control plane; collective: gloo on loopback, "
+          f"collective timeout {COLLECTIVE_TIMEOUT_S:g} s, reduce timeout {COLLECTIVE_REDUCE_TIMEOUT_S:g} s; "
+          f"torch {torch.__version__}", flush=True)
+    rows: dict[tuple[str, str], dict] = {}
+    t_all = time.perf_counter()
+    # One intra-op thread for the evaluations too (the runs' threads use one each): on a loaded 2-core
+    # machine two threads made an evaluation 3x slower. Losses do not depend on it.
+    torch.set_num_threads(1)
+    for dt in dtypes:
+        for plane in PLANES:
+            note(f"planes: {plane} wire {dt}, k={k} H={H}, {steps} steps")
+            bench = _RealDiloco(k, H, steps, args.outer_lr_h10, s, corpus, args.seed, wire_dtype=dt,
+                                data_plane=plane)
+            run = bench.run()
+            st = run.status
+            if plane == "hub":
+                # The coordinator's link: k Submits in, k Results out (the k fp32 Welcomes left out).
+                link = (st["bytes_received"] + st["bytes_sent"] - run.probe.joins * pbytes) / run.rounds
+                heals = 0
+            else:
+                # Each member's link: what its reduces sent (heals -- params and momentum, fp32 -- left out).
+                heals = sum(w.data_plane.stats["heals_served"] for w in bench.workers.values())
+                link = (run.result.bytes_moved - heals * 2 * pbytes) / k / run.rounds
+            odd = [o for o in run.oddities if not (" the coordinator refused " in o and st["messages_refused"] <= k)]
+            rows[dt, plane] = dict(loss=run.result.final_eval_loss, rounds=st["rounds_applied"], link=link,
+                                   heals=heals, wall=run.result.wall_s, params=run.result.final_state,
+                                   oddities=odd)
+            note(f"planes: {plane} wire {dt} done: final eval loss {rows[dt, plane]['loss']:.4f}, "
+                 f"{st['rounds_applied']} rounds, {run.result.wall_s:.0f} s")
+    print()
+    hdr = f"{'wire':5} {'plane':10} {'rounds':>6} {'link B/round':>13} {'final loss':>10} {'wall s':>7}"
+    print(hdr)
+    print("-" * len(hdr))
+    for (dt, plane), r in rows.items():
+        print(f"{dt:5} {plane:10} {r['rounds']:>6} {r['link']:>13,.0f} {r['loss']:>10.4f} {r['wall']:>7.0f}")
+        for o in r["oddities"]:
+            print(f"  odd ({plane}, {dt}): {o}")
+    print(f"final loss: held-out loss ({s.eval_batches} x {s.eval_batch_size} fixed windows) of the committed "
+          f"global params after the last round: the coordinator's (hub), worker-1's replica (collective; every "
+          f"member's is checked bit-identical). link B/round: hub, the coordinator's link (k Submits in + k "
+          f"Results out, Welcomes left out); collective, one member's link (its reduces; heals left out). "
+          f"total wall {time.perf_counter() - t_all:.0f} s")
+    print()
+    hdr = (f"{'wire':5} {'hub loss':>9} {'collective loss':>15} {'rel diff':>9} {'params max |diff|':>17} "
+           f"{'bit-identical':>13}")
+    print(hdr)
+    print("-" * len(hdr))
+    results = []
+    for dt in dtypes:
+        hub, col = rows[dt, "hub"], rows[dt, "collective"]
+        rel = (col["loss"] - hub["loss"]) / hub["loss"]
+        diff = max(float((hub["params"][n] - col["params"][n]).abs().max()) for n in hub["params"])
+        same = all(torch.equal(hub["params"][n], col["params"][n]) for n in hub["params"])
+        ok = abs(rel) <= GOAL_PLANES_REL_DIFF and hub["rounds"] == col["rounds"] == steps // H
+        results.append((dt, hub["loss"], col["loss"], rel, ok))
+        print(f"{dt:5} {hub['loss']:>9.4f} {col['loss']:>15.4f} {rel:>+9.6f} {diff:>17.3e} "
+              f"{'yes' if same else 'no':>13}")
+    print("rel diff = (collective - hub) / hub. The planes sum a round's pseudo-gradients in different orders "
+          "(hub: arrival order; collective: rank order, all-reduce / all-gather): with k = 2 the sum of two "
+          "commutes, so the planes should agree bit for bit; with k >= 3 only closely.")
+    print()
+    for dt, _, _, rel, ok in results:
+        print(f"goal {'met   ' if ok else 'MISSED'}  wire {dt}: |rel diff| <= {GOAL_PLANES_REL_DIFF} after the same "
+              f"{steps // H} rounds: {abs(rel):.5f}")
+    for dt, h, c, rel, _ in results:
+        print(f"RESULT training_planes wire={dt} hub_loss={h:.4f} collective_loss={c:.4f} rel_diff={rel:+.6f}")
+    return 0
+
+
+def _given(argv: list[str] | None, flag: str) -> bool:
+    """Whether ``flag`` was on the command line (``--k 4`` or ``--k=4``)."""
+    args = argv if argv is not None else sys.argv[1:]
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
 def outer_sweep_main(args) -> int:
     """Outer lr x momentum at each H, on the demo's cheap settings (see the module doc)."""
     from sweep import Cell, floats, ints, print_table, run_grid
@@ -742,7 +896,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-lr", default="0.3,0.5,0.7,1.0", help="--outer-sweep: outer lrs (default %(default)s)")
     parser.add_argument("--sweep-momentum", default="0.8,0.9", help="--outer-sweep: momenta (default %(default)s)")
     parser.add_argument("--sweep-h", default="10,50", help="--outer-sweep: H values (default %(default)s)")
+    parser.add_argument("--data-plane", choices=(*PLANES, "both"), default="hub",
+                        help="the real system's data plane for the DiLoCo runs (default hub); 'both': compare the "
+                             "planes instead, the same run on each per wire dtype (--wire, default fp32,bf16,int8; "
+                             "defaults then: --k 2, --steps 200 (quick 40), --batch-size 8; ~3 min on 2 cores)")
+    parser.add_argument("--planes-h", type=int, default=10, help="--data-plane both: H (default %(default)s)")
     args = parser.parse_args(argv)
+    if args.data_plane == "both":
+        if args.outer_sweep or args.overlap or args.dylu:
+            parser.error("--data-plane both is its own comparison: not with --outer-sweep, --overlap or --dylu")
+        if args.wire is not None and any(d.strip() not in ("fp32", "bf16", "int8") for d in args.wire.split(",")):
+            parser.error(f"--wire {args.wire!r}: expected a comma-separated subset of fp32,bf16,int8")
+        return planes_main(args, argv)
+    if args.data_plane != "hub" and (args.outer_sweep or args.overlap or args.dylu or args.wire is not None):
+        parser.error("--data-plane collective applies to the main comparison (its DiLoCo runs); --wire, "
+                     "--overlap, --dylu and --outer-sweep run on the hub (use --data-plane both to compare planes)")
     if args.outer_sweep:
         return outer_sweep_main(args)
     if args.overlap:
@@ -781,7 +949,7 @@ def main(argv: list[str] | None = None) -> int:
           f"betas {s.betas}, wd {s.weight_decay:g}, clip {s.grad_clip}; batch {s.batch_size} x {s.model.seq_len} "
           f"= {tokens:,} tokens per worker step")
     print(f"outer (DiLoCo): Nesterov momentum {OUTER_MOMENTUM}, lr {outer_lr[10]:g} at H=10, {outer_lr[50]:g} at H=50; "
-          f"min_workers={k}, no faults, in-process transport")
+          f"min_workers={k}, no faults, in-process transport, {args.data_plane} data plane")
     print(f"data: {corpus.source if hasattr(corpus, 'source') else 'stdlib'}: {corpus.train.numel():,} train / "
           f"{corpus.eval.numel():,} held-out tokens, {k} i.i.d. shards; eval {s.eval_batches} x {s.eval_batch_size} "
           f"fixed windows")
@@ -805,7 +973,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             H = int(m[1:])
             note(f"phase DiLoCo H={H} (real system), {steps // H} rounds, outer lr {outer_lr[H]:g}")
-            runs[m] = _RealDiloco(k, H, steps, outer_lr[H], s, corpus, args.seed).run()
+            runs[m] = _RealDiloco(k, H, steps, outer_lr[H], s, corpus, args.seed, data_plane=args.data_plane).run()
             results[m] = runs[m].result
         note(f"phase {m} done: final eval loss {results[m].final_eval_loss:.4f}, {results[m].wall_s:.0f} s")
     total_s = time.perf_counter() - t_all
@@ -832,8 +1000,10 @@ def main(argv: list[str] | None = None) -> int:
         moved = r.bytes_moved if m in runs else r.syncs * comm_bytes_per_sync(r.k, pbytes)
         print(f"{names[m]:24} {finals[m]:>9.4f} {fmt_ratio(ratio(m)):>8} {r.syncs:>6} "
               f"{moved / 1e6:>10.1f} MB {r.wall_s:>8.0f}")
-    print(f"bytes moved: baselines 2 * k * {pbytes:,} B per sync (up and down, fp32); DiLoCo: the coordinator's "
-          f"counted payload bytes (pseudo-gradients in, Results and Welcomes out). total wall {total_s:.0f} s")
+    counted = ("the coordinator's counted payload bytes (pseudo-gradients in, Results and Welcomes out)"
+               if args.data_plane == "hub" else "what the members' reduces and heals sent (collective plane)")
+    print(f"bytes moved: baselines 2 * k * {pbytes:,} B per sync (up and down, fp32); DiLoCo: {counted}. "
+          f"total wall {total_s:.0f} s")
 
     # Eval curves (held-out loss at the same steps for every method).
     print()
