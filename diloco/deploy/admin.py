@@ -125,5 +125,12 @@ def render_status(status: dict, address: str = "", *, width: int = 120) -> str:
                       f"timeout {fsm.get('heartbeat_timeout_s', '?')} s, outer {outer.get('name', '?')} lr "
                       f"{outer.get('lr', '?')} momentum {outer.get('momentum', '?')}, max update norm "
                       f"{cfg.get('max_update_norm') or 'off'}, wire dtype {cfg.get('wire_dtype', 'fp32')}, "
-                      f"DyLU {'on at H ' + str(cfg.get('sync_every')) if cfg.get('dylu') else 'off'}", soft_wrap=True)
+                      f"DyLU {'on at H ' + str(cfg.get('sync_every')) if cfg.get('dylu') else 'off'}, "
+                      f"data plane {fsm.get('data_plane', 'hub')}", soft_wrap=True)
+    plane = status.get("collective")
+    if isinstance(plane, dict):
+        commits = ", ".join(f"f{i} r{r} {d[:12]}" for i, (r, d) in enumerate(plane.get("last_commit", [])) if r >= 0)
+        console.print(f"collective: {plane.get('commits', 0)} commits, {plane.get('aborts', 0)} aborted attempts, "
+                      f"{plane.get('heals', 0)} heals, group epoch {plane.get('epoch', 0)}, holders "
+                      f"{plane.get('holders', [])}; last commits {commits or 'none'}", soft_wrap=True)
     return buf.getvalue().rstrip() + "\n"
