@@ -98,6 +98,8 @@ class CollectiveEndpoint:
         self._heal_attempts = 0
         self._heal_orders: dict[str, str] = {}
         self._last_join: Join | None = None
+        #: A collective Welcome is held back while this member heals or builds its replica.
+        self._welcome_withheld = False
         #: The outer optimizers' state from this worker's checkpoint: used if it starts the run (C6).
         self.restored_outer: list[dict] | None = None
         #: What the data plane did, for status lines and tests.
@@ -112,6 +114,12 @@ class CollectiveEndpoint:
 
     def send(self, message: Message) -> None:
         if isinstance(message, Join):
+            if self._welcome_withheld:
+                # The Welcome came; this member is healing (or starting) before it hands it on. The
+                # session's resend of its Join would make the coordinator answer already_member
+                # and the session leave and join again: a loop of heals. The Welcome will come.
+                self.stats["join_resends_held"] += 1
+                return
             if message.params and self._wants_start_params:
                 # The run's first member starts it from its own params; they stay here (C6).
                 self._held_params = {n: t.detach().clone() for n, t in message.params.items()}
@@ -168,6 +176,11 @@ class CollectiveEndpoint:
             return dataclasses.replace(msg, code=ErrorCode.PARAMS_REQUIRED)
         if not self.collective:
             return msg
+        if isinstance(msg, Error) and msg.code is ErrorCode.REDUCING:
+            # Our ready came while a group without us reduces the round: whatever it decides, our
+            # pseudo-gradient's base may be gone. Join again (and heal): the session does that on a
+            # stale round (C3).
+            return dataclasses.replace(msg, code=ErrorCode.STALE_ROUND, detail=f"{msg.detail} (joining again)")
         if isinstance(msg, ReduceOrder):
             self._on_order(msg)
             return None
@@ -195,20 +208,25 @@ class CollectiveEndpoint:
             self.collective = False
             return msg
         self.collective = True
+        if self._welcome is None or self._welcome.store_port != msg.store_port or self._groups is None:
+            # A (re)started coordinator hosts a new store: a client of the old one never reconnects.
+            self._groups = None
         self._welcome = msg
         self._timeout_s = float(msg.collective_timeout_s) or 30.0
         with self._lock:
             self._pending.clear()
         self._start_thread()
         if not msg.heal_source:
-            if self._held_params is None:
+            if self._held_params is None and self.replica is None:
                 return Error(ErrorCode.BAD_MESSAGE, "collective Welcome without a heal source, but this "
                                                     "worker sent no params to start the run from", "Join")
             # On the data thread: building the first torch.optim optimizer can take seconds, and
             # this (communication) thread must keep heartbeating meanwhile.
+            self._welcome_withheld = True
             self._jobs.put(("start", msg, self._held_params))
             self._held_params = None
             return None
+        self._welcome_withheld = True
         self._jobs.put(("heal_joiner", msg))
         return None
 
@@ -267,6 +285,7 @@ class CollectiveEndpoint:
                  "heal_joiner": self._heal, "start": self._start}[job[0]](*job[1:])
             except Exception as exc:  # never let the thread die: report and go on
                 self.stats["internal_errors"] += 1
+                self._welcome_withheld = False
                 self._post(Error(ErrorCode.BAD_MESSAGE, f"collective data plane: {type(exc).__name__}: {exc}",
                                  "collective"), to_session=True)
 
@@ -352,16 +371,19 @@ class CollectiveEndpoint:
                 states = None  # another fragment layout: fresh momentum
             self.replica = self._new_replica(welcome, params, list(welcome.round_ids), states)
         self._heal_attempts = 0
+        self._welcome_withheld = False
         self._post(dataclasses.replace(welcome, params=self._session_params()), to_session=True)
 
     def _serve_heal(self, order: HealOrder) -> None:
         replica = self.replica
         if replica is None or self._heal_orders.get(order.joiner) != order.prefix:
             return  # superseded by a newer order for the same joiner (it re-joined)
+        # Committed state only: a proposal whose verdict a lost connection swallowed is still
+        # applied in place until the next Welcome settles it (C6: a heal sends what was committed).
+        round_ids, params, states = replica.committed_state()
         try:
             heal.send_state(self._group_cache().store, order.prefix, self._group_cache().interface,
-                            HEAL_TIMEOUTS * self._timeout_s, list(replica.round_ids), replica.params,
-                            replica.optimizer_states())
+                            HEAL_TIMEOUTS * self._timeout_s, round_ids, params, states)
             self.stats["heals_served"] += 1
             self.stats["bytes_sent"] += compression.tensor_nbytes(replica.params) * 2  # params and momentum
         except CollectiveError:
@@ -379,14 +401,17 @@ class CollectiveEndpoint:
             self._heal_attempts += 1
             self.stats["heals_failed"] += 1
             if self._heal_attempts >= MAX_HEAL_ATTEMPTS or self._last_join is None:
+                self._welcome_withheld = False
                 self._post(Error(ErrorCode.BAD_MESSAGE, f"could not copy the run's state from "
                                                         f"{welcome.heal_source!r}: {exc}", "Join"), to_session=True)
                 return
-            # Join again: the coordinator names another source (or the same one, recovered).
+            # Join again: the coordinator names another source (or the same one, recovered). It may
+            # start the run from this member only if it holds state to start from (C6).
             self._post(Leave(self.worker_id))
-            self._post(self._last_join)
+            self._post(dataclasses.replace(self._last_join, holds_params=self.replica is not None))
             return
         self._heal_attempts = 0
+        self._welcome_withheld = False
         self.stats["healed"] += 1
         self._post(dataclasses.replace(welcome, round_ids=tuple(round_ids), parked=(),
                                        params=self._session_params()), to_session=True)

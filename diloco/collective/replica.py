@@ -159,6 +159,18 @@ class Replica:
     def optimizer_states(self) -> list[dict]:
         return [opt.state_dict() for opt in self.optimizers]
 
+    def committed_state(self) -> tuple[list[int], Tensors, list[dict]]:
+        """(round ids, params, optimizer states) as committed: a proposal's backup where one is open."""
+        with self._lock:
+            params = {n: t.detach().clone() for n, t in self.params.items()}
+            states = []
+            for fid, opt in enumerate(self.optimizers):
+                backup = self._proposals.get(fid)
+                if backup is not None:
+                    params.update({n: t.clone() for n, t in backup.params.items()})
+                states.append(copy.deepcopy(backup.optimizer if backup is not None else opt.state_dict()))
+            return list(self.round_ids), params, states
+
     def committed_optimizer_states(self) -> list[dict]:
         """Copies of each fragment's committed optimizer state (a proposal's backup where one is open)."""
         with self._lock:

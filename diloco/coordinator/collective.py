@@ -60,7 +60,9 @@ class CollectivePlane:
         if join.params:
             return ErrorCode.BAD_MESSAGE, ("this run is on the collective data plane: the coordinator takes no "
                                            "params (join with holds_params; diloco >= protocol 4 does)")
-        if not any(is_member(w) for w in self._holders) and not join.holds_params:
+        # The joiner's own id does not count: a restarted worker's old incarnation is about to be
+        # reported gone (R6), and what it held died with that process.
+        if not any(is_member(w) for w in self._holders if w != join.worker_id) and not join.holds_params:
             return ErrorCode.START_PARAMS_REQUIRED, ("no member holds the run's state yet: join with your own "
                                                      "initial params to start it (they stay on your side)")
         if self.spec is None:
