@@ -28,6 +28,34 @@ median is reported. Last line::
     RESULT bench_transport outer_step_s=X raw_zmq_s=X gloo_s=X ratio_vs_raw=R ratio_vs_gloo=R heartbeat_p99_ms=X auth_s=X auth_ratio=R
 
 Goals: ratio_vs_raw <= 1.3; heartbeat p99 < 10 ms; auth_ratio <= 2.
+
+The collective data plane (``--collective``)
+--------------------------------------------
+Instead of the run above: at each ``--params`` size (default 10M and 100M), interleaved in every
+repetition, medians kept:
+
+* **collective**: a coordinator process as ``diloco server --data-plane collective`` runs it (a
+  ``StoreHost``, ``serve``, a collective-mode ``Coordinator``) and 4 worker processes, each a
+  ``ZmqWorkerEndpoint`` wrapped in ``CollectiveEndpoint`` (as ``DilocoWorker`` wraps it) and driven with
+  the session's messages. The first joins with its params (they stay on its side), the others heal from
+  it; then per round every worker leaves a barrier and sends its ``Submit``; timed from the first
+  Submit ("ready") to the last worker holding the new params (the ``Result`` its endpoint hands over):
+  ready, ``ReduceOrder``, the gloo all-reduce among the workers, each worker's outer step and digest,
+  the votes, the commit and the Result.
+* **gloo**: the raw gloo all-reduce of the same tensors (as above).
+* **diloco** (the hub): the hub's outer step (as above).
+* **collective_a1** (``--arena-variant``): the collective plane again with ``MALLOC_ARENA_MAX=1`` in its
+  processes' environment (a diagnosis: see benchmarks/README.md).
+
+Wrappers in the worker processes (this file only) time each step of a collective round; the run prints
+where the time goes, per worker and along the critical path, and the workers' CPU and fresh pages per
+round. ``--profile`` also times the round's local ops alone, on the main thread and on another thread.
+One line per size::
+
+    RESULT bench_transport_collective params=N collective_s=X gloo_s=X hub_s=X ratio_vs_gloo=R
+        hub_ratio_vs_gloo=R collective_vs_hub=R [collective_arena1_s=X arena1_ratio_vs_gloo=R]
+
+Goal: ratio_vs_gloo <= 1.3 at 100M.
 """
 
 from __future__ import annotations
@@ -111,6 +139,8 @@ def diloco_worker(i: int, addr: str, shapes, rounds: int, barrier, out_q, chunk_
 
     wid = f"bench{i}"
     params = make_params(shapes, 0.0)
+    if not isinstance(addr, str):  # a queue: started with the coordinator, which sends its address when bound
+        addr = addr.get(timeout=300)
     auth = None
     if auth_dir is not None:
         from diloco.transport.zmq.auth import ClientAuth
@@ -214,6 +244,233 @@ def gloo_worker(rank: int, world: int, port: int, shapes, rounds: int, barrier, 
     dist.destroy_process_group()
 
 
+# ------------------------------------------------------------------ collective plane
+
+
+def collective_coordinator(addr_q, stop_ev, n_workers: int, timeout_s: float) -> None:
+    """``diloco server --data-plane collective`` in miniature: the store, ``serve``, a real ``Coordinator``."""
+    _tune()
+    import torch
+    torch.set_num_threads(1)
+    from diloco.collective.store import StoreHost
+    from diloco.coordinator import Coordinator, CoordinatorConfig
+    from diloco.coordinator.runner import serve
+    from diloco.core import FSMConfig
+    from diloco.deploy.server import warm_up
+    from diloco.wire.zmq import ZmqCoordinatorEndpoint
+
+    config = CoordinatorConfig(fsm=FSMConfig(min_workers=n_workers, heartbeat_timeout_s=3600.0,
+                                             data_plane="collective", reduce_timeout_s=4 * timeout_s),
+                               collective_timeout_s=timeout_s)
+    warm_up(config)
+    coordinator = Coordinator(config, time.monotonic())
+    store = StoreHost("127.0.0.1")  # as diloco/deploy/server.py's _start_store
+    coordinator.collective.store_port = store.port
+    coordinator.collective_store = store
+    endpoint = ZmqCoordinatorEndpoint("tcp://127.0.0.1:0")
+    addr_q.put(endpoint.address)
+    try:
+        serve(endpoint, coordinator, stop_event=stop_ev, tick_interval_s=0.05)
+    finally:
+        endpoint.close()
+
+
+class _Probe:
+    """Timestamps of one collective round inside a worker process (``time.monotonic``: one clock for all
+    processes), by wrapping the data plane's functions in this process only (nothing in diloco/ changes).
+
+    Marks, in the order a round passes them: ``order`` (the ReduceOrder reached the endpoint), ``reduce0``
+    (``mean_pseudo_gradient`` starts: after the job hand-off and the group lookup), ``allreduce0`` /
+    ``allreduce1`` (gloo's all-reduce: before it is the flatten and copy of the pseudo-gradient),
+    ``reduce1``, ``propose0`` (the outer step: backup copies, step, finiteness), ``digest0`` / ``digest1``,
+    ``report`` (the ReduceReport leaves through the ZeroMQ endpoint), ``verdict`` (the commit's Result
+    reached the endpoint), ``commit0`` / ``commit1``, ``posted`` (the params cloned into the session's
+    Result and handed over)."""
+
+    def __init__(self) -> None:
+        self.marks: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = time.monotonic()
+
+    def take(self) -> dict[str, float]:
+        out, self.marks = self.marks, {}
+        return out
+
+    def install(self, endpoint) -> None:
+        import diloco.collective.endpoint as ep_mod
+        import diloco.collective.reduce as reduce_mod
+        import diloco.collective.replica as replica_mod
+        from diloco.wire.messages import ReduceReport, Result
+
+        probe = self
+
+        def around(owner, name: str, before: str, after: str | None = None, when=None) -> None:
+            original = getattr(owner, name)
+
+            def wrapper(*args, **kwargs):
+                on = when is None or when(*args, **kwargs)
+                if on:
+                    probe.mark(before)
+                out = original(*args, **kwargs)
+                if on and after:
+                    probe.mark(after)
+                return out
+            setattr(owner, name, wrapper)
+
+        around(ep_mod, "mean_pseudo_gradient", "reduce0", "reduce1")
+        around(reduce_mod, "_wait", "allreduce0", "allreduce1")
+        around(replica_mod, "digest", "digest0", "digest1")
+        around(replica_mod.Replica, "propose", "propose0", "propose1")
+        around(replica_mod.Replica, "commit", "commit0", "commit1")
+        around(ep_mod.CollectiveEndpoint, "_on_order", "order")
+        around(ep_mod.CollectiveEndpoint, "_resolve", "verdict", when=lambda _s, _f, _r, kind, **_k: kind == "commit")
+        around(ep_mod.CollectiveEndpoint, "_post", "posted",
+               when=lambda _s, message, to_session=False: to_session and isinstance(message, Result))
+        inner = endpoint.inner
+        around(inner, "send", "report", when=lambda message: isinstance(message, ReduceReport))
+
+
+def collective_worker(i: int, addr_q, shapes, rounds: int, barrier, out_q, welcomed, n_workers: int,
+                      join_thread: bool = True) -> None:
+    """A worker of the collective plane: ``ZmqWorkerEndpoint`` wrapped in ``CollectiveEndpoint``, as
+    ``DilocoWorker`` wraps it; this drives the endpoint with the session's messages (Join, Submit) directly."""
+    _tune()
+    import torch
+    torch.set_num_threads(1)
+    from diloco.collective.endpoint import CollectiveEndpoint
+    from diloco.wire.messages import PROTOCOL_VERSION, Error, ErrorCode, Join, Result, Submit, Welcome, spec_of
+    from diloco.wire.zmq import ZmqWorkerEndpoint
+
+    # A member builds outer optimizers; the first torch.optim optimizer of a process imports torch._dynamo
+    # (seconds). A real worker has done so for its inner optimizer already: do it before joining.
+    p = torch.zeros(1)
+    p.grad = torch.zeros(1)
+    torch.optim.SGD([p], lr=0.1, momentum=0.5, nesterov=True).step()
+    wid = f"bench{i}"
+    params = make_params(shapes, 0.0)
+    addr = addr_q.get(timeout=300)
+    spec = spec_of(params)
+    ep = CollectiveEndpoint(ZmqWorkerEndpoint(addr, label=wid), wid)
+    probe = _Probe()
+    probe.install(ep)
+    ep.send(Join(wid, PROTOCOL_VERSION, spec, {}))  # spec only: the first joiner is asked for its params
+    while True:
+        msg = ep.recv(120.0)
+        if isinstance(msg, Welcome):
+            break
+        if isinstance(msg, Error) and msg.code is ErrorCode.PARAMS_REQUIRED:
+            ep.send(Join(wid, PROTOCOL_VERSION, spec, params))  # the endpoint keeps them (holds_params)
+        elif msg is None or isinstance(msg, Error):
+            raise RuntimeError(f"{wid}: no Welcome ({msg!r})")
+    del params, msg
+    with welcomed.get_lock():
+        welcomed.value += 1
+    while welcomed.value < n_workers:  # keep receiving: a member serves the joiners' heals
+        ep.recv(0.05)
+    grad = make_params(shapes, 0.001 * (i + 1))
+    import resource
+    for r in range(rounds):
+        barrier.wait()
+        probe.take()
+        ru0 = resource.getrusage(resource.RUSAGE_SELF)
+        t0 = time.monotonic()
+        ep.send(Submit(wid, 0, r, grad))
+        while True:
+            msg = ep.recv(600.0)
+            if isinstance(msg, Result):
+                break
+            if msg is None or isinstance(msg, Error):
+                raise RuntimeError(f"{wid}: no Result for round {r} ({msg!r})")
+        t1 = time.monotonic()
+        ru1 = resource.getrusage(resource.RUSAGE_SELF)
+        assert msg.outcome == "applied" and len(msg.params) == len(shapes), msg
+        del msg
+        marks = probe.take()
+        # This process's CPU (all its threads) and fresh pages over the round (ru_ keys: not times).
+        marks.update(ru_user=ru1.ru_utime - ru0.ru_utime, ru_sys=ru1.ru_stime - ru0.ru_stime,
+                     ru_minflt=ru1.ru_minflt - ru0.ru_minflt)
+        out_q.put((r, i, t0, t1, marks))
+    if ep.stats["internal_errors"] or ep.stats["aborted"]:
+        raise RuntimeError(f"{wid}: data plane stats {dict(ep.stats)}")
+    ep.close()
+    # close() does not wait for the data-plane thread; a process that exits while that daemon thread is
+    # still inside torch (freeing the round's buffers) dies with SIGABRT ("terminate called without an
+    # active exception"): 4 of 4 workers at 100M params. Wait for it (see benchmarks/README.md).
+    thread = getattr(ep, "_thread", None)
+    if thread is not None and join_thread:
+        thread.join(60)
+
+
+def op_costs(n_params: int, k: int, out_q) -> None:
+    """The collective round's local work, one op at a time, in one process with nothing else of the bench running.
+
+    What ``mean_pseudo_gradient`` and ``Replica.propose``/``commit`` do around the all-reduce, at this
+    size, timed separately (the in-run timeline shows the same work under contention): best of 3, and the
+    fresh pages the last repetition faulted in. Twice: on the main thread, and on another thread, as the
+    data-plane thread runs them (glibc serves a non-main thread from its own arena, whose heaps are at most
+    64 MiB: larger blocks are mmap'd and unmapped on every free, whatever the malloc tuning)."""
+    _tune()
+    import copy
+    import resource
+    import threading
+
+    import torch
+    torch.set_num_threads(1)
+    from diloco.collective.replica import digest
+    from diloco.coordinator.params import all_finite
+    from diloco.outer import OuterConfig, build_outer_optimizer
+
+    shapes = shapes_for(n_params)
+    params = make_params(shapes, 0.5)
+    grad = make_params(shapes, 0.001)
+    names = list(params)
+    opt = build_outer_optimizer(list(params.values()), OuterConfig(), k)
+    for n, p in params.items():  # one step first: the momentum buffers exist, as in every later round
+        p.grad = grad[n]
+    opt.step()
+    flat = torch.cat([grad[n].reshape(-1) for n in names])
+
+    def step():
+        for n, p in params.items():
+            p.grad = grad[n]
+        opt.step()
+        for p in params.values():
+            p.grad = None
+
+    ops = {
+        "flatten (cat)": lambda: torch.cat([grad[n].reshape(-1).to(torch.float32) for n in names]),
+        "copy of the flat buffer (clone)": lambda: flat.clone(),
+        "divide by k": lambda: flat.div_(1.0),
+        "backup of the params (clone)": lambda: {n: p.detach().clone() for n, p in params.items()},
+        "backup of the optimizer (deepcopy)": lambda: copy.deepcopy(opt.state_dict()),
+        "outer Nesterov step": step,
+        "finiteness (isfinite().all())": lambda: [bool(torch.isfinite(p).all()) for p in params.values()],
+        "digest": lambda: digest(params),
+        "clone for the Result": lambda: {n: t.clone() for n, t in params.items()},
+        "(not in the round) finiteness by sum, all_finite": lambda: [all_finite(p) for p in params.values()],
+    }
+
+    def measure(into: dict) -> None:
+        for name, fn in ops.items():
+            best, faults = float("inf"), 0
+            for _ in range(3):
+                r0 = resource.getrusage(resource.RUSAGE_THREAD)
+                t = time.perf_counter()
+                fn()
+                best = min(best, time.perf_counter() - t)
+                faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - r0.ru_minflt
+            into[name] = (best, faults * resource.getpagesize() / 1e6)
+
+    main: dict = {}
+    other: dict = {}
+    measure(main)
+    thread = threading.Thread(target=measure, args=(other,))
+    thread.start()
+    thread.join()
+    out_q.put({name: (*main[name], *other[name]) for name in ops})
+
+
 # ------------------------------------------------------------------ heartbeats
 
 
@@ -290,22 +547,45 @@ def hb_client(i: int, addr: str, n_sockets: int, interval_s: float, duration_s: 
 # ------------------------------------------------------------------ driver
 
 
-def _collect(out_q, n: int, rounds: int, warmup: int) -> list[float]:
-    by_round: dict[int, list[tuple[float, float]]] = {}
+def _collect(out_q, n: int, rounds: int, warmup: int, marks: list | None = None, procs=()) -> list[float]:
+    """Seconds per timed round: from the first worker's send to the last worker's answer. With ``marks``,
+    also appends each timed round's (t0 of every worker, t1 of every worker, the probe marks of every worker).
+    Raises as soon as one of ``procs`` has failed, instead of waiting out the timeout."""
+    import queue
+
+    by_round: dict[int, list[tuple]] = {}
+    deadline = time.monotonic() + 900
     for _ in range(n * rounds):
-        r, _i, t0, t1 = out_q.get(timeout=600)
-        by_round.setdefault(r, []).append((t0, t1))
-    return [max(t1 for _, t1 in v) - min(t0 for t0, _ in v) for r, v in sorted(by_round.items()) if r >= warmup]
+        while True:
+            try:
+                r, _i, t0, t1, *extra = out_q.get(timeout=5)
+                break
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (0, None)]
+                if dead:
+                    raise RuntimeError(f"{dead[0].name} exited with {dead[0].exitcode}") from None
+                if time.monotonic() > deadline:
+                    raise
+        by_round.setdefault(r, []).append((t0, t1, extra[0] if extra else {}))
+    rows = [v for r, v in sorted(by_round.items()) if r >= warmup]
+    if marks is not None:
+        marks.extend(([t0 for t0, _, _ in v], [t1 for _, t1, _ in v], [m for _, _, m in v]) for v in rows)
+    return [max(t1 for _, t1, _ in v) - min(t0 for t0, _, _ in v) for v in rows]
 
 
-def _join_all(procs, timeout_s: float = 120.0) -> None:
+def _join_all(procs, timeout_s: float = 120.0, strict: bool = True) -> None:
+    """Wait for ``procs``; one that failed raises, or with ``strict=False`` (called once every result is
+    in: a failure can only be in the process's teardown) is reported on stderr."""
     for p in procs:
         p.join(timeout_s)
         if p.is_alive():
             p.kill()
             p.join(10)
         if p.exitcode not in (0, None):
-            raise RuntimeError(f"{p.name} exited with {p.exitcode}")
+            if strict:
+                raise RuntimeError(f"{p.name} exited with {p.exitcode}")
+            print(f"  note: {p.name} exited with {p.exitcode} after sending all its results", file=sys.stderr,
+                  flush=True)
 
 
 def make_auth_dir(path: str) -> str:
@@ -323,20 +603,26 @@ def make_auth_dir(path: str) -> str:
 
 def run_diloco(ctx, shapes, rounds: int, warmup: int, chunk_bytes: int, auth_dir: str | None = None,
                io_threads: int = 1) -> list[float]:
-    addr_q, out_q, stop_ev = ctx.Queue(), ctx.Queue(), ctx.Event()
+    addr_q, worker_addr_q, out_q, stop_ev = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Event()
     coord = ctx.Process(target=diloco_coordinator, args=(addr_q, stop_ev, N_WORKERS, chunk_bytes, auth_dir, io_threads),
                         name="coordinator")
+    barrier = ctx.Barrier(N_WORKERS)
+    # The workers start with the coordinator (their imports overlap its own) and wait for its address.
+    workers = [ctx.Process(target=diloco_worker, args=(i, worker_addr_q, shapes, rounds, barrier, out_q, chunk_bytes,
+                                                       auth_dir), name=f"diloco-worker{i}") for i in range(N_WORKERS)]
     coord.start()
+    for w in workers:
+        w.start()
     try:
         addr = addr_q.get(timeout=300)
-        barrier = ctx.Barrier(N_WORKERS)
-        workers = [ctx.Process(target=diloco_worker, args=(i, addr, shapes, rounds, barrier, out_q, chunk_bytes,
-                                                           auth_dir), name=f"diloco-worker{i}") for i in range(N_WORKERS)]
-        for w in workers:
-            w.start()
-        times = _collect(out_q, N_WORKERS, rounds, warmup)
+        for _ in workers:
+            worker_addr_q.put(addr)
+        times = _collect(out_q, N_WORKERS, rounds, warmup, procs=workers + [coord])
         _join_all(workers)
     finally:
+        for w in workers:
+            if w.is_alive():
+                w.kill()
         stop_ev.set()
         coord.join(30)
         if coord.is_alive():
@@ -354,7 +640,7 @@ def run_raw(ctx, shapes, rounds: int, warmup: int, chunk_bytes: int) -> list[flo
                            name=f"raw-dealer{i}") for i in range(N_WORKERS)]
     for w in workers:
         w.start()
-    times = _collect(out_q, N_WORKERS, rounds, warmup)
+    times = _collect(out_q, N_WORKERS, rounds, warmup, procs=workers + [router])
     _join_all(workers + [router])
     return times
 
@@ -367,9 +653,217 @@ def run_gloo(ctx, shapes, rounds: int, warmup: int) -> list[float]:
                          name=f"gloo{r}") for r in range(N_WORKERS)]
     for p in procs:
         p.start()
-    times = _collect(out_q, N_WORKERS, rounds, warmup)
+    times = _collect(out_q, N_WORKERS, rounds, warmup, procs=procs)
     _join_all(procs)
     return times
+
+
+def run_collective(ctx, shapes, rounds: int, warmup: int, timeout_s: float, marks: list | None = None,
+                   join_thread: bool = True) -> list[float]:
+    addr_q, worker_addr_q, out_q, stop_ev = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Event()
+    coord = ctx.Process(target=collective_coordinator, args=(addr_q, stop_ev, N_WORKERS, timeout_s),
+                        name="collective-coordinator")
+    barrier = ctx.Barrier(N_WORKERS)
+    welcomed = ctx.Value("i", 0)
+    # The workers start with the coordinator (their imports overlap its own) and wait for its address.
+    workers = [ctx.Process(target=collective_worker, args=(i, worker_addr_q, shapes, rounds, barrier, out_q, welcomed,
+                                                           N_WORKERS, join_thread), name=f"collective-worker{i}")
+               for i in range(N_WORKERS)]
+    coord.start()
+    for w in workers:
+        w.start()
+    try:
+        addr = addr_q.get(timeout=300)
+        for _ in workers:
+            worker_addr_q.put(addr)
+        times = _collect(out_q, N_WORKERS, rounds, warmup, marks, procs=workers + [coord])
+        _join_all(workers, strict=False)
+    finally:
+        for w in workers:
+            if w.is_alive():
+                w.kill()
+        stop_ev.set()
+        coord.join(30)
+        if coord.is_alive():
+            coord.kill()
+    return times
+
+
+#: The collective round's segments on one worker: (from mark, to mark, what happens in between).
+SEGMENTS = (
+    ("t0", "order", "ready: tensorless Submit -> coordinator -> ReduceOrder back (waits for all 4 readies)"),
+    ("order", "reduce0", "hand-off to the data-plane thread, group lookup"),
+    ("reduce0", "allreduce0", "flatten + copy of the pseudo-gradient (cat, clone)"),
+    ("allreduce0", "allreduce1", "gloo all-reduce of the flat buffer (incl. waiting for peers)"),
+    ("allreduce1", "reduce1", "divide by k, unflatten"),
+    ("reduce1", "digest0", "outer step: backup clone + optimizer deepcopy + Nesterov step + isfinite"),
+    ("digest0", "digest1", "digest of the proposed params"),
+    ("digest1", "report", "ReduceReport handed to the owner thread and sent"),
+    ("report", "verdict", "vote: coordinator waits for every report, commits, Result(digest) back"),
+    ("verdict", "commit1", "data thread wakes on the verdict, Replica.commit"),
+    ("commit1", "posted", "clone of the params into the session's Result"),
+    ("posted", "t1", "hand-off to the session (recv returns the Result)"),
+)
+
+
+def collective_breakdown(marks: list, step_s: float) -> list[str]:
+    """Tables of where a collective round's time goes, from the probes' marks (medians over rounds)."""
+    seg: dict[str, list[float]] = {a + ">" + b: [] for a, b, _ in SEGMENTS}
+    crit: dict[str, list[float]] = {b: [] for _, b, _ in SEGMENTS}
+    ru: dict[str, list[float]] = {}
+    for t0s, t1s, per_worker in marks:
+        start = min(t0s)
+        last: dict[str, float] = {}
+        for t0, t1, m in zip(t0s, t1s, per_worker):
+            m = dict(m, t0=t0, t1=t1)
+            for a, b, _ in SEGMENTS:
+                if a in m and b in m:
+                    seg[a + ">" + b].append(m[b] - m[a])
+                if b in m:
+                    last[b] = max(last.get(b, float("-inf")), m[b] - start)
+        for b, v in last.items():
+            crit[b].append(v)
+        for m in per_worker:
+            for key in ("ru_user", "ru_sys", "ru_minflt"):
+                if key in m:
+                    ru.setdefault(key, []).append(m[key])
+    med = lambda v: statistics.median(v) * 1000 if v else float("nan")  # noqa: E731
+    lines = [f"  {'segment (per worker, median ms over rounds x workers)':84} {'ms':>8} {'share':>6} "
+             f"{'last worker done at, ms after the first Submit':>10}"]
+    total = 0.0
+    for a, b, what in SEGMENTS:
+        ms = med(seg[a + ">" + b])
+        total += ms if ms == ms else 0.0
+        lines.append(f"  {what:84} {ms:8.1f} {ms / (step_s * 1000):6.1%} {med(crit[b]):10.1f}")
+    lines.append(f"  {'sum of the segments (one worker: its Submit to its Result)':84} {total:8.1f}")
+    lines.append(f"  {'outer step (first Submit to last Result), median':84} {step_s * 1000:8.1f}")
+    if ru:
+        user, sys_s = statistics.median(ru["ru_user"]), statistics.median(ru["ru_sys"])
+        lines.append(f"  per worker and round (median): CPU {(user + sys_s) * 1000:.0f} ms (user {user * 1000:.0f}, "
+                     f"system {sys_s * 1000:.0f}), {statistics.median(ru['ru_minflt']) * 4096 / 1e6:.0f} MB of "
+                     f"fresh pages faulted in; {N_WORKERS} workers x that CPU on {os.cpu_count()} cores = "
+                     f"{N_WORKERS * (user + sys_s) / (os.cpu_count() or 1) * 1000:.0f} ms of wall at best")
+    return lines
+
+
+def run_op_costs(ctx, n_params: int) -> dict[str, float]:
+    out_q = ctx.Queue()
+    p = ctx.Process(target=op_costs, args=(n_params, N_WORKERS, out_q), name="op-costs")
+    p.start()
+    costs = out_q.get(timeout=900)
+    _join_all([p])
+    return costs
+
+
+def parse_count(text: str) -> int:
+    """``10M``, ``1.5M``, ``100k``, ``1e6`` or ``10000000``."""
+    t = text.strip().lower().replace("_", "").replace(",", "")
+    scale = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9}.get(t[-1:], 1)
+    if scale != 1:
+        t = t[:-1]
+    value = int(float(t) * scale)
+    if value < 16:
+        raise argparse.ArgumentTypeError(f"{text!r}: at least 16 params")
+    return value
+
+
+class _environ:
+    """Set (or, with None, remove) environment variables for the processes started inside the block."""
+
+    def __init__(self, **values: str | None) -> None:
+        self.values, self.saved = values, {}
+
+    def __enter__(self) -> None:
+        for k, v in self.values.items():
+            self.saved[k] = os.environ.get(k)
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    def __exit__(self, *exc) -> None:
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def main_collective(args, ctx) -> int:
+    """``--collective``: the collective plane beside raw gloo and the hub, at each of ``--params`` sizes."""
+    skip = set(filter(None, args.skip.split(",")))
+    sizes = [parse_count(x) for x in (args.params or ("1M" if args.quick else "10M,100M")).split(",")]
+    reps = args.reps if args.reps is not None else (1 if args.quick else 3)
+    n_rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
+    # Two warm-up rounds: a process's heap reaches its steady state (freed model-sized blocks reused, no
+    # fresh pages faulted in) only in the second round with the malloc tuning.
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    rounds = n_rounds + warmup
+    from diloco.wire.codec import CHUNK_BYTES
+    chunk = CHUNK_BYTES if args.chunk_mb is None else int(args.chunk_mb * (1 << 20))
+    print(f"bench_transport --collective: sizes {', '.join(f'{n:,}' for n in sizes)} fp32 params, {N_WORKERS} worker "
+          f"processes on loopback, {reps} reps x {n_rounds} rounds (+{warmup} warm-up), collective timeout "
+          f"{args.collective_timeout:g} s, {os.cpu_count()} CPUs", flush=True)
+    methods = [m for m in ("collective", "gloo", "diloco") if m not in skip and not (m == "diloco" and "hub" in skip)]
+    if args.arena_variant and "collective" in methods:
+        methods.insert(1, "collective_a1")
+    result_lines, reports = [], []
+    for n_params in sizes:
+        shapes = shapes_for(n_params)
+        results: dict[str, list[float]] = {m: [] for m in methods}
+        marks: dict[str, list] = {"collective": [], "collective_a1": []}
+        for rep in range(reps):
+            for name in methods:
+                if name.startswith("collective"):
+                    # collective_a1: the same with MALLOC_ARENA_MAX=1 in the worker processes' environment
+                    # (diagnosis: every thread allocates from glibc's main arena, where the malloc tuning
+                    # keeps freed model-sized blocks for reuse).
+                    with _environ(MALLOC_ARENA_MAX="1" if name == "collective_a1" else None):
+                        times = run_collective(ctx, shapes, rounds, warmup, args.collective_timeout, marks[name],
+                                               join_thread=not args.no_thread_join)
+                elif name == "gloo":
+                    times = run_gloo(ctx, shapes, rounds, warmup)
+                else:
+                    times = run_diloco(ctx, shapes, rounds, warmup, chunk)
+                results[name].extend(times)
+                print(f"  {n_params:>11,} rep {rep + 1}/{reps} {name:13} "
+                      + " ".join(f"{t * 1000:8.1f}" for t in times) + " ms", flush=True)
+        med = {k: statistics.median(v) if v else float("nan") for k, v in results.items()}
+        lines = [f"{n_params:,} params ({n_params * 4 / 1e6:.0f} MB):",
+                 f"  {'method':13} {'median s':>9} {'min s':>8} {'max s':>8}  samples"]
+        for k, v in results.items():
+            if v:
+                lines.append(f"  {k:13} {med[k]:9.3f} {min(v):8.3f} {max(v):8.3f}  {len(v)}")
+        for name, m in marks.items():
+            if m:
+                lines.append(f"  where a collective round's time goes ({name}):")
+                lines.extend(collective_breakdown(m, med[name]))
+        if args.profile:
+            costs = run_op_costs(ctx, n_params)
+            lines.append("  the same local work alone, one op at a time (one process, best of 3; MB: fresh pages "
+                         "faulted in by the last repetition):")
+            lines.append(f"    {'':50} {'main thread':>20} {'another thread':>20}")
+            for what, (t_main, mb_main, t_other, mb_other) in costs.items():
+                lines.append(f"    {what:50} {t_main * 1000:9.1f} ms {mb_main:6.0f} MB {t_other * 1000:9.1f} ms "
+                             f"{mb_other:6.0f} MB")
+            in_round = [c for what, c in costs.items() if not what.startswith("(")]
+            lines.append(f"    {'sum (the round)':50} {sum(c[0] for c in in_round) * 1000:9.1f} ms "
+                         f"{sum(c[1] for c in in_round):6.0f} MB {sum(c[2] for c in in_round) * 1000:9.1f} ms "
+                         f"{sum(c[3] for c in in_round):6.0f} MB")
+        reports.append(lines)
+        c, g, h = med.get("collective", float("nan")), med.get("gloo", float("nan")), med.get("diloco", float("nan"))
+        a1 = (f" collective_arena1_s={med['collective_a1']:.3f} arena1_ratio_vs_gloo={med['collective_a1'] / g:.2f}"
+              if "collective_a1" in med else "")
+        result_lines.append(f"RESULT bench_transport_collective params={n_params} collective_s={c:.3f} gloo_s={g:.3f} "
+                            f"hub_s={h:.3f} ratio_vs_gloo={c / g:.2f} hub_ratio_vs_gloo={h / g:.2f} "
+                            f"collective_vs_hub={c / h:.2f}{a1}")
+    print()
+    for lines in reports:
+        print("\n".join(lines))
+        print()
+    for line in result_lines:
+        print(line)
+    return 0
 
 
 def run_heartbeats(ctx, n_workers: int, n_clients: int, interval_s: float, duration_s: float) -> list[float]:
@@ -403,10 +897,27 @@ def pct(values: list[float], q: float) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--params", type=int, default=10_000_000, help="model size in fp32 parameters (default 10M)")
-    ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions of the three methods (default 3)")
-    ap.add_argument("--rounds", type=int, default=5, help="timed outer steps per repetition (default 5)")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed outer steps first (default 2)")
+    ap.add_argument("--params", default=None,
+                    help="model size in fp32 parameters (default 10M; 10M, 100k, 1e6 accepted). With --collective a "
+                         "comma list of sizes (default 10M,100M; quick 1M)")
+    ap.add_argument("--reps", type=int, default=None,
+                    help="interleaved repetitions of the methods (default 3; quick 1)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="timed outer steps per repetition (default 5, --collective 3; quick 2, --collective 1)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed outer steps first (default 2; quick "
+                                                             "--collective 1)")
+    ap.add_argument("--collective", action="store_true",
+                    help="compare the collective data plane with raw gloo and the hub at each --params size "
+                         "(one RESULT bench_transport_collective line per size) instead of the default run")
+    ap.add_argument("--collective-timeout", type=float, default=120.0,
+                    help="--collective: the coordinator's collective timeout, s (default 120)")
+    # Diagnosis (benchmarks/README.md): exit right after CollectiveEndpoint.close(), as a worker process does.
+    ap.add_argument("--no-thread-join", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--arena-variant", action="store_true",
+                    help="--collective: also run the collective plane with MALLOC_ARENA_MAX=1 in its worker "
+                         "processes (collective_a1; see benchmarks/README.md)")
+    ap.add_argument("--profile", action="store_true",
+                    help="--collective: also time the round's local ops alone, one by one, at each size")
     ap.add_argument("--chunk-mb", type=float, default=None,
                     help="diloco: the codec's frame size for tensors, MiB (default: the codec's, 16)")
     ap.add_argument("--raw-chunk-mb", type=float, default=4.0, help="the floor's frame size, MiB (default 4)")
@@ -414,11 +925,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hb-clients", type=int, default=4, help="processes holding the heartbeat sockets")
     ap.add_argument("--hb-interval", type=float, default=0.1, help="seconds between one socket's heartbeats")
     ap.add_argument("--hb-seconds", type=float, default=10.0)
-    ap.add_argument("--quick", action="store_true", help="1 repetition, 2 rounds, 5 s of heartbeats")
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: diloco,auth,raw,gloo,heartbeat")
+    ap.add_argument("--quick", action="store_true", help="1 repetition, 2 rounds, 5 s of heartbeats "
+                                                         "(--collective: 1M params, 1 repetition, 1 round)")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: diloco,auth,raw,gloo,heartbeat "
+                                               "(--collective: collective,gloo,hub)")
     ap.add_argument("--auth-io-threads", type=int, default=2,
                     help="ZeroMQ I/O threads of the coordinator with CURVE (default 2, as `diloco server --auth`)")
     args = ap.parse_args(argv)
+    ctx = mp.get_context("spawn")
+    if args.collective:
+        return main_collective(args, ctx)
+    if args.params is not None and "," in args.params:
+        ap.error("--params: one size (a list only with --collective)")
+    args.params = parse_count(args.params) if args.params is not None else 10_000_000
+    args.reps = 3 if args.reps is None else args.reps
+    args.rounds = 5 if args.rounds is None else args.rounds
+    args.warmup = 2 if args.warmup is None else args.warmup
     if args.quick:
         args.reps, args.rounds, args.hb_seconds = 1, 2, 5.0
     skip = set(filter(None, args.skip.split(",")))
@@ -427,7 +949,6 @@ def main(argv: list[str] | None = None) -> int:
     raw_chunk = int(args.raw_chunk_mb * (1 << 20))
     shapes = shapes_for(args.params)
     rounds = args.rounds + args.warmup
-    ctx = mp.get_context("spawn")
     print(f"bench_transport: {args.params:,} fp32 params ({args.params * 4 / 1e6:.0f} MB) in {len(shapes)} tensors, "
           f"{N_WORKERS} workers, frames of {chunk / (1 << 20):g} MiB (floor {args.raw_chunk_mb:g} MiB), "
           f"{args.reps} reps x {args.rounds} rounds "

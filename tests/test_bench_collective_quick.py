@@ -1,0 +1,55 @@
+"""Short CI variants of the collective plane's benchmarks (benchmarks/README.md).
+
+``bench_transport.py --collective`` (4 worker processes all-reducing over gloo on a
+coordinator's store, beside raw gloo) and ``bench_durable.py --collective`` (the
+collective coordinator's checkpoint, which holds no tensors) run for minutes at
+their real sizes; here each runs small enough to keep the scripts working. The
+figures are not checked, only that the runs complete and say what they measured.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow
+
+
+def _run(args: list[str], cwd: Path, timeout_s: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout_s)
+
+
+def test_bench_transport_collective_quick_commits_rounds_across_processes_and_breaks_them_down(tmp_path):
+    # The hub is skipped to stay short: its path is bench_transport's default run.
+    proc = _run([str(REPO / "benchmarks" / "bench_transport.py"), "--collective", "--quick", "--params", "200k",
+                 "--skip", "hub"], tmp_path, 55)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    m = re.fullmatch(r"RESULT bench_transport_collective params=200000 collective_s=([\d.]+) gloo_s=([\d.]+) "
+                     r"hub_s=nan ratio_vs_gloo=([\d.]+) hub_ratio_vs_gloo=nan collective_vs_hub=nan", lines[-1])
+    assert m, lines[-1]
+    collective, gloo, ratio = (float(x) for x in m.groups())
+    assert collective > 0 and gloo > 0 and ratio == pytest.approx(collective / gloo, abs=0.01)
+    text = proc.stdout
+    assert "gloo all-reduce of the flat buffer" in text and "digest of the proposed params" in text
+    assert "exited with" not in proc.stderr, proc.stderr  # every worker process ends cleanly
+
+
+def test_bench_durable_collective_writes_a_checkpoint_without_tensors_whatever_the_model_size(tmp_path):
+    proc = _run([str(REPO / "benchmarks" / "bench_durable.py"), "--collective", "--params", "100k,1M",
+                 "--rounds", "3", "--worker-reps", "1", "--hub-rounds", "1", "--dir", str(tmp_path)], tmp_path, 50)
+    assert proc.returncode == 0, proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("RESULT bench_durable_collective "), last
+    fields = dict(kv.split("=") for kv in last.split()[2:])
+    # No tensors: the file holds the model's spec (names and shapes), not its values.
+    assert abs(float(fields["coord_ckpt_kb_100k"]) - float(fields["coord_ckpt_kb_1M"])) <= 0.1
+    assert float(fields["coord_ckpt_kb_1M"]) < 20
+    assert float(fields["worker_ckpt_mb_1M"]) > 10 * float(fields["worker_ckpt_mb_100k"]) - 1
+    assert proc.stdout.count("with 0 tensors (collective record: yes)") == 2
