@@ -54,6 +54,8 @@ from diloco.wire.messages import (
     Welcome,
 )
 
+#: How long ``close`` waits for the data-plane thread to finish the job it is in.
+CLOSE_JOIN_S = 30.0
 #: Heals a joiner tries (each from a source the coordinator picks anew) before it gives up.
 MAX_HEAL_ATTEMPTS = 5
 #: A heal waits for its source, which serves it only after the verdict of any attempt it is in
@@ -163,6 +165,11 @@ class CollectiveEndpoint:
         self._void_attempts()
         self._jobs.put(None)
         self.inner.close()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            # A process that exits while this (daemon) thread is inside torch -- freeing a round's
+            # buffers -- is aborted by the C++ runtime: let it finish its job first.
+            thread.join(CLOSE_JOIN_S)
 
     # ------------------------------------------------------------------ from the coordinator
 
