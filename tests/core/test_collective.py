@@ -204,6 +204,7 @@ def test_bad_reports_are_one_reject_and_change_nothing(event, reason, wid):
     effects = fsm.step(event)
     assert len(effects) == 1 and isinstance(effects[0], Reject), effects
     assert effects[0].reason is reason and effects[0].worker_id == wid
+    assert isinstance(effects[0].detail, str) and len(effects[0].detail) > 20, "a refusal says what was wrong"
     assert fsm.snapshot() == before
 
 
@@ -237,3 +238,24 @@ def test_an_open_attempt_survives_snapshot_and_restore():
     # A resumed run forgets the attempt (it is in flight, like a pending contribution).
     resumed = RoundFSM.resume(fsm.snapshot(), 0.0)
     assert resumed.open_round_ids() == (1,)
+
+
+def test_a_digest_of_exactly_the_longest_length_is_accepted():
+    fsm = reducing_ab()
+    assert fsm.step(rep("A", 0, 0, "d" * 128)) == []
+
+
+def test_a_report_in_an_async_run_is_a_stale_attempt():
+    fsm = fsm_after(J("A"), min_workers=1, mode=Mode.ASYNC)
+    assert fsm.step(rep("A", 0, 0))[0].reason is R.STALE_ATTEMPT
+
+
+def test_a_membership_change_exactly_at_the_deadline_does_not_abort():
+    """The attempt's deadline is the order's clock plus reduce_timeout_s; only past it does it abort."""
+    fsm = reducing_ab()                        # ordered at t=0, deadline 4.0, heartbeat timeout 10
+    fsm.step(HeartbeatSeen("A")), fsm.step(HeartbeatSeen("B"))
+    fsm.step(Ticked(3.0))
+    fsm.step(J("C"))
+    fsm.step(Ticked(4.0))                       # exactly the deadline: not past it
+    effects = fsm.step(L("C"))                  # a membership change re-checks every attempt
+    assert not any(isinstance(e, AbortReduce) for e in effects), effects
