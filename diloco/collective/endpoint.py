@@ -22,6 +22,11 @@ collective run (the Welcome says so) it keeps the session exactly as on the hub:
 One thread owns the real endpoint (ZeroMQ sockets are not thread-safe): the data-plane
 thread never sends; it queues its reports and wakes the owner, whose next ``recv`` sends
 them.
+
+Why one file of about 480 lines: the message handling (the owner's thread) and the jobs
+(the data-plane thread) share the verdict slots, the pending pseudo-gradients, the held
+Welcome and the replica, under one lock; the parts that own no such state are beside it
+(``groups``, ``reduce``, ``replica``, ``heal``).
 """
 
 from __future__ import annotations

@@ -33,6 +33,10 @@ busy past the timeout or its store client is broken.
 Every replica change is traced as an ``adopt`` record (``src``: ``commit``, ``heal`` or
 ``start``), the only place a worker takes an outer step: the checker holds each against the
 coordinator's commits.
+
+Why one file of about 730 lines: it is the simulated counterpart of one worker's collective
+data plane (its endpoint, its data thread, its group and heal transfers) and of the gloo
+groups they meet in; every part reads the same simulated worker and group state.
 """
 
 from __future__ import annotations
