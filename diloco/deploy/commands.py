@@ -44,6 +44,12 @@ def _add_client_keys(p: argparse.ArgumentParser, role: str) -> None:
                    help="the coordinator's public key (server.key); default: $DILOCO_SERVER_KEY")
 
 
+LINK_TIMEOUT_HELP = ("seconds a connection to the coordinator may go without delivering one whole frame before "
+                     "it is closed and re-opened (tensors travel in 16 MiB frames, and a frame counts only once it "
+                     "has arrived): default 30, enough for links of about 4.5 Mbit/s per worker stream; raise it "
+                     "on slower links, or a big upload on a shared link is cut and retried forever")
+
+
 def _add_connect(p: argparse.ArgumentParser, role: str = "admin") -> None:
     p.add_argument("--connect", default=DEFAULT_ADDRESS, metavar="ADDR",
                    help=f"the coordinator's address, as given to `diloco server --bind` (default {DEFAULT_ADDRESS})")
@@ -122,6 +128,7 @@ def register(subparsers) -> None:
                         "saved ones (not --mode or --fragments)")
     p.add_argument("--max-message-mb", type=_positive_float, default=None, metavar="MB",
                    help="largest message accepted, in MiB (default 1024); checked as its parts arrive")
+    p.add_argument("--link-timeout", type=_positive_float, default=None, metavar="S", help=LINK_TIMEOUT_HELP)
     p.add_argument("--wire-dtype", choices=WIRE_DTYPES, default=None,
                    help=f"how workers upload pseudo-gradients and the coordinator broadcasts each sync round's "
                         f"update: fp32 (4 bytes per parameter), bf16 (2) or int8 (1, plus one fp32 scale per "
@@ -208,6 +215,7 @@ def register(subparsers) -> None:
                "4 the coordinator refused this worker's key; 130 interrupted")
     p.add_argument("--connect", default=DEFAULT_ADDRESS, metavar="ADDR",
                    help=f"the coordinator's address (default {DEFAULT_ADDRESS})")
+    p.add_argument("--link-timeout", type=_positive_float, default=None, metavar="S", help=LINK_TIMEOUT_HELP)
     p.add_argument("--id", dest="worker_id", default=None, metavar="NAME",
                    help="this worker's id, unique in the run (default: HOSTNAME-PID)")
     p.add_argument("--entry", default=None, metavar="module:function",
@@ -359,7 +367,7 @@ def cmd_server(args) -> int:
         outer_optimizer=args.outer_optimizer, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
         resume=args.resume, keep=args.keep,
         max_message_bytes=None if args.max_message_mb is None else int(args.max_message_mb * (1 << 20)),
-        max_update_norm=args.max_update_norm, wire_dtype=args.wire_dtype,
+        link_timeout_s=args.link_timeout, max_update_norm=args.max_update_norm, wire_dtype=args.wire_dtype,
         dylu=args.dylu, sync_every=args.sync_every,
         auth_dir=args.auth, io_threads=args.io_threads, http=args.http, log_dir=args.log_dir,
         data_plane=args.data_plane, collective_timeout_s=args.collective_timeout,

@@ -53,6 +53,9 @@ class ServerSettings:
     outer_momentum: float | None = None
     resume: str | None = None
     max_message_bytes: int | None = None
+    #: ``--link-timeout``: seconds a connection may deliver no whole frame before it is re-opened
+    #: (None: ``ZmqOptions``' default).
+    link_timeout_s: float | None = None
     #: Seconds to keep answering after the run stops, so every worker hears it (default: 3 heartbeats).
     linger_s: float | None = None
     #: ``--max-update-norm``: refuse contributions with a larger L2 norm (0: no limit; None: not given,
@@ -299,6 +302,8 @@ def run_server(s: ServerSettings, out: TextIO = sys.stdout, stop_event: threadin
     overrides = {}
     if s.max_message_bytes is not None:
         overrides["max_message_bytes"] = s.max_message_bytes
+    if s.link_timeout_s is not None:
+        overrides["zmtp_heartbeat_timeout_ms"] = max(1, round(s.link_timeout_s * 1000))
     io_threads = s.io_threads or (2 if auth is not None else 1)
     try:
         options = ZmqOptions(io_threads=io_threads, **overrides)

@@ -204,6 +204,7 @@ def _grad_sync(info):
 
 
 def _run_leader(args, setup, worker_id: str, sync_every: int, info, device, overlap: dict) -> int:
+    from diloco.transport.zmq.options import ZmqOptions
     from diloco.wire.zmq import ZmqWorkerEndpoint
     from diloco.worker import DilocoWorker, run_training
     from diloco.worker.device import loss_on_device
@@ -223,7 +224,9 @@ def _run_leader(args, setup, worker_id: str, sync_every: int, info, device, over
         coordinator_timeout = DEFAULT_COORDINATOR_TIMEOUT_S
 
     auth = client_auth(args)
-    endpoint = ZmqWorkerEndpoint(args.connect, label=worker_id, auth=auth)
+    options = ZmqOptions() if args.link_timeout is None else ZmqOptions(
+        zmtp_heartbeat_timeout_ms=max(1, round(args.link_timeout * 1000)))
+    endpoint = ZmqWorkerEndpoint(args.connect, label=worker_id, auth=auth, options=options)
     try:
         worker = DilocoWorker(setup.model, setup.optimizer, endpoint, worker_id=worker_id, sync_every=sync_every,
                               checkpoint_dir=args.checkpoint_dir, on_state=printer.on_state,

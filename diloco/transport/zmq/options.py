@@ -14,6 +14,9 @@ from diloco.transport.limits import CHUNK_BYTES, MAX_HEADER_BYTES, MAX_MESSAGE_B
 
 log = logging.getLogger("diloco.transport.zmq")
 
+#: ``zmtp_heartbeat_timeout_ms`` by default (``diloco server|worker --link-timeout``, in seconds).
+DEFAULT_LINK_TIMEOUT_MS = 30_000
+
 
 @dataclass(frozen=True)
 class ZmqOptions:
@@ -36,9 +39,13 @@ class ZmqOptions:
     #: Reconnect back-off of a DEALER whose coordinator went away.
     reconnect_ivl_ms: int = 100
     reconnect_ivl_max_ms: int = 1000
-    #: ZMTP-level pings: a TCP peer silent this long is disconnected (and a DEALER reconnects).
+    #: ZMTP-level pings: a TCP peer that delivers no whole frame for ``zmtp_heartbeat_timeout_ms``
+    #: after a ping is disconnected (and a DEALER reconnects). libzmq counts a frame only once it
+    #: has fully arrived, and a peer's pong queues behind the frame it is sending: the timeout must
+    #: outlast one frame (``chunk_bytes``, 16 MiB) on the slowest link, shared by every stream on it.
+    #: 30 s needs about 4.5 Mbit/s per stream; ``--link-timeout`` raises it for slower links.
     zmtp_heartbeat_ivl_ms: int = 1000
-    zmtp_heartbeat_timeout_ms: int = 5000
+    zmtp_heartbeat_timeout_ms: int = DEFAULT_LINK_TIMEOUT_MS
     #: Snapshot tensors on send (one copy per tensor version), so a tensor changed in place
     #: after ``send`` cannot tear a message still queued. Off by default: ``send`` is
     #: zero-copy and the sender must not modify a tensor it sent. The coordinator and

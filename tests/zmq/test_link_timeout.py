@@ -1,0 +1,90 @@
+"""A tensor frame slower than the link timeout is cut; the default outlasts a slow link's frame.
+
+libzmq counts a frame only once the whole of it has arrived, and a peer's answer to a
+ZMTP ping waits behind the frame it is sending, so a frame that takes longer to cross
+than ``zmtp_heartbeat_timeout_ms`` closes the connection mid-frame and the message is
+lost (SPEC.md section 12, "Deaths the transport sees"). Each case runs a coordinator
+endpoint and a worker endpoint in a network namespace of its own whose loopback is
+rate-limited with ``tc ... tbf`` (the test makes both and deletes them), and sends one
+Submit whose tensor is one 1 MiB frame, about 8.5 s at 1 Mbit/s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")),
+                       reason="needs root, ip and tc (network namespaces)"),
+]
+
+RATE = "1mbit"
+FRAME_BYTES = 1 << 20
+
+CASE = r"""
+import json, sys, time
+import torch
+from diloco.wire.messages import Submit
+from diloco.wire.zmq import ZmqCoordinatorEndpoint, ZmqOptions, ZmqWorkerEndpoint
+
+timeout_ms, frame_bytes, wait_s = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+opts = ZmqOptions(chunk_bytes=frame_bytes) if timeout_ms == 0 else ZmqOptions(
+    chunk_bytes=frame_bytes, zmtp_heartbeat_timeout_ms=timeout_ms)
+with ZmqCoordinatorEndpoint("tcp://127.0.0.1:0", options=opts) as server:
+    worker = ZmqWorkerEndpoint(server.address, label="w1", options=opts)
+    tensor = torch.arange(frame_bytes // 4, dtype=torch.float32)
+    start = time.monotonic()
+    worker.send(Submit("w1", 0, 0, {"x": tensor}))
+    got, deadline = None, start + wait_s
+    while got is None and time.monotonic() < deadline:
+        worker.recv(0.01)  # the worker's side keeps its socket serviced
+        got = server.recv(0.2)
+    elapsed = time.monotonic() - start
+    ok = got is not None and torch.equal(got[1].tensors["x"], tensor)
+    print(json.dumps({"arrived": ok, "elapsed_s": elapsed, "disconnects": server.stats()["disconnects"]}))
+    worker.close()
+"""
+
+
+def _start_case(ns: str, timeout_ms: int, wait_s: float) -> subprocess.Popen:
+    subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True, timeout=10)
+    # Ethernet-sized packets: tbf drops any packet larger than its bucket (loopback's MTU is 64 KiB).
+    subprocess.run(["ip", "-n", ns, "link", "set", "lo", "mtu", "1500", "up"], check=True, capture_output=True,
+                   timeout=10)
+    subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", "lo", "root", "tbf", "rate", RATE, "burst", "64kbit",
+                    "latency", "400ms"], check=True, capture_output=True, timeout=10)
+    return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", CASE, str(timeout_ms),
+                             str(FRAME_BYTES), str(wait_s)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_frame_slower_than_the_link_timeout_is_cut_and_the_default_lets_it_arrive():
+    tag = uuid.uuid4().hex[:6]
+    names = {"short": f"dlt{tag}s", "default": f"dlt{tag}d"}
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        # 5 s, the old default: shorter than the frame's 8.5 s on this link.
+        procs["short"] = _start_case(names["short"], 5000, 16.0)
+        procs["default"] = _start_case(names["default"], 0, 30.0)
+        out = {}
+        for key, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=60)
+            assert proc.returncode == 0, stderr
+            out[key] = json.loads(stdout.strip().splitlines()[-1])
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        for ns in names.values():
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+    assert not out["short"]["arrived"] and out["short"]["disconnects"] >= 1, out["short"]
+    assert out["default"]["arrived"] and out["default"]["elapsed_s"] > 5.0, out["default"]
+    assert out["default"]["disconnects"] == 0, out["default"]
