@@ -417,19 +417,22 @@ def op_costs(n_params: int, k: int, out_q) -> None:
 
     import torch
     torch.set_num_threads(1)
-    from diloco.collective.replica import digest
-    from diloco.coordinator.params import all_finite
-    from diloco.outer import OuterConfig, build_outer_optimizer
+    from diloco.collective.replica import Replica, digest, finite
+    from diloco.outer import OuterConfig
 
     shapes = shapes_for(n_params)
     params = make_params(shapes, 0.5)
     grad = make_params(shapes, 0.001)
     names = list(params)
-    opt = build_outer_optimizer(list(params.values()), OuterConfig(), k)
-    for n, p in params.items():  # one step first: the momentum buffers exist, as in every later round
-        p.grad = grad[n]
-    opt.step()
     flat = torch.cat([grad[n].reshape(-1) for n in names])
+    replica = Replica(params, (tuple(names),), [0], OuterConfig(), "fp32", k)
+    # One committed round first: the backup buffers and the momentum exist, as in every later round.
+    assert replica.commit(0, 0, replica.propose(0, 0, grad))
+    reduce_buffer = torch.empty_like(flat)
+    kept = replica._buffers[0]
+    opt_backup = replica._optimizer_backups[0]
+    opt = replica.optimizers[0]
+    params = replica.params
 
     def step():
         for n, p in params.items():
@@ -439,16 +442,19 @@ def op_costs(n_params: int, k: int, out_q) -> None:
             p.grad = None
 
     ops = {
-        "flatten (cat)": lambda: torch.cat([grad[n].reshape(-1).to(torch.float32) for n in names]),
-        "copy of the flat buffer (clone)": lambda: flat.clone(),
+        "flatten into the kept reduce buffer (cat out=)": lambda: torch.cat(
+            [grad[n].reshape(-1).to(torch.float32) for n in names], out=reduce_buffer),
         "divide by k": lambda: flat.div_(1.0),
-        "backup of the params (clone)": lambda: {n: p.detach().clone() for n, p in params.items()},
-        "backup of the optimizer (deepcopy)": lambda: copy.deepcopy(opt.state_dict()),
+        "backup of the params (copy into kept buffers)": lambda: [kept[n].copy_(p) for n, p in params.items()],
+        "backup of the optimizer (copy into kept buffers)": lambda: opt_backup.take(opt),
         "outer Nesterov step": step,
-        "finiteness (isfinite().all())": lambda: [bool(torch.isfinite(p).all()) for p in params.values()],
+        "finiteness (aminmax)": lambda: [finite(p) for p in params.values()],
         "digest": lambda: digest(params),
         "clone for the Result": lambda: {n: t.clone() for n, t in params.items()},
-        "(not in the round) finiteness by sum, all_finite": lambda: [all_finite(p) for p in params.values()],
+        "(not in the round) fresh backup: clone + deepcopy": lambda: (
+            {n: p.detach().clone() for n, p in params.items()}, copy.deepcopy(opt.state_dict())),
+        "(not in the round) finiteness by isfinite().all()": lambda: [bool(torch.isfinite(p).all())
+                                                                      for p in params.values()],
     }
 
     def measure(into: dict) -> None:
@@ -693,10 +699,10 @@ def run_collective(ctx, shapes, rounds: int, warmup: int, timeout_s: float, mark
 SEGMENTS = (
     ("t0", "order", "ready: tensorless Submit -> coordinator -> ReduceOrder back (waits for all 4 readies)"),
     ("order", "reduce0", "hand-off to the data-plane thread, group lookup"),
-    ("reduce0", "allreduce0", "flatten + copy of the pseudo-gradient (cat, clone)"),
+    ("reduce0", "allreduce0", "flatten of the pseudo-gradient into the kept reduce buffer (cat)"),
     ("allreduce0", "allreduce1", "gloo all-reduce of the flat buffer (incl. waiting for peers)"),
     ("allreduce1", "reduce1", "divide by k, unflatten"),
-    ("reduce1", "digest0", "outer step: backup clone + optimizer deepcopy + Nesterov step + isfinite"),
+    ("reduce1", "digest0", "outer step: backup into kept buffers + Nesterov step + finiteness (aminmax)"),
     ("digest0", "digest1", "digest of the proposed params"),
     ("digest1", "report", "ReduceReport handed to the owner thread and sent"),
     ("report", "verdict", "vote: coordinator waits for every report, commits, Result(digest) back"),

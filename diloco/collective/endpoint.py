@@ -38,6 +38,8 @@ import threading
 import time
 from typing import Any
 
+import torch
+
 from diloco.collective.groups import CollectiveError, GroupCache, connect_store, local_address_towards
 from diloco.collective import heal
 from diloco.collective.reduce import bytes_on_link, mean_pseudo_gradient
@@ -104,6 +106,7 @@ class CollectiveEndpoint:
         self._closed = False
         self._heal_attempts = 0
         self._heal_orders: dict[str, str] = {}
+        self._reduce_buffers: dict[int, torch.Tensor] = {}
         self._last_join: Join | None = None
         #: A collective Welcome is held back while this member heals or builds its replica.
         self._welcome_withheld = False
@@ -315,12 +318,15 @@ class CollectiveEndpoint:
             try:
                 group = self._group_cache().get(order.prefix, order.group.index(self.worker_id), len(order.group))
                 shapes = {n: replica.params[n].shape for n in replica.fragments[fid]}
-                mean = mean_pseudo_gradient(group, pending[1], replica.wire_dtype, shapes, self._timeout_s)
+                mean = mean_pseudo_gradient(group, pending[1], replica.wire_dtype, shapes, self._timeout_s,
+                                            self._reduce_buffer(fid, shapes))
                 vote = replica.propose(fid, rid, mean)
                 ok = True
                 self.stats["bytes_sent"] += bytes_on_link(pending[1], replica.wire_dtype, len(order.group))
             except (CollectiveError, FloatingPointError, RuntimeError) as exc:
                 self._group_cache().drop()
+                # A timed-out collective may still write into its buffer: never reuse that one.
+                self._reduce_buffers.pop(fid, None)
                 detail = str(exc)
                 self.stats["reduce_failed"] += 1
         self._post(ReduceReport(self.worker_id, fid, rid, order.attempt, ok, vote, detail[:1000]))
@@ -441,6 +447,15 @@ class CollectiveEndpoint:
         if not self.collective or replica is None:
             return None
         return replica.committed_optimizer_states()
+
+    def _reduce_buffer(self, fid: int, shapes: dict) -> torch.Tensor:
+        """Fragment ``fid``'s flat fp32 reduce buffer, kept from round to round. A round reuses it
+        only after the previous round's verdict: its mean was stepped into the replica by then."""
+        numel = sum(s.numel() for s in shapes.values())
+        buf = self._reduce_buffers.get(fid)
+        if buf is None or buf.numel() != numel:
+            buf = self._reduce_buffers[fid] = torch.empty(numel, dtype=torch.float32)
+        return buf
 
     def _session_params(self) -> dict:
         assert self.replica is not None

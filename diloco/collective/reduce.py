@@ -32,8 +32,15 @@ def _wait(work, timeout_s: float, what: str) -> None:
         raise CollectiveError(f"{what} failed: {exc}") from exc
 
 
-def _flat(tensors: Mapping[str, torch.Tensor], names: list[str], dtype: torch.dtype) -> torch.Tensor:
-    return torch.cat([tensors[n].detach().reshape(-1).to(dtype) for n in names]) if names else torch.empty(0, dtype=dtype)
+def _flat(tensors: Mapping[str, torch.Tensor], names: list[str], dtype: torch.dtype,
+          out: torch.Tensor | None = None) -> torch.Tensor:
+    """One new flat tensor (``torch.cat`` copies), or ``out`` refilled when it fits."""
+    parts = [tensors[n].detach().reshape(-1).to(dtype) for n in names]
+    if not parts:
+        return torch.empty(0, dtype=dtype)
+    if out is not None and out.dtype == dtype and out.numel() == sum(t.numel() for t in parts):
+        return torch.cat(parts, out=out)
+    return torch.cat(parts)
 
 
 def _unflat(flat: torch.Tensor, shapes: Mapping[str, torch.Size], names: list[str]) -> Tensors:
@@ -55,12 +62,16 @@ def bytes_on_link(encoded: compression.Encoded, wire_dtype: str, size: int) -> i
 
 
 def mean_pseudo_gradient(group: dist.ProcessGroupGloo, encoded: compression.Encoded, wire_dtype: str,
-                         shapes: Mapping[str, torch.Size], timeout_s: float) -> Tensors:
-    """The group's mean pseudo-gradient (fp32) from this member's ``encoded`` one."""
+                         shapes: Mapping[str, torch.Size], timeout_s: float,
+                         buffer: torch.Tensor | None = None) -> Tensors:
+    """The group's mean pseudo-gradient (fp32) from this member's ``encoded`` one.
+
+    fp32: the result is views into ``buffer`` when one of the right size is given (the caller
+    keeps it from round to round: no fresh pages per round), else into a new flat tensor."""
     names = list(shapes)
     size = group.size()
     if wire_dtype == "fp32":
-        flat = _flat(encoded.values, names, torch.float32).clone()
+        flat = _flat(encoded.values, names, torch.float32, out=buffer)
         _wait(group.allreduce([flat]), timeout_s, "the all-reduce")
         flat /= size
         return _unflat(flat, shapes, names)

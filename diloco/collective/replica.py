@@ -12,11 +12,17 @@ bf16 and int8 runs round the step the way the hub does (``quantized_update``:
 params = old + decode(encode(new - old))), so the planes follow the same
 trajectory whatever the wire dtype.
 
-The digest is SHA-256 over, per tensor, its name, size and two int64 checksums of
-its fp32 bit patterns (their sum and the sum of their squares, wrapping). Any
-replica that computed one different bit almost surely disagrees; it guards
-against divergence (a bug, a nondeterministic kernel), not against a forger:
-a member that lies can also lie about its pseudo-gradient.
+The digest is SHA-256 over, per tensor, its name, size and the wrapping int64 sums
+of its fp32 bit patterns read as 64-bit words, one sum per block of 32,768 words.
+Integer sums do not depend on the order a kernel adds in, so every replica that
+holds the same bits computes the same digest; one different bit changes its
+block's sum. It guards against divergence (a bug, a nondeterministic kernel), not
+against a forger: a member that lies can also lie about its pseudo-gradient.
+
+A round must not cost more than the reduce it follows, so the proposal's backup
+(params and optimizer state) is copied into buffers the replica keeps from round
+to round rather than into fresh ones: fresh 100M-parameter tensors on the
+data-plane thread cost more in page faults than the copy itself.
 """
 
 from __future__ import annotations
@@ -34,28 +40,107 @@ from diloco.wire import compression
 
 Tensors = dict[str, torch.Tensor]
 
-#: Elements per checksum chunk: bounds the int64 temporary (128 MB) whatever the tensor size.
-_CHUNK = 1 << 24
+#: 64-bit words per block sum: a 100M-parameter model hashes about 1,500 sums.
+_BLOCK_WORDS = 1 << 15
 
 
 def digest(params: Mapping[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for name, t in params.items():
-        bits = t.detach().contiguous().reshape(-1).view(torch.int32)
-        plain = squares = 0
-        for start in range(0, bits.numel(), _CHUNK):
-            chunk = bits[start:start + _CHUNK].to(torch.int64)
-            plain += int(chunk.sum())
-            squares += int(chunk.mul_(chunk).sum())
-        h.update(f"{name}:{t.numel()}:{plain}:{squares};".encode())
+        bits = t.detach().to(torch.float32).contiguous().reshape(-1).view(torch.int32)
+        words = bits[:bits.numel() - bits.numel() % 2].view(torch.int64)
+        full = words.numel() - words.numel() % _BLOCK_WORDS
+        sums = words[:full].view(-1, _BLOCK_WORDS).sum(dim=1)  # int64 sums wrap: order-free
+        tail = int(words[full:].sum()) if full < words.numel() else 0
+        odd = int(bits[-1]) if bits.numel() % 2 else 0
+        h.update(f"{name}:{t.numel()}:{tail}:{odd}:".encode())
+        h.update(sums.numpy().tobytes())
+        h.update(b";")
     return h.hexdigest()
+
+
+def finite(t: torch.Tensor) -> bool:
+    """True when ``t`` holds no NaN or infinity: its min and max (which propagate NaN) are finite,
+    read in one pass without the bool tensor ``isfinite`` would allocate."""
+    if t.numel() == 0:
+        return True
+    low, high = torch.aminmax(t.detach())
+    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
+
+
+class _OptimizerBackup:
+    """One optimizer's state copied into buffers kept from round to round.
+
+    ``torch.optim`` state is, per param, a dict of tensors (momentum, Adam's moments) and
+    scalars; ``load_state_dict`` would make the live state alias what it loads, so the
+    restore copies back in place instead.
+    """
+
+    def __init__(self) -> None:
+        self._state: dict[int, dict] = {}  # param position -> key -> buffer or value
+        self._groups: list[dict] = []
+
+    def take(self, opt: torch.optim.Optimizer) -> None:
+        kept: dict[int, dict] = {}
+        for i, p in enumerate(_params_of(opt)):
+            live = opt.state.get(p)
+            if not live:
+                continue
+            old = self._state.get(i, {})
+            entry = {}
+            for k, v in live.items():
+                if isinstance(v, torch.Tensor):
+                    buf = old.get(k)
+                    if not isinstance(buf, torch.Tensor) or buf.shape != v.shape or buf.dtype != v.dtype:
+                        buf = torch.empty_like(v)
+                    entry[k] = buf.copy_(v)
+                else:
+                    entry[k] = copy.deepcopy(v)
+            kept[i] = entry
+        self._state = kept
+        self._groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+    def restore(self, opt: torch.optim.Optimizer) -> None:
+        with torch.no_grad():
+            for i, p in enumerate(_params_of(opt)):
+                saved = self._state.get(i)
+                if saved is None:
+                    opt.state.pop(p, None)
+                    continue
+                live = opt.state[p]
+                for k in [k for k in live if k not in saved]:
+                    del live[k]
+                for k, v in saved.items():
+                    if isinstance(v, torch.Tensor):
+                        cur = live.get(k)
+                        if isinstance(cur, torch.Tensor) and cur.shape == v.shape and cur.dtype == v.dtype:
+                            cur.copy_(v)
+                        else:
+                            live[k] = v.clone()
+                    else:
+                        live[k] = copy.deepcopy(v)
+        for g, saved in zip(opt.param_groups, self._groups):
+            g.update(copy.deepcopy(saved))
+
+    def state_dict(self, opt: torch.optim.Optimizer) -> dict:
+        """What ``opt.state_dict()`` returned when the backup was taken (copies)."""
+        groups = opt.state_dict()["param_groups"]
+        for g, saved in zip(groups, self._groups):
+            g.update(copy.deepcopy(saved))
+        state = {i: {k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in e.items()}
+                 for i, e in self._state.items()}
+        return {"state": state, "param_groups": groups}
+
+
+def _params_of(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in opt.param_groups for p in g["params"]]
 
 
 @dataclass
 class _Backup:
     round_id: int
-    params: Tensors
-    optimizer: dict
+    params: Tensors  # the fragment's buffers (``Replica._buffers``), valid while the proposal is open
+    optimizer: _OptimizerBackup
     digest: str
 
 
@@ -77,6 +162,9 @@ class Replica:
             for opt, state in zip(self.optimizers, optimizer_states):
                 opt.load_state_dict(state)
         self._proposals: dict[int, _Backup] = {}
+        #: Per fragment: the backup buffers a proposal copies the committed state into.
+        self._buffers: list[Tensors] = [{} for _ in fragments]
+        self._optimizer_backups = [_OptimizerBackup() for _ in fragments]
         #: Guards proposals against a checkpoint read from the training thread.
         self._lock = threading.Lock()
 
@@ -99,8 +187,13 @@ class Replica:
                                f"round {self.round_ids[fid]}")
         params = self.fragment(fid)
         opt = self.optimizers[fid]
-        before = {n: p.detach().clone() for n, p in params.items()}
-        opt_before = copy.deepcopy(opt.state_dict())
+        before = self._buffers[fid]
+        for n, p in params.items():
+            if n not in before:
+                before[n] = torch.empty_like(p)
+            before[n].copy_(p.detach())
+        opt_before = self._optimizer_backups[fid]
+        opt_before.take(opt)
         with self._lock:  # from here a checkpoint reads the backup, not the state being stepped
             self._proposals[fid] = _Backup(round_id, before, opt_before, "")
         try:
@@ -120,7 +213,7 @@ class Replica:
         finally:
             for p in params.values():
                 p.grad = None
-        bad = next((n for n, p in params.items() if not bool(torch.isfinite(p).all())), None)
+        bad = next((n for n, p in params.items() if not finite(p)), None)
         if bad is not None:
             self._restore(fid, before, opt_before)
             with self._lock:
@@ -168,17 +261,18 @@ class Replica:
                 backup = self._proposals.get(fid)
                 if backup is not None:
                     params.update({n: t.clone() for n, t in backup.params.items()})
-                states.append(copy.deepcopy(backup.optimizer if backup is not None else opt.state_dict()))
+                states.append(backup.optimizer.state_dict(opt) if backup is not None
+                              else copy.deepcopy(opt.state_dict()))
             return list(self.round_ids), params, states
 
     def committed_optimizer_states(self) -> list[dict]:
         """Copies of each fragment's committed optimizer state (a proposal's backup where one is open)."""
         with self._lock:
-            return [copy.deepcopy(self._proposals[fid].optimizer if fid in self._proposals else opt.state_dict())
-                    for fid, opt in enumerate(self.optimizers)]
+            return [self._proposals[fid].optimizer.state_dict(opt) if fid in self._proposals
+                    else copy.deepcopy(opt.state_dict()) for fid, opt in enumerate(self.optimizers)]
 
-    def _restore(self, fid: int, params: Tensors, optimizer: dict) -> None:
+    def _restore(self, fid: int, params: Tensors, optimizer: _OptimizerBackup) -> None:
         with torch.no_grad():
             for n, p in self.fragment(fid).items():
                 p.copy_(params[n])
-        self.optimizers[fid].load_state_dict(optimizer)
+        optimizer.restore(self.optimizers[fid])

@@ -8,7 +8,7 @@ import threading
 import torch
 
 from diloco.collective.endpoint import CollectiveEndpoint
-from diloco.collective.replica import Replica, digest
+from diloco.collective.replica import Replica, digest, finite
 from diloco.outer import OuterConfig
 from diloco.wire.messages import Welcome
 
@@ -36,13 +36,57 @@ def test_a_proposal_changes_nothing_until_committed_and_an_abort_restores_params
     assert digest(r.fragment(0)) == vote and "momentum_buffer" in r.optimizer_states()[0]["state"][0]
 
 
-def test_the_digest_sees_one_flipped_bit_and_a_swapped_name():
-    params = {"a": torch.randn(1000), "b": torch.randn(10)}
+def test_the_digest_sees_one_flipped_bit_anywhere_and_a_swapped_name():
+    # 140,001 elements: two full blocks of 32,768 words, a tail of words and one odd element.
+    params = {"a": torch.randn(140_001), "b": torch.randn(10)}
     base = digest(params)
-    flipped = {n: t.clone() for n, t in params.items()}
-    flipped["a"].view(torch.int32)[17] ^= 1
-    assert digest(flipped) != base
+    assert digest({n: t.clone() for n, t in params.items()}) == base
+    for index in (0, 17, 65_535, 65_536, 131_071, 131_072, 140_000):  # blocks, their edges, tail, odd one
+        flipped = {n: t.clone() for n, t in params.items()}
+        flipped["a"].view(torch.int32)[index] ^= 1 << (index % 31)
+        assert digest(flipped) != base, index
     assert digest({"b": params["a"], "a": params["b"]}) != base
+
+
+def test_finite_sees_a_nan_or_an_infinity_anywhere():
+    t = torch.randn(1000)
+    assert finite(t) and finite(torch.empty(0))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for index in (0, 500, 999):
+            u = t.clone()
+            u[index] = bad
+            assert not finite(u), (bad, index)
+
+
+def test_a_rollback_restores_every_optimizers_state_in_place_round_after_round():
+    # The backup buffers are reused from round to round and copied back in place: an abort
+    # after a commit must restore the committed momentum, not an older one or an alias.
+    for name in ("nesterov", "adam", "delayed_nesterov"):
+        params = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(4)}
+        r = Replica(params, FRAGMENTS, [0, 0], OuterConfig(name=name, delay=2), "fp32", 2)
+        for rid in range(3):
+            vote = r.propose(0, rid, {"a": torch.full((2, 3), 0.5 + rid)})
+            assert r.commit(0, rid, vote)
+        committed = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                     for k, v in r.optimizers[0].state_dict()["state"][0].items()}
+        committed_params = r.params["a"].clone()
+        for attempt in range(2):
+            r.propose(0, 3, {"a": torch.full((2, 3), -7.0 - attempt)})
+            during = r.committed_optimizer_states()[0]["state"][0]
+            assert all(torch.equal(torch.as_tensor(during[k]), torch.as_tensor(v)) for k, v in committed.items()), name
+            r.rollback(0)
+            state = r.optimizers[0].state_dict()["state"][0]
+            assert set(state) == set(committed), name
+            assert all(torch.equal(torch.as_tensor(state[k]), torch.as_tensor(v)) for k, v in committed.items()), name
+            assert torch.equal(r.params["a"], committed_params), name
+
+
+def test_a_rollback_of_the_first_proposal_leaves_no_optimizer_state():
+    r = replica()
+    r.propose(0, 0, {"a": torch.full((2, 3), 0.5)})
+    assert r.optimizers[0].state_dict()["state"]  # the step made momentum ...
+    r.rollback(0)
+    assert r.optimizers[0].state_dict()["state"] == {}  # ... which the rollback removes
 
 
 def test_int8_and_bf16_round_the_step_like_the_hub_and_stay_finite():
