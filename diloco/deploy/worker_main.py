@@ -51,7 +51,14 @@ def load_entry(spec: str) -> Callable[..., Any]:
                 raise UsageError(f"--entry {spec!r}: no such file {path}")
             mod_spec = importlib.util.spec_from_file_location(f"diloco_entry_{path.stem}", path)
             module = importlib.util.module_from_spec(mod_spec)
-            mod_spec.loader.exec_module(module)
+            # Registered first, as an import would: dataclasses (and pickle) look a module up in
+            # sys.modules, so a file with ``from __future__ import annotations`` and a dataclass fails otherwise.
+            sys.modules[mod_spec.name] = module
+            try:
+                mod_spec.loader.exec_module(module)
+            except BaseException:
+                sys.modules.pop(mod_spec.name, None)
+                raise
         else:
             if "" not in sys.path and os.getcwd() not in sys.path:
                 sys.path.insert(0, os.getcwd())  # like `python -m`: your module in the current directory

@@ -9,7 +9,7 @@ from collections import namedtuple
 import pytest
 import torch
 
-from diloco.deploy.worker_main import call_entry
+from diloco.deploy.worker_main import call_entry, load_entry
 from diloco.exits import UsageError
 from diloco.worker import TrainingSetup
 from diloco.worker.device import loss_on_device, resolve_device, to_device
@@ -135,3 +135,19 @@ def test_pseudo_gradients_on_the_device_path_equal_the_cpu_path():
     for n in params:
         assert got[n].device.type == "cpu" and got[n].dtype == torch.float32
         assert torch.equal(got[n], want[n]) and torch.equal(want[n], global_cpu[n] - params[n].detach())
+
+
+def test_an_entry_file_with_postponed_annotations_and_a_dataclass_loads(tmp_path):
+    # dataclasses resolve a class's module through sys.modules: a file loaded by path must be there.
+    entry = tmp_path / "my_entry.py"
+    entry.write_text("from __future__ import annotations\n"
+                     "import dataclasses\n\n"
+                     "@dataclasses.dataclass\n"
+                     "class Settings:\n"
+                     "    width: int = 4\n\n"
+                     "def make_setup():\n"
+                     "    return Settings().width\n")
+    func = load_entry(f"{entry}:make_setup")
+    assert func() == 4
+    with pytest.raises(UsageError, match="no such file"):
+        load_entry(f"{tmp_path / 'absent.py'}:make_setup")
