@@ -146,11 +146,11 @@ def test_one_worker_sends_nothing_and_more_workers_send_more():
     assert model.sync_bits(1e9, 2, 8) == pytest.approx(28e9)
 
 
-def test_hub_puts_k_copies_on_the_coordinator_link_and_collective_under_two_on_each_worker_link():
+def test_hub_puts_k_copies_in_then_k_out_on_the_coordinator_link_and_collective_under_two_on_each_worker_link():
     for k in (1, 2, 4, 16, 64):
-        assert model.link_copies(k, "hub") == k
+        assert model.link_copies(k, "hub") == 2 * k
         assert model.link_copies(k, "collective") == pytest.approx(2 * (1 - 1 / k))
-        assert model.sync_bits(1e9, 2, k, "hub") == pytest.approx(k * 16e9)
+        assert model.sync_bits(1e9, 2, k, "hub") == pytest.approx(2 * k * 16e9)
     assert model.sync_bits(1e9, 2, 2) == model.sync_bits(1e9, 2, 2, "collective")
 
 
@@ -188,7 +188,7 @@ def test_plan_says_which_link_the_bandwidth_is_of(plane, link, capsys):
     assert f"data plane: {plane}" in out
     assert f"compute utilisation at 10 Gbit/s on {link}:" in out
     assert f"bandwidth (Gbit/s) of {link} needed" in out
-    gbit = "64" if plane == "hub" else "24"  # 16 Gbit x 4 copies, or x 2(1 - 1/4) = 1.5
+    gbit = "128" if plane == "hub" else "24"  # 16 Gbit x 4 copies in, then 4 out, or x 2(1 - 1/4) = 1.5
     assert f"  DiLoCo                       2 {gbit:>13} " in out
 
 
@@ -196,7 +196,7 @@ def test_bandwidth_for_is_the_threshold_the_grid_rounds_up():
     """DiLoCo at 90%: the stall may be HT/9 = 1.111 s, and the transfer starts (2T/3)(1 - 1/24) before the step
     ends, so it may take 1.175 s: 16 Gbit x copies / 1.175 s."""
     diloco = model.methods(100, 8, 1, BF16)[1]
-    for plane, k, copies in (("collective", 2, 1), ("collective", 4, 1.5), ("hub", 4, 4), ("hub", 1, 1)):
+    for plane, k, copies in (("collective", 2, 1), ("collective", 4, 1.5), ("hub", 4, 8), ("hub", 1, 2)):
         got = model.bandwidth_for(diloco, 0.9, params=1e9, step_time_s=0.1, workers=k, data_plane=plane)
         assert got == pytest.approx(16 * copies / 1.175, rel=1e-5)
     for m in model.methods(100, 8, 1, BF16, INT4):
@@ -220,7 +220,7 @@ def test_plane_table_hub_grows_with_workers_and_collective_does_not():
             assert ring[2] / ring[0] == pytest.approx((2 - 2 / 64) / 1.5, rel=1e-5)  # 1.97 copies against 1.5
         assert table[(name, 10e9, "hub", 4)] == pytest.approx(10 * table[(name, 1e9, "hub", 4)], rel=1e-5)
     diloco_1b = [table[("DiLoCo", 1e9, plane, k)] for plane in ("hub", "collective") for k in (4, 16, 64)]
-    assert diloco_1b == pytest.approx([16 * c / 1.175 for c in (4, 16, 64, 1.5, 1.875, 2 - 2 / 64)], rel=1e-5)
+    assert diloco_1b == pytest.approx([16 * c / 1.175 for c in (8, 32, 128, 1.5, 1.875, 2 - 2 / 64)], rel=1e-5)
 
 
 def test_plan_plane_table_prints_the_known_rows(capsys):
@@ -229,8 +229,8 @@ def test_plan_plane_table_prints_the_known_rows(capsys):
     assert "bandwidth (Gbit/s) for 90% compute utilisation, by data plane and workers k" in out
     assert "(step 0.1 s, H=100, P=8, tau=1, 2 bytes/param on the wire, 24 buckets, full-duplex links)" in out
     assert "hub: the coordinator's link  collective: each worker's link" in out
-    assert "  1B      DiLoCo                   54.5      218      871       20.4     25.5     26.8" in out
-    assert "  10B     DiLoCo                    545     2179     8715        204      255      268" in out
+    assert "  1B      DiLoCo                    109      436     1743       20.4     25.5     26.8" in out
+    assert "  10B     DiLoCo                   1089     4357    17430        204      255      268" in out
     assert "plan: " not in out  # the table alone unless --bandwidth, --sweep or --plot asks for more
 
 

@@ -37,15 +37,16 @@ model every H steps, due at the end of the H-th; Streaming DiLoCo sends 1/P
 of the model every H/P steps, due tau steps later. A late sync stalls the
 step by its overrun and every later step with it.
 
-Data planes (--data-plane; links are full duplex, a half-duplex one needs
-twice the bandwidth):
+Data planes (--data-plane; links are full duplex):
   collective  the M workers all-reduce among themselves (ring): the bandwidth
               is each worker's link, carrying c = 2(1 - 1/M) copies of a sync
-              each way, under 2 whatever M.
+              each way at once, under 2 whatever M (a half-duplex link needs
+              twice the bandwidth).
   hub         each worker sends its pseudo-gradient to one coordinator and
               gets the new parameters back, as diloco server does: the
-              bandwidth is the coordinator's link, carrying c = M copies in
-              and M out at once, so it grows with M."""
+              bandwidth is the coordinator's link, carrying M copies in and
+              then M out (the replies need every upload), c = 2M, so it
+              grows with M."""
 
 EPILOG = """\
 examples:
@@ -113,7 +114,7 @@ def register(subparsers) -> None:
                      help="where syncs go (see above): collective (default) when the workers reach each other "
                           "directly and all-reduce (the figures are each worker's link); hub to size the "
                           "coordinator's link of a diloco server run, or any parameter server (the figures are "
-                          "the coordinator's link, which carries M copies)")
+                          "the coordinator's link, which carries M copies in, then M out)")
     run.add_argument("--buckets", type=_int_at_least("--buckets", 1), default=DEFAULT_BUCKETS, metavar="K",
                      help="buckets a step's payload is split into over the backward, e.g. one per layer "
                           f"(default {DEFAULT_BUCKETS}, the layers of Table 4's 1B model)")
@@ -210,7 +211,8 @@ def describe(args, ms) -> list[str]:
 
     if args.data_plane == "hub":
         plane = (f"data plane: hub (one coordinator); bandwidth = {LINK_OF['hub']}, carrying M = "
-                 f"{_copies(args.workers)} of each sync in and {args.workers} out")
+                 f"{_copies(args.workers)} of each sync in, then {args.workers} out: 2M = "
+                 f"{_copies(2 * args.workers)}' time")
     else:
         plane = (f"data plane: collective (ring all-reduce); bandwidth = {LINK_OF['collective']}, carrying "
                  f"2(1 - 1/M) = {_copies(2 * (1 - 1 / args.workers))} of each sync each way")

@@ -38,14 +38,17 @@ sends and receives at the bandwidth at the same time):
 * ``hub``: every worker sends its payload (pseudo-gradient) to one
   coordinator and receives the result (new parameters) back, as ``diloco
   server`` does. The coordinator's link carries ``M`` copies in and ``M``
-  copies out per sync; the replies follow the uploads bucket by bucket, so in
-  and out overlap and the sync takes ``max(in, out) = M`` copies: ``c = M`` on
-  the coordinator's link, the bottleneck (a worker's link carries one copy
-  each way). The replies' one-bucket lag behind the uploads is not modelled.
+  copies out per sync, one after the other: the outer step needs every
+  upload before it makes any reply, so in and out do not overlap and the
+  sync takes ``2M`` copies' time: ``c = 2M`` on the coordinator's link, the
+  bottleneck (a worker's link carries one copy each way). Measured over
+  emulated 100 Mbit/s links (``benchmarks/bench_links.py``) a hub round took
+  0.96 of that. A parameter server that streams its replies bucket by bucket
+  behind the uploads would overlap them and need half (``M``).
 
-A half-duplex link carries in and out one after the other: ``2M`` copies
-through a hub's coordinator and ``4(1 - 1/M)`` per worker in a ring, so it
-needs twice the bandwidth the model gives for the same utilisation.
+A half-duplex link carries a ring's in and out one after the other:
+``4(1 - 1/M)`` copies per worker, so it needs twice the bandwidth the model
+gives for the same utilisation (a hub's in and out are sequential already).
 """
 
 from __future__ import annotations
@@ -97,11 +100,12 @@ def parse_wire(text: str) -> float:
 
 
 def link_copies(workers: int, data_plane: str = "collective") -> float:
-    """Copies of a sync's payload on the data plane's busiest link, each way: 2(1 - 1/M) for ``collective``
-    (each worker's link, a ring all-reduce), M for ``hub`` (the coordinator's link, M in and M out at once)."""
+    """Copies' worth of time a sync takes on the data plane's busiest link: 2(1 - 1/M) for ``collective``
+    (each worker's link, a ring all-reduce, as many each way at once), 2M for ``hub`` (the coordinator's
+    link: M in, then M out; the replies need every upload)."""
     _int_at_least("workers", workers, 1)
     _check_plane(data_plane)
-    return float(workers) if data_plane == "hub" else 2.0 * (1.0 - 1.0 / workers)
+    return 2.0 * workers if data_plane == "hub" else 2.0 * (1.0 - 1.0 / workers)
 
 
 def sync_bits(params: float, bytes_per_param: float, workers: int, data_plane: str = "collective") -> float:
@@ -220,7 +224,7 @@ def bandwidth_for(method: Method, target: float, *, params: float, step_time_s: 
     """The smallest bandwidth (Gbit/s, to ``rel_tol``) of the data plane's busiest link at which ``method``
     reaches ``target`` utilisation: a bisection, not the sweep's grid. 0.0 when a sync sends nothing (a ring
     of one worker). Utilisation depends on the bandwidth only through bits / bandwidth, so the answer is
-    proportional to the bits per sync: ``M`` times one copy for a hub, ``2(1 - 1/M)`` times for a ring."""
+    proportional to the bits per sync: ``2M`` times one copy for a hub, ``2(1 - 1/M)`` times for a ring."""
     if not 0.0 < target < 1.0:
         raise PlanError(f"utilisation target must be in (0, 1), got {target}")
     common = dict(params=params, step_time_s=step_time_s, workers=workers, buckets=buckets, data_plane=data_plane)
