@@ -112,6 +112,10 @@ class CollectiveEndpoint:
         self._welcome_withheld = False
         #: The outer optimizers' state from this worker's checkpoint: used if it starts the run (C6).
         self.restored_outer: list[dict] | None = None
+        #: The committed params and round ids of this worker's checkpoint (``DilocoWorker`` sets
+        #: them): offered in the Join, and the run starts again from them if they are the newest (C6).
+        self.restored_params: dict | None = None
+        self.restored_rounds: list[int] | None = None
         #: What the data plane did, for status lines and tests.
         self.stats = collections.Counter()
         #: The last commits this member adopted: (fragment, round, digest), newest last (bounded).
@@ -131,9 +135,13 @@ class CollectiveEndpoint:
                 self.stats["join_resends_held"] += 1
                 return
             if message.params and self._wants_start_params:
-                # The run's first member starts it from its own params; they stay here (C6).
-                self._held_params = {n: t.detach().clone() for n, t in message.params.items()}
-                message = dataclasses.replace(message, params={}, holds_params=True)
+                # The run's first member starts it from its own params; they stay here (C6). A
+                # checkpoint's committed params, not the model's (which hold local progress).
+                self._held_params = self.restored_params or {n: t.detach().clone() for n, t in message.params.items()}
+                message = dataclasses.replace(message, params={}, holds_params=True,
+                                              held_rounds=tuple(self.restored_rounds or ()))
+            elif not message.params:
+                message = self._offer_held_state(message)
             self._last_join = message
         elif isinstance(message, Submit) and self.collective:
             encoded = compression.Encoded(dict(message.tensors), dict(message.scales))
@@ -141,6 +149,17 @@ class CollectiveEndpoint:
                 self._pending[message.fragment_id] = (message.round_id, encoded)
             message = dataclasses.replace(message, tensors={}, scales={})
         self.inner.send(message)
+
+    def _offer_held_state(self, join: Join) -> Join:
+        """A Join that says which committed state this worker holds, if any (C6): its replica's
+        (after a coordinator restart) or its checkpoint's (after a whole-run stop). The
+        coordinator starts the run from the newest state offered before the first commit."""
+        if self.replica is not None:
+            return dataclasses.replace(join, holds_params=True, held_rounds=tuple(self.replica.round_ids))
+        if self.restored_params is not None and self.restored_rounds is not None:
+            self._held_params = self.restored_params
+            return dataclasses.replace(join, holds_params=True, held_rounds=tuple(self.restored_rounds))
+        return join
 
     def recv(self, timeout_s: float) -> Message | None:
         deadline = time.monotonic() + max(0.0, timeout_s)

@@ -38,6 +38,14 @@ class CollectivePlane:
         self._heals = 0
         #: joiner -> the prefix of its heal, retired once it is ready for a round or gone.
         self._healing: dict[str, str] = {}
+        #: The held rounds of the state the run (re)started from, and whether a round has been
+        #: committed since: until then a joiner holding a newer state starts the run again (C6).
+        self._start_rounds: tuple[int, ...] | None = None
+        self._committed_since_start = False
+        #: Workers welcomed by this coordinator (incarnation). A state one of them offers on a
+        #: later join came from this incarnation's start or a heal (its round ids relabelled to
+        #: the run's), or is older: it never starts the run again.
+        self._welcomed: set[str] = set()
         #: fragment -> (round_id, digest) of its last commit; (-1, "") before any.
         self.last_commit: list[tuple[int, str]] = [(-1, "")] * num_fragments
         #: (prefix, group size) of groups no longer in use, for the runner to delete from the store.
@@ -70,12 +78,26 @@ class CollectivePlane:
             self.fragments = partition(self.spec, self.num_fragments)
         return None
 
-    def heal_source_for(self, joiner: str) -> tuple[str | None, str]:
-        """(source, prefix) for a joiner; (None, "") when nobody holds the state: the joiner starts it."""
+    def heal_source_for(self, joiner: str, held_rounds: tuple[int, ...] = ()) -> tuple[str | None, str, tuple[str, ...]]:
+        """(source, prefix, reseeded) for a joiner that holds the state of ``held_rounds`` (() for
+        initial params or nothing). No source: the joiner starts the run from its own state --
+        nobody holds one, or (before the first commit since the start) its state is newer than
+        the one the run started from; then ``reseeded`` lists the members that must drop theirs,
+        join again and heal from the joiner (C6)."""
+        others = [w for w in (*self._holders, *self._healing) if w != joiner]
         holders = [w for w in self._holders if w != joiner]
-        if not holders:
+        newer = joiner not in self._welcomed and self._newer_than_start(held_rounds)
+        self._welcomed.add(joiner)
+        if not holders or newer:
+            reseeded = tuple(dict.fromkeys(others)) if holders else ()
+            for w in reseeded:
+                self.forget(w)
+            if reseeded:
+                self.stats["reseeds"] += 1
             self._holders[joiner] = None
-            return None, ""
+            self._start_rounds = tuple(held_rounds)
+            self._committed_since_start = False
+            return None, "", reseeded
         source = holders[self._next_source % len(holders)]
         self._next_source += 1
         self._heals += 1
@@ -83,7 +105,14 @@ class CollectivePlane:
         prefix = f"{self.secret}/heal{self._heals}"
         self._retire_heal(joiner)
         self._healing[joiner] = prefix
-        return source, prefix
+        return source, prefix, ()
+
+    def _newer_than_start(self, held_rounds: tuple[int, ...]) -> bool:
+        if self._committed_since_start or self._start_rounds is None or not held_rounds:
+            return False
+        if not self._start_rounds:
+            return True  # the run started from initial params: any committed state is newer
+        return len(held_rounds) == len(self._start_rounds) and sum(held_rounds) > sum(self._start_rounds)
 
     def holds_state(self, worker_id: str) -> None:
         self._holders[worker_id] = None
@@ -115,6 +144,7 @@ class CollectivePlane:
 
     def committed(self, fragment_id: int, round_id: int, digest: str) -> None:
         self.last_commit[fragment_id] = (round_id, digest)
+        self._committed_since_start = True
         self.stats["commits"] += 1
 
     # -- status and checkpoints (kilobytes: no tensors, SPEC.md C6)

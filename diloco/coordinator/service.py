@@ -164,6 +164,8 @@ class Coordinator:
         #: ApplyRound in this step: params or an encoded delta). Results carry these copies,
         #: never the live tensors (see ``_release``).
         self._released: dict[int, tuple[int, compression.Encoded]] = {}
+        #: (member, starter, held rounds) of members to reseed once the current step is done (C6).
+        self._reseeded: list[tuple[str, str, tuple[int, ...]]] = []
         #: Key bindings and bans (``access.py``); checkpoints save and restore them.
         self.access = AccessList()
         #: Workers' training figures from their heartbeats and per applied round (bounded; never the core's).
@@ -398,6 +400,20 @@ class Coordinator:
                 self._answer_after_stop(peer, msg, out)
                 return
         self._step(WorkerJoined(wid), out, peer=peer, join=msg)
+        self._reseed(out)
+
+    def _reseed(self, out: Outgoing) -> None:
+        """C6: members whose state is older than the one a joiner just started the run from
+        leave and are told to join again, so that they heal from it."""
+        while self._reseeded:
+            wid, starter, held = self._reseeded.pop(0)
+            peer = self._peers.get(wid)
+            if self.fsm.is_member(wid):
+                self._step(WorkerLeft(wid, LeaveCause.RESEEDED), out)
+            if peer is not None:
+                out.append((peer, HeartbeatReply(self.fsm.below_min_workers, self.fsm.min_workers,
+                                                 self.fsm.phase.value, Command.REJOIN)))
+            self._notify("reseed", self.fsm.now_s, worker_id=wid, starter=starter, held_rounds=list(held))
 
     def _on_submit(self, peer: str, msg: Submit, out: Outgoing) -> None:
         wid = msg.worker_id
@@ -616,9 +632,11 @@ class Coordinator:
         """C6: no params; the joiner heals from a member that holds the committed state, or starts the run."""
         plane = self.collective
         self._peers[effect.worker_id] = peer
-        source, prefix = plane.heal_source_for(effect.worker_id)
+        held = tuple(join.held_rounds) if join.holds_params else ()
+        source, prefix, reseeded = plane.heal_source_for(effect.worker_id, held)
         if source is not None:
             out.append((self._peers[source], HealOrder(effect.worker_id, prefix)))
+        self._reseeded.extend((wid, effect.worker_id, held) for wid in reseeded)
         out.append((peer, Welcome(
             worker_id=effect.worker_id, round_ids=effect.round_ids, parked=effect.parked,
             mode=self.config.fsm.mode.value, fragments=plane.fragments, min_workers=self.fsm.min_workers,

@@ -110,3 +110,6 @@ class LeaveCause(str, enum.Enum):
     KICKED = "kicked"
     #: The transport saw it die (connection lost, process gone).
     CRASHED = "crashed"
+    #: Collective plane: the run starts again from a newer state another joiner holds; this
+    #: member joins again and copies it (SPEC.md C6).
+    RESEEDED = "reseeded"

@@ -67,6 +67,10 @@ class EventPrinter:
             line = (f"RECONCILED {info['worker_id']} submitted fragment {info['fragment_id']} round "
                     f"{info['round_id']}, ahead of this coordinator's durable round {info['open_round']}: "
                     f"the durable state wins, the worker re-joins and takes its params")
+        elif kind == "reseed":
+            rounds = info["held_rounds"]
+            line = (f"reseed   {info['worker_id']}: the run starts again from {info['starter']}'s newer state"
+                    f"{f' (rounds {rounds})' if rounds else ''}; it joins again and heals from it")
         elif kind == "stop":
             line = f"stopped  {info['kind']}"
         else:

@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # torch only for tensors: an admin command must not pay for i
 #: wire dtype (``Welcome.wire_dtype``; ``Submit`` and ``Result`` carry it, with ``scales``,
 #: and a ``Result`` may carry a delta). 4: the collective data plane (``Welcome.data_plane``,
 #: ``ReduceOrder``, ``ReduceReport``, ``ReduceAbort``, ``HealOrder``, ``Result.digest``,
-#: ``Join.holds_params``).
+#: ``Join.holds_params``, ``Join.held_rounds``).
 PROTOCOL_VERSION = 4
 
 #: How tensors of ``Submit`` and ``Result`` travel (``diloco.wire.compression``, SPEC.md
@@ -121,6 +121,10 @@ class Join:
     #: Collective plane: the worker holds initial params it can start the run from (they are
     #: not sent: the coordinator of a collective run never holds the model, SPEC.md C6).
     holds_params: bool = False
+    #: Collective plane, with ``holds_params``: the round ids (one per fragment) of the committed
+    #: state the worker holds (its replica, or its checkpoint); () for initial params. Before the
+    #: first commit of a (re)started run, the newest such state starts it (SPEC.md C6).
+    held_rounds: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

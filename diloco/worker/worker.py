@@ -674,6 +674,10 @@ class DilocoWorker:
             self._set_global(n, t)
         # Collective plane: if this worker starts the run again, it continues its outer momentum (C6).
         self.data_plane.restored_outer = ckpt.outer_states
+        if ckpt.outer_states is not None:  # a collective run's checkpoint: it holds a committed state
+            self.data_plane.restored_params = {n: t.detach().to(torch.float32).clone()
+                                               for n, t in ckpt.global_params.items()}
+            self.data_plane.restored_rounds = list(ckpt.round_ids)
         self.session.restore(fragments=ckpt.fragments, round_ids=ckpt.round_ids, next_close=ckpt.next_close,
                              sched_step=ckpt.sched_step, inner_step=ckpt.inner_step,
                              rounds_synced=ckpt.rounds_synced, mode=ckpt.mode)

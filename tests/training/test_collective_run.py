@@ -18,7 +18,7 @@ import torch
 from diloco.collective.groups import CollectiveError
 from diloco.collective.store import StoreHost
 from diloco.testing import make_coordinator
-from diloco.wire.messages import ReduceReport, Submit
+from diloco.wire.messages import AdminRequest, ReduceReport, Submit
 
 from training_harness import Run, batches, mlp, wait_for
 
@@ -265,3 +265,79 @@ def test_a_coordinator_crash_costs_at_most_the_open_round_and_the_members_carry_
     assert rounds == list(range(len(rounds))), rounds
     assert_plane_promise(run, workers, 2)
     assert sum(w.data_plane.stats["healed"] for w in workers) >= 2  # one at the start, one after the restart
+
+
+def test_a_whole_run_resumes_from_the_newest_worker_checkpoint_and_an_older_one_heals_from_it(store, tmp_path):
+    """C6, restarts: everything stops; the coordinator resumes its record, the workers their
+    checkpoints -- w0's older than w1's. w0 joins first and starts the run from its state; w1
+    offers a newer one before any commit, so the run starts again from w1's and w0 (reseeded)
+    heals from it. min_workers 3 holds every commit back while that is checked, then 2 lets
+    the run go on, in order and bit-identical."""
+    import shutil
+
+    from diloco.coordinator.checkpoint import load_coordinator
+    from diloco.coordinator.runner import CoordinatorThread
+    from diloco.worker.checkpoint import checkpoint_path, load_worker_checkpoint
+
+    ckpt, wdir = tmp_path / "coordinator", tmp_path / "workers"
+    coord = make_coordinator(time.monotonic(), min_workers=2, heartbeat_timeout_s=HB_TIMEOUT_S,
+                             data_plane="collective", reduce_timeout_s=4 * COLLECTIVE_TIMEOUT_S,
+                             collective_timeout_s=COLLECTIVE_TIMEOUT_S)
+    coord.collective.store_port = store.port
+    run = Run(coordinator=coord, linger_s=2.0, checkpoint_dir=ckpt)
+    w0_path, w1_path = checkpoint_path(wdir, "w0"), checkpoint_path(wdir, "w1")
+    old_copy = tmp_path / "w0-old.ckpt"
+
+    def start_worker(i: int):
+        w = run.worker(f"w{i}", mlp(i), sync_every=3, coordinator_timeout_s=60.0, checkpoint_dir=wdir,
+                       checkpoint_every=1)
+        return w, run.start(w, batches(i), max_steps=400)
+
+    try:
+        (a, ha), (b, hb) = start_worker(0), start_worker(1)
+        wait_for(lambda: coord.fsm.rounds_applied >= 2 and w0_path.exists(), 60, "two commits")
+        shutil.copy(w0_path, old_copy)  # w0's checkpoint of an early round
+        old_rounds = load_worker_checkpoint(old_copy).round_ids
+        wait_for(lambda: coord.fsm.rounds_applied >= sum(old_rounds) + 3, 60, "three more commits")
+        for w in (a, b):
+            w.request_stop()
+        for h in (ha, hb):
+            h.join(30)
+        run.thread.stop(10.0)  # the whole run is down
+        shutil.copy(old_copy, w0_path)
+        newest = load_worker_checkpoint(w1_path)
+        assert sum(newest.round_ids) > sum(old_rounds), (newest.round_ids, old_rounds)
+
+        restored = load_coordinator(ckpt, time.monotonic(), observer=run._observe)
+        restored.collective.store_port = store.port
+        restored.handle("admin", AdminRequest("set_min_workers", {"min_workers": 3}), time.monotonic())
+        run.coordinator = restored
+        run.thread = CoordinatorThread(run.net.coordinator(), restored, checkpoint_dir=ckpt, linger_s=2.0)
+        run.thread.start()
+        before = len(run.events)
+        (a, ha) = start_worker(0)
+        wait_for(lambda: a.data_plane.replica is not None, 30, "w0 starts the run from its old checkpoint")
+        assert a.data_plane.stats["healed"] == 0
+        (b, hb) = start_worker(1)
+        wait_for(lambda: a.data_plane.stats["healed"] >= 1, 30, "w0 reseeded: it heals from w1's newer state")
+        reseeds = [e for k, e in run.events[before:] if k == "reseed"]
+        assert [(e["worker_id"], e["starter"]) for e in reseeds] == [("w0", "w1")], reseeds
+        assert b.data_plane.stats["healed"] == 0, "w1 started the run again from its own checkpoint"
+        for w in (a, b):
+            assert all(torch.equal(w.data_plane.replica.params[n], newest.global_params[n])
+                       for n in newest.global_params), f"{w.worker_id} does not hold w1's checkpointed state"
+        assert restored.fsm.rounds_applied == coord.fsm.rounds_applied, "nothing committed below min_workers 3"
+
+        resumed_at = restored.fsm.rounds_applied
+        assert run.admin("set_min_workers", min_workers=2).ok
+        wait_for(lambda: restored.fsm.rounds_applied >= resumed_at + 2, 60, "two commits after the resume")
+        for w in (a, b):
+            w.request_stop()
+        for h in (ha, hb):
+            h.join(30)
+    finally:
+        run.close()
+    assert same_params([a, b])
+    rounds = [e["round_id"] for k, e in run.events if k == "apply"]
+    assert rounds == list(range(len(rounds))), rounds
+    assert_plane_promise(run, [a, b], 2)
