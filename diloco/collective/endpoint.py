@@ -107,6 +107,9 @@ class CollectiveEndpoint:
         self._heal_attempts = 0
         self._heal_orders: dict[str, str] = {}
         self._reduce_buffers: dict[int, torch.Tensor] = {}
+        #: fragment -> two sets of buffers the committed params are handed to the session in, in turn.
+        self._result_buffers: dict[int, list[dict[str, torch.Tensor]]] = {}
+        self._result_turn: dict[int, int] = {}
         self._last_join: Join | None = None
         #: A collective Welcome is held back while this member heals or builds its replica.
         self._welcome_withheld = False
@@ -358,7 +361,7 @@ class CollectiveEndpoint:
         if verdict.kind == "commit" and verdict.result is not None and replica.commit(
                 fid, rid, verdict.result.digest):
             self._adopted(fid, rid, verdict.result.digest)
-            result = dataclasses.replace(verdict.result, params={n: t.clone() for n, t in replica.fragment(fid).items()},
+            result = dataclasses.replace(verdict.result, params=self._result_params(fid, replica.fragment(fid)),
                                          delta=False, wire_dtype="fp32", scales={}, digest="")
             self._post(result, to_session=True)
         elif verdict.kind == "commit":
@@ -475,6 +478,22 @@ class CollectiveEndpoint:
         if buf is None or buf.numel() != numel:
             buf = self._reduce_buffers[fid] = torch.empty(numel, dtype=torch.float32)
         return buf
+
+    def _result_params(self, fid: int, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A copy of fragment ``fid``'s committed params for the session's Result, in one of two sets
+        of buffers kept from round to round (fresh model-sized tensors cost more in page faults than
+        the copy). Two suffice: the set of round r is written again at the commit of round r + 2,
+        which needs the session's Submit of round r + 2, which it makes only after it has taken the
+        Result of round r + 1 (its round id comes with it) and so let go of round r's."""
+        sets = self._result_buffers.get(fid)
+        if sets is None or any(n not in sets[0] or sets[0][n].shape != t.shape for n, t in params.items()):
+            sets = self._result_buffers[fid] = [{n: torch.empty_like(t) for n, t in params.items()} for _ in range(2)]
+        turn = self._result_turn.get(fid, 0)
+        self._result_turn[fid] = 1 - turn
+        out = sets[turn]
+        for n, t in params.items():
+            out[n].copy_(t)
+        return dict(out)
 
     def _session_params(self) -> dict:
         assert self.replica is not None

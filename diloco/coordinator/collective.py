@@ -6,7 +6,7 @@ to carry those decisions out without ever holding the model (C6):
 
 * the members that hold the committed state (they were ready for a round: they were in
   the last group or healed since), the heal sources, chosen round robin;
-* the store prefix of each group: ``<secret>/g<epoch>``, a new epoch whenever the group
+* the store prefix of each group: ``<secret>/<incarnation>/g<epoch>``, a new epoch whenever the group
   changes or an attempt failed, so workers rebuild a group only then (C7); the secret is
   random per run and reaches workers only over the control plane;
 * the last commit of each fragment (round, digest): the durable record of the run here.
@@ -26,6 +26,9 @@ class CollectivePlane:
     def __init__(self, num_fragments: int, secret: str | None = None) -> None:
         #: Random per run; workers learn prefixes only from Welcomes and orders (SPEC.md C7).
         self.secret = secret or secrets.token_hex(16)
+        #: New in every coordinator process, kept out of checkpoints: a resumed run's counters
+        #: start again, and its prefixes must not meet rendezvous keys an earlier incarnation left.
+        self.incarnation = secrets.token_hex(4)
         self.spec: tuple[TensorSpec, ...] | None = None
         self.fragments: tuple[tuple[str, ...], ...] = ()
         self.num_fragments = num_fragments
@@ -102,7 +105,7 @@ class CollectivePlane:
         self._next_source += 1
         self._heals += 1
         self.stats["heals"] += 1
-        prefix = f"{self.secret}/heal{self._heals}"
+        prefix = f"{self.secret}/{self.incarnation}/heal{self._heals}"
         self._retire_heal(joiner)
         self._healing[joiner] = prefix
         return source, prefix, ()
@@ -133,11 +136,11 @@ class CollectivePlane:
         if group != self._group:
             self.retire_group()
             self._group = group
-        return f"{self.secret}/g{self._epoch}"
+        return f"{self.secret}/{self.incarnation}/g{self._epoch}"
 
     def retire_group(self) -> None:
         if self._group is not None:
-            self.retired.append((f"{self.secret}/g{self._epoch}", len(self._group)))
+            self.retired.append((f"{self.secret}/{self.incarnation}/g{self._epoch}", len(self._group)))
             self.stats["groups"] += 1
         self._group = None
         self._epoch += 1
