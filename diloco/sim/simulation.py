@@ -107,8 +107,10 @@ class Simulation(EventQueue, Network, FaultInjector):
         #: Collective plane: the workers' data plane (gloo groups on the coordinator's store).
         self.gloo: SimGloo | None = None
         if cfg.collective:
-            # The run's secret names store prefixes; random in a real run, seeded here (determinism).
+            # The run's secret and each coordinator process's incarnation name store prefixes;
+            # random in a real run, seeded here (determinism).
             self.coord.collective.secret = random.Random(f"{cfg.seed}/secret").getrandbits(64).to_bytes(8, "big").hex()
+            self._seed_incarnation()
             self.gloo = SimGloo(self)
         self._coord_exited = False
         self._snapshot: tuple[dict, dict] | None = None
@@ -316,7 +318,14 @@ class Simulation(EventQueue, Network, FaultInjector):
             return
         meta, tensors = self._snapshot
         self.coord = restore_coordinator(meta, tensors, self.now, observer=self._observe)
+        if self.coord.collective is not None:
+            self._seed_incarnation()
         self._record_state("coord_restart")
+
+    def _seed_incarnation(self) -> None:
+        self._coord_processes = getattr(self, "_coord_processes", 0) + 1
+        rng = random.Random(f"{self.cfg.seed}/incarnation/{self._coord_processes}")
+        self.coord.collective.incarnation = rng.getrandbits(32).to_bytes(4, "big").hex()
 
     # ------------------------------------------------------------------ shutdown
 
