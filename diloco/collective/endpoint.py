@@ -245,9 +245,9 @@ class CollectiveEndpoint:
             self.collective = False
             return msg
         self.collective = True
-        if self._welcome is None or self._welcome.store_port != msg.store_port or self._groups is None:
-            # A (re)started coordinator hosts a new store: a client of the old one never reconnects.
-            self._groups = None
+        # A Welcome answers a (re)join, and a restarted coordinator hosts a new store (maybe on the
+        # same port): a client of the old one never reconnects. A new client per join is cheap.
+        self._groups = None
         self._welcome = msg
         self._timeout_s = float(msg.collective_timeout_s) or 30.0
         with self._lock:

@@ -81,26 +81,28 @@ class CollectivePlane:
             self.fragments = partition(self.spec, self.num_fragments)
         return None
 
-    def heal_source_for(self, joiner: str, held_rounds: tuple[int, ...] = ()) -> tuple[str | None, str, tuple[str, ...]]:
-        """(source, prefix, reseeded) for a joiner that holds the state of ``held_rounds`` (() for
-        initial params or nothing). No source: the joiner starts the run from its own state --
-        nobody holds one, or (before the first commit since the start) its state is newer than
-        the one the run started from; then ``reseeded`` lists the members that must drop theirs,
-        join again and heal from the joiner (C6)."""
-        others = [w for w in (*self._holders, *self._healing) if w != joiner]
-        holders = [w for w in self._holders if w != joiner]
-        newer = joiner not in self._welcomed and self._newer_than_start(held_rounds)
+    def reseed_for(self, joiner: str, held_rounds: tuple[int, ...]) -> tuple[str, ...]:
+        """The members that must drop their state because ``joiner`` starts the run again from a
+        newer one (C6): before the first commit since the start, a joiner this coordinator has
+        not welcomed yet offers rounds newer than those the run started from. Empty otherwise."""
+        if joiner in self._welcomed or not self._newer_than_start(held_rounds):
+            return ()
+        others = tuple(dict.fromkeys(w for w in (*self._holders, *self._healing) if w != joiner))
+        if others:
+            self.stats["reseeds"] += 1
+        return others
+
+    def heal_source_for(self, joiner: str, held_rounds: tuple[int, ...] = ()) -> tuple[str | None, str]:
+        """(source, prefix) for a joiner that holds the state of ``held_rounds`` (() for initial
+        params or nothing); (None, "") when nobody holds the state: the joiner starts the run from
+        its own (after a reseed, its state is the newer one)."""
         self._welcomed.add(joiner)
-        if not holders or newer:
-            reseeded = tuple(dict.fromkeys(others)) if holders else ()
-            for w in reseeded:
-                self.forget(w)
-            if reseeded:
-                self.stats["reseeds"] += 1
+        holders = [w for w in self._holders if w != joiner]
+        if not holders:
             self._holders[joiner] = None
             self._start_rounds = tuple(held_rounds)
             self._committed_since_start = False
-            return None, "", reseeded
+            return None, ""
         source = holders[self._next_source % len(holders)]
         self._next_source += 1
         self._heals += 1
@@ -108,7 +110,7 @@ class CollectivePlane:
         prefix = f"{self.secret}/{self.incarnation}/heal{self._heals}"
         self._retire_heal(joiner)
         self._healing[joiner] = prefix
-        return source, prefix, ()
+        return source, prefix
 
     def _newer_than_start(self, held_rounds: tuple[int, ...]) -> bool:
         if self._committed_since_start or self._start_rounds is None or not held_rounds:

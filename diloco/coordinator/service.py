@@ -164,8 +164,6 @@ class Coordinator:
         #: ApplyRound in this step: params or an encoded delta). Results carry these copies,
         #: never the live tensors (see ``_release``).
         self._released: dict[int, tuple[int, compression.Encoded]] = {}
-        #: (member, starter, held rounds) of members to reseed once the current step is done (C6).
-        self._reseeded: list[tuple[str, str, tuple[int, ...]]] = []
         #: Key bindings and bans (``access.py``); checkpoints save and restore them.
         self.access = AccessList()
         #: Workers' training figures from their heartbeats and per applied round (bounded; never the core's).
@@ -399,21 +397,27 @@ class Coordinator:
             if self.stopped:
                 self._answer_after_stop(peer, msg, out)
                 return
+        if self.collective is not None:
+            self._reseed(msg, out)
+            if self.stopped:
+                self._answer_after_stop(peer, msg, out)
+                return
         self._step(WorkerJoined(wid), out, peer=peer, join=msg)
-        self._reseed(out)
 
-    def _reseed(self, out: Outgoing) -> None:
-        """C6: members whose state is older than the one a joiner just started the run from
-        leave and are told to join again, so that they heal from it."""
-        while self._reseeded:
-            wid, starter, held = self._reseeded.pop(0)
+    def _reseed(self, join: Join, out: Outgoing) -> None:
+        """C6: when the joiner starts the run again from a newer state, the members holding (or
+        healing to) the older one leave first -- so the joiner's Welcome tells the quorum as it
+        is -- and are told to join again, to heal from it."""
+        held = _held_rounds(join)
+        for wid in self.collective.reseed_for(join.worker_id, held):
             peer = self._peers.get(wid)
+            self.collective.forget(wid)
             if self.fsm.is_member(wid):
                 self._step(WorkerLeft(wid, LeaveCause.RESEEDED), out)
             if peer is not None:
                 out.append((peer, HeartbeatReply(self.fsm.below_min_workers, self.fsm.min_workers,
                                                  self.fsm.phase.value, Command.REJOIN)))
-            self._notify("reseed", self.fsm.now_s, worker_id=wid, starter=starter, held_rounds=list(held))
+            self._notify("reseed", self.fsm.now_s, worker_id=wid, starter=join.worker_id, held_rounds=list(held))
 
     def _on_submit(self, peer: str, msg: Submit, out: Outgoing) -> None:
         wid = msg.worker_id
@@ -632,11 +636,9 @@ class Coordinator:
         """C6: no params; the joiner heals from a member that holds the committed state, or starts the run."""
         plane = self.collective
         self._peers[effect.worker_id] = peer
-        held = tuple(join.held_rounds) if join.holds_params else ()
-        source, prefix, reseeded = plane.heal_source_for(effect.worker_id, held)
+        source, prefix = plane.heal_source_for(effect.worker_id, _held_rounds(join))
         if source is not None:
             out.append((self._peers[source], HealOrder(effect.worker_id, prefix)))
-        self._reseeded.extend((wid, effect.worker_id, held) for wid in reseeded)
         out.append((peer, Welcome(
             worker_id=effect.worker_id, round_ids=effect.round_ids, parked=effect.parked,
             mode=self.config.fsm.mode.value, fragments=plane.fragments, min_workers=self.fsm.min_workers,
@@ -819,3 +821,8 @@ class Coordinator:
     def _notify(self, what: str, now: float, **info) -> None:
         if self._observer is not None:
             self._observer(what, now, info)
+
+
+def _held_rounds(join: Join) -> tuple[int, ...]:
+    """The rounds of the committed state a collective joiner offers (C6); () for none or initial params."""
+    return tuple(join.held_rounds) if join.holds_params else ()

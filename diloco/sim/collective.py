@@ -324,6 +324,8 @@ class SimEndpoint:
         #: joiner -> the prefix of its newest heal order (older ones are not served).
         self._heal_orders: dict[str, str] = {}
         self._last_join: Join | None = None
+        #: A collective Welcome is held back while this member heals or builds its replica.
+        self._welcome_withheld = False
         #: The store client (``GroupCache.store``): the store generation it connected to, or None.
         self._store_gen: int | None = None
         #: The cached group (``GroupCache``): its prefix, the group, and this rank's next op number.
@@ -338,10 +340,15 @@ class SimEndpoint:
     def send(self, message) -> None:
         """A message of the session (``CollectiveEndpoint.send``)."""
         if isinstance(message, Join):
+            if self._welcome_withheld:
+                return  # a resend while healing or starting: the Welcome will come
             if message.params and self._wants_start_params:
                 # The run's first member starts it from its own params; they stay here (C6).
                 self._held_params = {n: t.detach().clone() for n, t in message.params.items()}
                 message = dataclasses.replace(message, params={}, holds_params=True)
+            elif not message.params and self.replica is not None:
+                # It offers the committed state it holds (``CollectiveEndpoint._offer_held_state``).
+                message = dataclasses.replace(message, holds_params=True, held_rounds=tuple(self.replica.round_ids))
             self._last_join = message
         elif isinstance(message, Submit) and self.collective:
             self._pending[message.fragment_id] = (message.round_id, dict(message.tensors))
@@ -362,6 +369,9 @@ class SimEndpoint:
             return dataclasses.replace(msg, code=ErrorCode.PARAMS_REQUIRED)
         if not self.collective:
             return msg
+        if isinstance(msg, Error) and msg.code is ErrorCode.REDUCING:
+            # As ``CollectiveEndpoint``: join again (and heal), as on a stale round (C3).
+            return dataclasses.replace(msg, code=ErrorCode.STALE_ROUND, detail=f"{msg.detail} (joining again)")
         if isinstance(msg, ReduceOrder):
             self._on_order(msg)
             return None
@@ -401,16 +411,21 @@ class SimEndpoint:
             self.collective = False
             return msg
         self.collective = True
+        # As ``CollectiveEndpoint``: a new store client (and group) after every (re)join.
+        self._drop_group()
+        self._store_gen = None
         self._welcome = msg
         self._timeout_s = float(msg.collective_timeout_s) or 30.0
         self._pending.clear()
         if not msg.heal_source:
-            if self._held_params is None:
+            if self._held_params is None and self.replica is None:
                 return Error(ErrorCode.BAD_MESSAGE, "collective Welcome without a heal source, but this "
                                                     "worker sent no params to start the run from", "Join")
+            self._welcome_withheld = True
             self._queue(self._start(msg, self._held_params, self._cause_mid))
             self._held_params = None
             return None
+        self._welcome_withheld = True
         self._queue(self._heal(msg, self._cause_mid))
         return None
 
@@ -659,6 +674,7 @@ class SimEndpoint:
             self.sim.emit({"k": "fault", "t": self.sim.now, "what": "heal_failed", "w": self.w.wid,
                            "from": welcome.heal_source, "attempt": self._heal_attempts, "why": str(exc)})
             if self._heal_attempts >= COLLECTIVE_HEAL_ATTEMPTS or self._last_join is None:
+                self._welcome_withheld = False
                 self.w.deliver_local(Error(ErrorCode.BAD_MESSAGE, f"could not copy the run's state from "
                                                                   f"{welcome.heal_source!r}: {exc}", "Join"))
                 return
@@ -667,6 +683,7 @@ class SimEndpoint:
             self.sim.send_from_worker(self.w, self._last_join)
             return
         self._heal_attempts = 0
+        self._welcome_withheld = False
         for fid in range(len(self.replica.fragments)):
             self._adopted(fid, "heal", source=welcome.heal_source, mid=mid)
         self.w.deliver_local(dataclasses.replace(welcome, round_ids=tuple(round_ids), parked=(),
@@ -685,6 +702,7 @@ class SimEndpoint:
             # the simulated one starts without: its checkpoint holds no outer state.)
             self.replica = self._new_replica(welcome, params, list(welcome.round_ids), None)
         self._heal_attempts = 0
+        self._welcome_withheld = False
         for fid in range(len(self.replica.fragments)):
             self._adopted(fid, "start", mid=mid)
         self.w.deliver_local(dataclasses.replace(welcome, params=self._session_params()), mid)

@@ -286,6 +286,8 @@ def _encode(msg) -> dict:
                "spec": [[s.name, list(s.shape), s.dtype] for s in msg.spec], "h": hash_values(v.items()), "v": v}
         if msg.holds_params:
             rec["holds_params"] = True
+            if msg.held_rounds:
+                rec["held_rounds"] = list(msg.held_rounds)
         return rec
     if typ is Welcome:
         rec = {"type": "Welcome", "worker_id": msg.worker_id, "round_ids": list(msg.round_ids),

@@ -8,9 +8,12 @@ group, its deadline passed) is not left open past the step that broke it; **C4**
 worker's side: no worker adopts an outer step the machine did not commit -- every ``adopt``
 of a commit names a (fragment, round, digest) the coordinator committed, that the worker
 reported ok itself and got a ``Result`` for, and every replica that adopted one commit holds
-the same params; **C6** a joiner starts the run from its own params only if no live member
-holds the state and it offered to (``holds_params``), otherwise it heals from a live holder,
-and a healed replica holds what its source held at those rounds. Rounds commit in order
+the same params; **C6** a joiner starts the run from its own params only if it offered to
+(``holds_params``) and no live member holds the state -- or, before the first commit since
+the (re)start, its ``held_rounds`` are newer than those the run started from and it was not
+welcomed by this coordinator before; then every other holder is gone by the end of that step
+(reseeded) -- otherwise it heals from a live holder, and a healed replica holds what its
+source held at those rounds. Rounds commit in order
 without skips or repeats (I3, in ``rounds``); a coordinator restart rolls them back to its
 snapshot, as on the hub.
 
@@ -49,6 +52,14 @@ class CollectiveChecks:
         self.welcome_committed: dict[str, list] = {}
         #: Members that hold the committed state, as the coordinator must see it (ready once, or started).
         self.holders: dict[str, None] = {}
+        #: Members told to heal and not yet ready: a reseed removes them too.
+        self.healing: dict[str, None] = {}
+        #: C6 restarts: the held rounds the run (re)started from, whether a round committed since,
+        #: the workers this coordinator welcomed, and the members a reseed must have removed.
+        self.start_rounds: tuple[int, ...] | None = None
+        self.committed_since_start = False
+        self.welcomed_here: set[str] = set()
+        self.reseed_due: set[str] = set()
         #: Welcome message id -> the peer of the heal source it names ("": start the run).
         self.heal_from: dict[int, str | None] = {}
         #: peer -> fragment -> {round: params hash} of the replica's committed state.
@@ -186,6 +197,7 @@ class CollectiveChecks:
                 pend.pop(w)
         self.commits.setdefault((f, r), set()).add(digest)
         self.last_commit[f] = (r, digest)
+        self.committed_since_start = True
         m.rounds[f] = r + 1
         outcome = {"applied_final"} if self.phase == "draining" else {"applied"}
         for w in contributors:
@@ -200,30 +212,48 @@ class CollectiveChecks:
         source = rec.get("heal_source", "")
         peer = step.header.get("src")
         welcome = next((s["m"] for s in sends if s["type"] == "Welcome" and s["dst"] == peer), None)
+        msg = step.msg
+        offered = msg is not None and msg.get("type") == "Join" and bool(msg.get("holds_params"))
+        held = tuple(msg.get("held_rounds") or ()) if offered else ()
+        newer = (wid not in self.welcomed_here and not self.committed_since_start and self.start_rounds is not None
+                 and bool(held) and (not self.start_rounds or (len(held) == len(self.start_rounds)
+                                                                and sum(held) > sum(self.start_rounds))))
+        self.welcomed_here.add(wid)
         if source:
             if source == wid or source not in self.holders or source not in self.live:
                 self._violate("C6", f"{wid} is told to heal from {source!r}, which is not a live member holding "
                                     f"the state (holders {sorted(self.holders)})")
             self.heal_from[welcome] = self.live.get(source)
+            self.healing[wid] = None
         else:
-            others = [w for w in self.holders if w != wid and w in self.live]
-            if others:
-                self._violate("C6", f"{wid} starts the run from its own params while {others} hold its state")
-            msg = step.msg
-            if msg is None or msg.get("type") != "Join" or not msg.get("holds_params"):
+            holding = [w for w in self.holders if w != wid and w in self.live]
+            if holding and not newer:
+                self._violate("C6", f"{wid} starts the run from its own params while {holding} hold its state")
+            # A reseed removes the older state's holders and those healing to it; a plain start
+            # (nobody holds the state) leaves the healing ones, whose heals fail and who re-join.
+            others = [w for w in (*self.holders, *self.healing) if w != wid and w in self.live] if holding else []
+            if not offered:
                 self._violate("C6", f"{wid} is told to start the run from its own params, but its Join did not "
                                     f"offer them (holds_params)")
+            self.reseed_due.update(others)
             self.heal_from[welcome] = ""
-            self.holders[wid] = None
+            self.holders = {wid: None}
+            self.start_rounds = held
+            self.committed_since_start = False
 
     def _left_collective(self, wid: str) -> None:
         """C2: a departed member's readiness is withdrawn, and it no longer holds the state."""
         for pend in self.pending:
             pend.pop(wid, None)
         self.holders.pop(wid, None)
+        self.healing.pop(wid, None)
 
     def _end_of_step_collective(self, step: _Step) -> None:
-        """C5: what the step left open must still be able to commit."""
+        """C5: what the step left open must still be able to commit; C6: a reseed removed the old holders."""
+        stayed = sorted(w for w in self.reseed_due if w in self.live)
+        if stayed:
+            self._violate("C6", f"the run started again from a newer state, but {stayed} still hold the older one")
+        self.reseed_due.clear()
         t = step.header["t"]
         for f, att in enumerate(self.attempts):
             if att is None:
@@ -314,6 +344,9 @@ class CollectiveChecks:
     def _coord_gone_collective(self) -> None:
         self.attempts = [None] * len(self.attempts)
         self.holders.clear()
+        self.healing.clear()
+        self.start_rounds, self.committed_since_start = None, False
+        self.welcomed_here.clear()
 
     def _check_commits(self, rec: dict, what: str) -> None:
         got = [tuple(c) for c in rec.get("commits", [])]

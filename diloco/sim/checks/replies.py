@@ -74,6 +74,13 @@ class ReplyChecks:
                 if rec["command"] != want:
                     self._violate("I5", f"after a {self.stop_kind} stop a heartbeat reply says {rec['command']}")
                 return
+            if msg is not None and msg.get("type") == "Join":
+                # C6: a reseed tells a member that left (the older state's holders) to join again.
+                if rec["command"] != "rejoin" or rec["dst"] in live.values():
+                    self._violate("R6", f"a heartbeat reply sent while {msg.get('worker_id')} joins says "
+                                        f"{rec['command']} to {rec['dst']}, which "
+                                        f"{'is' if rec['dst'] in live.values() else 'is not'} a live member")
+                return
             wid = msg["worker_id"] if msg is not None else None
             member = wid is not None and live.get(wid) == step.header.get("src")
             want = "continue" if member else "rejoin"

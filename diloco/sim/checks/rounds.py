@@ -80,6 +80,7 @@ class RoundChecks:
         pend[wid] = (r, values)
         if self.collective:
             self.holders[wid] = None  # ready for a round: it holds the committed state (C6)
+            self.healing.pop(wid, None)
 
     def _obs(self, rec: dict, step: _Step, sends: list) -> None:
         what = rec["what"]
