@@ -43,7 +43,7 @@ import torch
 from diloco.collective.groups import CollectiveError, GroupCache, connect_store, local_address_towards
 from diloco.collective import heal
 from diloco.collective.reduce import bytes_on_link, mean_pseudo_gradient
-from diloco.collective.replica import Replica
+from diloco.collective.replica import Replica, digest
 from diloco.outer import OuterConfig
 from diloco.wire import compression
 from diloco.wire.messages import (
@@ -119,6 +119,7 @@ class CollectiveEndpoint:
         #: them): offered in the Join, and the run starts again from them if they are the newest (C6).
         self.restored_params: dict | None = None
         self.restored_rounds: list[int] | None = None
+        self.restored_fragments: tuple[tuple[str, ...], ...] | None = None
         #: What the data plane did, for status lines and tests.
         self.stats = collections.Counter()
         #: The last commits this member adopted: (fragment, round, digest), newest last (bounded).
@@ -141,8 +142,7 @@ class CollectiveEndpoint:
                 # The run's first member starts it from its own params; they stay here (C6). A
                 # checkpoint's committed params, not the model's (which hold local progress).
                 self._held_params = self.restored_params or {n: t.detach().clone() for n, t in message.params.items()}
-                message = dataclasses.replace(message, params={}, holds_params=True,
-                                              held_rounds=tuple(self.restored_rounds or ()))
+                message = self._offer_held_state(dataclasses.replace(message, params={}, holds_params=True))
             elif not message.params:
                 message = self._offer_held_state(message)
             self._last_join = message
@@ -158,10 +158,14 @@ class CollectiveEndpoint:
         (after a coordinator restart) or its checkpoint's (after a whole-run stop). The
         coordinator starts the run from the newest state offered before the first commit."""
         if self.replica is not None:
-            return dataclasses.replace(join, holds_params=True, held_rounds=tuple(self.replica.round_ids))
+            return dataclasses.replace(join, holds_params=True, held_rounds=tuple(self.replica.round_ids),
+                                       held_digests=tuple(self.replica.committed_digests()))
         if self.restored_params is not None and self.restored_rounds is not None:
             self._held_params = self.restored_params
-            return dataclasses.replace(join, holds_params=True, held_rounds=tuple(self.restored_rounds))
+            fragments = self.restored_fragments or (tuple(self.restored_params),)
+            digests = tuple(digest({n: self.restored_params[n] for n in f}) for f in fragments)
+            return dataclasses.replace(join, holds_params=True, held_rounds=tuple(self.restored_rounds),
+                                       held_digests=digests)
         return join
 
     def recv(self, timeout_s: float) -> Message | None:

@@ -265,6 +265,13 @@ class Replica:
                               else copy.deepcopy(opt.state_dict()))
             return list(self.round_ids), params, states
 
+    def committed_digests(self) -> list[str]:
+        """Each fragment's digest as committed (a proposal's backup where one is open): what the
+        commit that made this state voted for, if it was one of this run's (C6)."""
+        with self._lock:
+            return [digest(self._proposals[fid].params if fid in self._proposals else self.fragment(fid))
+                    for fid in range(len(self.fragments))]
+
     def committed_optimizer_states(self) -> list[dict]:
         """Copies of each fragment's committed optimizer state (a proposal's backup where one is open)."""
         with self._lock:

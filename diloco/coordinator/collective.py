@@ -44,6 +44,7 @@ class CollectivePlane:
         #: The held rounds of the state the run (re)started from, and whether a round has been
         #: committed since: until then a joiner holding a newer state starts the run again (C6).
         self._start_rounds: tuple[int, ...] | None = None
+        self._start_current = False
         self._committed_since_start = False
         #: Workers welcomed by this coordinator (incarnation). A state one of them offers on a
         #: later join came from this incarnation's start or a heal (its round ids relabelled to
@@ -81,18 +82,40 @@ class CollectivePlane:
             self.fragments = partition(self.spec, self.num_fragments)
         return None
 
-    def reseed_for(self, joiner: str, held_rounds: tuple[int, ...]) -> tuple[str, ...]:
-        """The members that must drop their state because ``joiner`` starts the run again from a
-        newer one (C6): before the first commit since the start, a joiner this coordinator has
-        not welcomed yet offers rounds newer than those the run started from. Empty otherwise."""
-        if joiner in self._welcomed or not self._newer_than_start(held_rounds):
-            return ()
-        others = tuple(dict.fromkeys(w for w in (*self._holders, *self._healing) if w != joiner))
-        if others:
-            self.stats["reseeds"] += 1
-        return others
+    def reseed_for(self, joiner: str, held_rounds: tuple[int, ...], held_digests: tuple[str, ...]) -> tuple[str, ...]:
+        """The members that must drop what they hold and join again before ``joiner`` is welcomed (C6).
 
-    def heal_source_for(self, joiner: str, held_rounds: tuple[int, ...] = ()) -> tuple[str | None, str]:
+        * Nobody holds the state, so the joiner starts the run: members still healing (from a
+          source that is gone) join again -- with the state, if their heal completed.
+        * Before the first commit since the run (re)started, the joiner's state replaces the one
+          it started from: it is the state the last commits made (round and digest match the
+          record) and the start's was not; or, offered by a worker this coordinator had not
+          welcomed, its rounds are newer. Then every other holder, and whoever heals from them.
+        """
+        holders = [w for w in self._holders if w != joiner]
+        healing = [w for w in self._healing if w != joiner]
+        if not holders:
+            return tuple(healing)
+        if self._committed_since_start or self._start_rounds is None:
+            return ()
+        current = self.is_current(held_rounds, held_digests)
+        newer = joiner not in self._welcomed and self._newer_than_start(held_rounds)
+        if not ((current and not self._start_current) or newer):
+            return ()
+        self.stats["reseeds"] += 1
+        return tuple(dict.fromkeys(holders + healing))
+
+    def is_current(self, held_rounds: tuple[int, ...], held_digests: tuple[str, ...]) -> bool:
+        """True when a state is the one this run's last commits made: every fragment that has a
+        commit is at the round after it, with its digest."""
+        n = self.num_fragments
+        if len(held_rounds) != n or len(held_digests) != n:
+            return False
+        committed = [(f, r, d) for f, (r, d) in enumerate(self.last_commit) if r >= 0]
+        return bool(committed) and all(held_rounds[f] == r + 1 and held_digests[f] == d for f, r, d in committed)
+
+    def heal_source_for(self, joiner: str, held_rounds: tuple[int, ...] = (),
+                        held_digests: tuple[str, ...] = ()) -> tuple[str | None, str]:
         """(source, prefix) for a joiner that holds the state of ``held_rounds`` (() for initial
         params or nothing); (None, "") when nobody holds the state: the joiner starts the run from
         its own (after a reseed, its state is the newer one)."""
@@ -101,6 +124,7 @@ class CollectivePlane:
         if not holders:
             self._holders[joiner] = None
             self._start_rounds = tuple(held_rounds)
+            self._start_current = self.is_current(held_rounds, held_digests)
             self._committed_since_start = False
             return None, ""
         source = holders[self._next_source % len(holders)]

@@ -408,8 +408,8 @@ class Coordinator:
         """C6: when the joiner starts the run again from a newer state, the members holding (or
         healing to) the older one leave first -- so the joiner's Welcome tells the quorum as it
         is -- and are told to join again, to heal from it."""
-        held = _held_rounds(join)
-        for wid in self.collective.reseed_for(join.worker_id, held):
+        held, digests = _held_state(join)
+        for wid in self.collective.reseed_for(join.worker_id, held, digests):
             peer = self._peers.get(wid)
             self.collective.forget(wid)
             if self.fsm.is_member(wid):
@@ -636,7 +636,7 @@ class Coordinator:
         """C6: no params; the joiner heals from a member that holds the committed state, or starts the run."""
         plane = self.collective
         self._peers[effect.worker_id] = peer
-        source, prefix = plane.heal_source_for(effect.worker_id, _held_rounds(join))
+        source, prefix = plane.heal_source_for(effect.worker_id, *_held_state(join))
         if source is not None:
             out.append((self._peers[source], HealOrder(effect.worker_id, prefix)))
         out.append((peer, Welcome(
@@ -823,6 +823,9 @@ class Coordinator:
             self._observer(what, now, info)
 
 
-def _held_rounds(join: Join) -> tuple[int, ...]:
-    """The rounds of the committed state a collective joiner offers (C6); () for none or initial params."""
-    return tuple(join.held_rounds) if join.holds_params else ()
+def _held_state(join: Join) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The rounds and digests of the committed state a collective joiner offers (C6); () for none
+    or initial params."""
+    if not join.holds_params:
+        return (), ()
+    return tuple(join.held_rounds), tuple(join.held_digests)

@@ -69,8 +69,8 @@ class EventPrinter:
                     f"the durable state wins, the worker re-joins and takes its params")
         elif kind == "reseed":
             rounds = info["held_rounds"]
-            line = (f"reseed   {info['worker_id']}: the run starts again from {info['starter']}'s newer state"
-                    f"{f' (rounds {rounds})' if rounds else ''}; it joins again and heals from it")
+            line = (f"reseed   {info['worker_id']}: the run starts from {info['starter']}'s state"
+                    f"{f' (rounds {rounds})' if rounds else ''}; it joins again (and heals, or offers its own)")
         elif kind == "stop":
             line = f"stopped  {info['kind']}"
         else:

@@ -42,7 +42,6 @@ groups they meet in; every part reads the same simulated worker and group state.
 from __future__ import annotations
 
 import collections
-import copy
 import dataclasses
 from typing import TYPE_CHECKING, Generator
 
@@ -348,7 +347,8 @@ class SimEndpoint:
                 message = dataclasses.replace(message, params={}, holds_params=True)
             elif not message.params and self.replica is not None:
                 # It offers the committed state it holds (``CollectiveEndpoint._offer_held_state``).
-                message = dataclasses.replace(message, holds_params=True, held_rounds=tuple(self.replica.round_ids))
+                message = dataclasses.replace(message, holds_params=True, held_rounds=tuple(self.replica.round_ids),
+                                              held_digests=tuple(self.replica.committed_digests()))
             self._last_join = message
         elif isinstance(message, Submit) and self.collective:
             self._pending[message.fragment_id] = (message.round_id, dict(message.tensors))
@@ -642,8 +642,9 @@ class SimEndpoint:
         replica = self.replica
         if replica is None or self._heal_orders.get(order.joiner) != order.prefix:
             return  # superseded by a newer order for the same joiner (it re-joined)
-        state = (list(replica.round_ids), {n: t.detach().clone() for n, t in replica.params.items()},
-                 copy.deepcopy(replica.optimizer_states()))
+        # Committed state only, as ``CollectiveEndpoint._serve_heal``: a proposal whose verdict a lost
+        # connection swallowed is still applied in place until a Welcome settles it (C6).
+        state = replica.committed_state()
         try:
             group = yield from self._build(order.prefix, 0, 2, COLLECTIVE_HEAL_TIMEOUTS * self._timeout_s)
             yield from self._heal_transfer(group, state)

@@ -288,6 +288,7 @@ def _encode(msg) -> dict:
             rec["holds_params"] = True
             if msg.held_rounds:
                 rec["held_rounds"] = list(msg.held_rounds)
+                rec["held_digests"] = list(msg.held_digests)
         return rec
     if typ is Welcome:
         rec = {"type": "Welcome", "worker_id": msg.worker_id, "round_ids": list(msg.round_ids),

@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # torch only for tensors: an admin command must not pay for i
 #: wire dtype (``Welcome.wire_dtype``; ``Submit`` and ``Result`` carry it, with ``scales``,
 #: and a ``Result`` may carry a delta). 4: the collective data plane (``Welcome.data_plane``,
 #: ``ReduceOrder``, ``ReduceReport``, ``ReduceAbort``, ``HealOrder``, ``Result.digest``,
-#: ``Join.holds_params``, ``Join.held_rounds``).
+#: ``Join.holds_params``, ``Join.held_rounds``, ``Join.held_digests``).
 PROTOCOL_VERSION = 4
 
 #: How tensors of ``Submit`` and ``Result`` travel (``diloco.wire.compression``, SPEC.md
@@ -125,6 +125,9 @@ class Join:
     #: state the worker holds (its replica, or its checkpoint); () for initial params. Before the
     #: first commit of a (re)started run, the newest such state starts it (SPEC.md C6).
     held_rounds: tuple[int, ...] = ()
+    #: With ``held_rounds``: the digest of each fragment's params in that state (as ``Result.digest``),
+    #: so the coordinator can tell the state its last commits made from any other (C6).
+    held_digests: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

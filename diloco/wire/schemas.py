@@ -208,7 +208,8 @@ TENSOR_FIELD = object()
 #: Per message type: field name -> checker (or TENSOR_FIELD). SPEC.md section 11 lists the same.
 SCHEMAS: dict[str, dict[str, Any]] = {
     "Join": {"worker_id": _str, "protocol_version": _int, "spec": _spec, "params": TENSOR_FIELD,
-             "holds_params": _bool, "held_rounds": _int_tuple},
+             "holds_params": _bool, "held_rounds": _int_tuple,
+             "held_digests": _str_tuple},
     "Heartbeat": {"worker_id": _str, "metrics": _metrics},
     "Submit": {"worker_id": _str, "fragment_id": _int, "round_id": _int, "tensors": TENSOR_FIELD,
                "wire_dtype": _wire_dtype, "scales": TENSOR_FIELD},

@@ -678,6 +678,7 @@ class DilocoWorker:
             self.data_plane.restored_params = {n: t.detach().to(torch.float32).clone()
                                                for n, t in ckpt.global_params.items()}
             self.data_plane.restored_rounds = list(ckpt.round_ids)
+            self.data_plane.restored_fragments = tuple(tuple(f) for f in ckpt.fragments)
         self.session.restore(fragments=ckpt.fragments, round_ids=ckpt.round_ids, next_close=ckpt.next_close,
                              sched_step=ckpt.sched_step, inner_step=ckpt.inner_step,
                              rounds_synced=ckpt.rounds_synced, mode=ckpt.mode)

@@ -18,6 +18,7 @@ from diloco.wire.messages import (
     Command,
     HealOrder,
     HeartbeatReply,
+    Leave,
     ReduceOrder,
     ReduceReport,
     Result,
@@ -97,3 +98,38 @@ def test_initial_params_give_way_to_any_committed_state_but_after_a_commit_every
     out = join(c, "w2", (40,), now=4.0)
     assert welcome_of(out, "w2").heal_source in ("w0", "w1")  # after a commit a newer offer heals too
     assert not replies(out, HeartbeatReply)
+
+
+def join_with(c, wid: str, held: tuple[int, ...], digests: tuple[str, ...], now: float = 1.0):
+    msg = dataclasses.replace(join_message(wid, list(join_message(wid, PARAMS).spec)), holds_params=True,
+                              held_rounds=held, held_digests=digests)
+    return c.handle(wid, msg, now)
+
+
+def test_the_state_the_last_commits_made_replaces_a_start_from_any_other_even_from_a_welcomed_worker():
+    c, events = coordinator(min_workers=3)
+    c.collective.last_commit = [(3, "d" * 64)]  # as restored from the checkpoint: round 3 committed with d
+    assert welcome_of(join_with(c, "w0", (2,), ("old",)), "w0").heal_source == ""        # an older checkpoint
+    assert welcome_of(join(c, "w1", None), "w1").heal_source == "w0"                     # fresh: heals
+    c.handle("w1", Leave("w1"), 2.0)
+    # w1 was welcomed here, but what it offers now is round 4 with the digest of commit 3: the
+    # state the run's last commit made, which the start's was not. It wins.
+    out = join_with(c, "w1", (4,), ("d" * 64,), now=3.0)
+    assert welcome_of(out, "w1").heal_source == ""
+    assert [peer for peer, m in replies(out, HeartbeatReply) if m.command is Command.REJOIN] == ["w0"]
+    # A third offer of the same current state does not reseed the current start again: it heals.
+    out = join_with(c, "w2", (4,), ("d" * 64,), now=4.0)
+    assert welcome_of(out, "w2").heal_source == "w1" and not replies(out, HeartbeatReply)
+    # Nor does a wrong digest at the right round: it is not the state the commit made.
+    assert not c.collective.is_current((4,), ("e" * 64,)) and c.collective.is_current((4,), ("d" * 64,))
+
+
+def test_a_plain_start_sends_the_members_healing_from_a_source_that_is_gone_to_join_again():
+    c, events = coordinator(min_workers=3)
+    join(c, "w0", ())
+    assert welcome_of(join(c, "w1", None), "w1").heal_source == "w0"
+    c.handle("w0", Leave("w0"), 2.0)  # the source is gone while w1 heals (or has healed, not yet ready)
+    out = join(c, "w2", (), now=3.0)
+    assert welcome_of(out, "w2").heal_source == ""  # nobody holds the state: w2 starts the run
+    assert [peer for peer, m in replies(out, HeartbeatReply) if m.command is Command.REJOIN] == ["w1"]
+    assert not c.fsm.is_member("w1")  # it joins again: to heal from w2, or to offer what it healed

@@ -9,11 +9,12 @@ worker's side: no worker adopts an outer step the machine did not commit -- ever
 of a commit names a (fragment, round, digest) the coordinator committed, that the worker
 reported ok itself and got a ``Result`` for, and every replica that adopted one commit holds
 the same params; **C6** a joiner starts the run from its own params only if it offered to
-(``holds_params``) and no live member holds the state -- or, before the first commit since
-the (re)start, its ``held_rounds`` are newer than those the run started from and it was not
-welcomed by this coordinator before; then every other holder is gone by the end of that step
-(reseeded) -- otherwise it heals from a live holder, and a healed replica holds what its
-source held at those rounds. Rounds commit in order
+(``holds_params``) and no live member holds the state (then the members still healing are gone
+by the end of that step) -- or, before the first commit since the (re)start, it replaces the
+start's state: its ``held_rounds``/``held_digests`` are those the last commits made and the
+start's were not, or, not welcomed by this coordinator before, its rounds are newer; then every
+other holder and healer is gone by the end of that step (reseeded) -- otherwise it heals from a
+live holder, and a healed replica holds what its source held at those rounds. Rounds commit in order
 without skips or repeats (I3, in ``rounds``); a coordinator restart rolls them back to its
 snapshot, as on the hub.
 
@@ -57,6 +58,7 @@ class CollectiveChecks:
         #: C6 restarts: the held rounds the run (re)started from, whether a round committed since,
         #: the workers this coordinator welcomed, and the members a reseed must have removed.
         self.start_rounds: tuple[int, ...] | None = None
+        self.start_current = False
         self.committed_since_start = False
         self.welcomed_here: set[str] = set()
         self.reseed_due: set[str] = set()
@@ -215,9 +217,13 @@ class CollectiveChecks:
         msg = step.msg
         offered = msg is not None and msg.get("type") == "Join" and bool(msg.get("holds_params"))
         held = tuple(msg.get("held_rounds") or ()) if offered else ()
-        newer = (wid not in self.welcomed_here and not self.committed_since_start and self.start_rounds is not None
+        digests = tuple(msg.get("held_digests") or ()) if offered else ()
+        current = self._is_current(held, digests)
+        newer = (wid not in self.welcomed_here and self.start_rounds is not None
                  and bool(held) and (not self.start_rounds or (len(held) == len(self.start_rounds)
                                                                 and sum(held) > sum(self.start_rounds))))
+        replaces = not self.committed_since_start and self.start_rounds is not None and (
+            (current and not self.start_current) or newer)
         self.welcomed_here.add(wid)
         if source:
             if source == wid or source not in self.holders or source not in self.live:
@@ -227,11 +233,11 @@ class CollectiveChecks:
             self.healing[wid] = None
         else:
             holding = [w for w in self.holders if w != wid and w in self.live]
-            if holding and not newer:
+            if holding and not replaces:
                 self._violate("C6", f"{wid} starts the run from its own params while {holding} hold its state")
-            # A reseed removes the older state's holders and those healing to it; a plain start
-            # (nobody holds the state) leaves the healing ones, whose heals fail and who re-join.
-            others = [w for w in (*self.holders, *self.healing) if w != wid and w in self.live] if holding else []
+            # Gone by the end of the step: a reseed's older holders and healers; on a plain start
+            # the members healing from a source that is gone (they join again).
+            others = [w for w in (*self.holders, *self.healing) if w != wid and w in self.live]
             if not offered:
                 self._violate("C6", f"{wid} is told to start the run from its own params, but its Join did not "
                                     f"offer them (holds_params)")
@@ -239,7 +245,16 @@ class CollectiveChecks:
             self.heal_from[welcome] = ""
             self.holders = {wid: None}
             self.start_rounds = held
+            self.start_current = current
             self.committed_since_start = False
+
+    def _is_current(self, held: tuple, digests: tuple) -> bool:
+        """The state the last commits made: every fragment with a commit at the round after it, its digest."""
+        n = len(self.last_commit)
+        if len(held) != n or len(digests) != n:
+            return False
+        committed = [(f, r, d) for f, (r, d) in enumerate(self.last_commit) if r >= 0]
+        return bool(committed) and all(held[f] == r + 1 and digests[f] == d for f, r, d in committed)
 
     def _left_collective(self, wid: str) -> None:
         """C2: a departed member's readiness is withdrawn, and it no longer holds the state."""
@@ -345,7 +360,7 @@ class CollectiveChecks:
         self.attempts = [None] * len(self.attempts)
         self.holders.clear()
         self.healing.clear()
-        self.start_rounds, self.committed_since_start = None, False
+        self.start_rounds, self.start_current, self.committed_since_start = None, False, False
         self.welcomed_here.clear()
 
     def _check_commits(self, rec: dict, what: str) -> None:
