@@ -108,42 +108,13 @@ def model_params(params: int, layers: int = LAYERS) -> int:
     return layers * (d * d + d)
 
 
-class _PlainSGD:
-    """``torch.optim``'s interface in a few lines: building a real torch.optim optimizer imports
-    torch._dynamo, seconds per process on a small machine (as tests/zmq/tiny_entry.py explains)."""
-
-    def __init__(self, params, lr: float = 1e-3) -> None:
-        self.params = list(params)
-        self.lr = lr
-        self.steps = 0
-
-    def step(self) -> None:
-        import torch
-
-        with torch.no_grad():
-            for p in self.params:
-                if p.grad is not None:
-                    p.add_(p.grad, alpha=-self.lr)
-        self.steps += 1
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None
-
-    def state_dict(self) -> dict:
-        return {"lr": self.lr, "steps": self.steps}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.lr = float(state["lr"])
-        self.steps = int(state["steps"])
-
-
 def make_setup(worker_id: str = "w"):
     """About $BENCH_LINKS_PARAMS params, trivial data, each step sleeps $BENCH_LINKS_STEP_S; every
     step's start time (wall clock) is appended to $BENCH_LINKS_TRACE/<worker_id>.steps, and with
     $BENCH_LINKS_TRACE set it returns only once $BENCH_LINKS_TRACE/<worker_id>.go exists."""
     import torch
 
+    from diloco.testing import PlainSGD  # torch.optim would import torch._dynamo: seconds per process
     from diloco.worker import TrainingSetup
 
     params = int(float(os.environ.get(ENV_PARAMS, "1000000")))
@@ -174,7 +145,8 @@ def make_setup(worker_id: str = "w"):
         # process starts (imports, builds its model) at once, but joins one by one.
         while not os.path.exists(os.path.join(trace_dir, f"{worker_id}.go")):
             time.sleep(0.05)
-    return TrainingSetup(model=model, optimizer=_PlainSGD(model.parameters()), batches=batches(), loss_fn=loss_fn)
+    return TrainingSetup(model=model, optimizer=PlainSGD(model.parameters(), lr=1e-3), batches=batches(),
+                         loss_fn=loss_fn)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """A tiny training setup for the process tests: ``--entry tests/zmq/tiny_entry.py:make_setup``.
 
 An 8 -> 16 -> 1 MLP on a synthetic regression problem. The inner optimizer
-is a few lines of plain SGD with the ``torch.optim`` interface the worker
+is ``diloco.testing.PlainSGD``, plain SGD with the ``torch.optim`` interface the worker
 uses (``step``, ``zero_grad``, ``state_dict``, ``load_state_dict``) instead
 of ``torch.optim.SGD``: the first ``torch.optim`` optimizer a process builds
 imports ``torch._dynamo``, seconds of start-up per worker process on a
@@ -16,35 +16,11 @@ import time
 
 import torch
 
+from diloco.testing import PlainSGD
 from diloco.worker import TrainingSetup
 
 DIM = 8
 STEP_S = float(os.environ.get("TINY_STEP_S", "0.01"))
-
-
-class PlainSGD:
-    def __init__(self, params, lr: float = 0.05) -> None:
-        self.params = list(params)
-        self.lr = lr
-        self.steps = 0
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for p in self.params:
-            if p.grad is not None:
-                p.add_(p.grad, alpha=-self.lr)
-        self.steps += 1
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None
-
-    def state_dict(self) -> dict:
-        return {"lr": self.lr, "steps": self.steps}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.lr = float(state["lr"])
-        self.steps = int(state["steps"])
 
 
 def _batches(seed: int):
