@@ -83,9 +83,12 @@ class _Verdict:
 class CollectiveEndpoint:
     """Wraps a ``WorkerEndpoint``; see the module docstring."""
 
-    def __init__(self, inner, worker_id: str, *, store_host: str | None = None) -> None:
+    def __init__(self, inner, worker_id: str, *, store_host: str | None = None, device=None) -> None:
         self.inner = inner
         self.worker_id = worker_id
+        #: The device this worker trains on: a CUDA one makes its reduces run there, over NCCL
+        #: (``groups.backend_for``); heals and the replica stay on the CPU, over gloo.
+        self.device = device
         self._store_host = store_host or _host_of(getattr(inner, "address", None))
         self.collective = False
         self.replica: Replica | None = None
@@ -345,7 +348,7 @@ class CollectiveEndpoint:
                 group = self._group_cache().get(order.prefix, order.group.index(self.worker_id), len(order.group))
                 shapes = {n: replica.params[n].shape for n in replica.fragments[fid]}
                 mean = mean_pseudo_gradient(group, pending[1], replica.wire_dtype, shapes, self._timeout_s,
-                                            self._reduce_buffer(fid, shapes))
+                                            self._reduce_buffer(fid, shapes), self._group_cache().device)
                 vote = replica.propose(fid, rid, mean)
                 ok = True
                 self.stats["bytes_sent"] += bytes_on_link(pending[1], replica.wire_dtype, len(order.group))
@@ -508,7 +511,7 @@ class CollectiveEndpoint:
             port = self._welcome.store_port if self._welcome is not None else 0
             host = self._store_host
             self._groups = GroupCache(lambda: connect_store(host, port, self._timeout_s),
-                                      local_address_towards(host), self._timeout_s)
+                                      local_address_towards(host), self._timeout_s, self.device)
         return self._groups
 
     def _post(self, message: Message, to_session: bool = False) -> None:

@@ -1,4 +1,4 @@
-"""gloo process groups on the coordinator's store, rebuilt only when the group changes.
+"""Process groups (gloo; NCCL for workers on CUDA) on the coordinator's store, rebuilt only when the group changes.
 
 The recipe (SPEC.md C7): one ``TCPStore`` client per worker, connected to the store the
 coordinator hosts; a group is ``ProcessGroupGloo(PrefixStore(prefix, store), rank, size)``
@@ -46,26 +46,55 @@ def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
         raise CollectiveError(f"cannot reach the coordinator's store at {host}:{port}: {exc}") from exc
 
 
+def backend_for(device) -> str:
+    """``nccl`` for a worker that trains on a CUDA device (its reduce runs there), else ``gloo``."""
+    return "nccl" if getattr(device, "type", str(device)).startswith("cuda") else "gloo"
+
+
 def build_group(store: dist.Store, prefix: str, rank: int, size: int, interface: str,
-                timeout_s: float) -> dist.ProcessGroupGloo:
-    """A gloo group of ``size`` ranks meeting under ``prefix``, with an eager barrier."""
+                timeout_s: float, backend: str = "gloo", device=None) -> dist.ProcessGroup:
+    """A group of ``size`` ranks meeting under ``prefix``, with an eager barrier: gloo on the CPU,
+    or NCCL on ``device`` (a CUDA device of this worker's; same store, same recipe)."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = timeout
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=interface)]
     try:
-        pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, options)
-        pg.barrier().wait(timeout)
+        if backend == "nccl":
+            pg = _nccl_group(dist.PrefixStore(prefix, store), rank, size, timeout, device)
+        elif backend == "gloo":
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = timeout
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=interface)]
+            pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, options)
+            pg.barrier().wait(timeout)
+        else:
+            raise ValueError(f"unknown backend {backend!r}: expected gloo or nccl")
     except Exception as exc:
-        raise CollectiveError(f"group {prefix!r} (rank {rank} of {size}) did not form: {exc}") from exc
+        raise CollectiveError(f"group {prefix!r} (rank {rank} of {size}, {backend}) did not form: {exc}") from exc
+    return pg
+
+
+def _nccl_group(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, device):
+    import torch
+
+    if not torch.cuda.is_available() or not dist.is_nccl_available():
+        raise RuntimeError("NCCL needs CUDA and a torch built with NCCL; this process has neither")
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    pg = dist.ProcessGroupNCCL(store, rank, size, options)
+    # The eager barrier: a one-element all-reduce on this worker's device (NCCL's own barrier
+    # guesses the device from the rank).
+    probe = torch.zeros(1, device=device)
+    pg.allreduce([probe]).wait(timeout)
     return pg
 
 
 class GroupCache:
     """At most one live reduce group: the one of the last prefix (membership epochs, SPEC.md C7)."""
 
-    def __init__(self, store_factory, interface: str, timeout_s: float) -> None:
+    def __init__(self, store_factory, interface: str, timeout_s: float, device=None) -> None:
         self._store_factory = store_factory
+        #: Where the reduce runs: a CUDA device (NCCL) or None (gloo, on the CPU).
+        self.device = device if backend_for(device) == "nccl" else None
+        self.backend = backend_for(device)
         self._store: dist.Store | None = None
         self.interface = interface
         self.timeout_s = timeout_s
@@ -84,7 +113,8 @@ class GroupCache:
         if self._prefix == prefix and self._group is not None:
             return self._group
         self.drop()
-        self._group = build_group(self.store, prefix, rank, size, self.interface, self.timeout_s)
+        self._group = build_group(self.store, prefix, rank, size, self.interface, self.timeout_s, self.backend,
+                                  self.device)
         self._prefix = prefix
         self.built += 1
         return self._group

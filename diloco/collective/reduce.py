@@ -1,4 +1,5 @@
-"""One round's pseudo-gradients combined among the group, in the run's wire dtype.
+"""One round's pseudo-gradients combined among the group, in the run's wire dtype (gloo on the CPU;
+NCCL on the worker's CUDA device, the result copied back to the CPU replica).
 
 * fp32: one all-reduce (sum) of the flattened fragment, then / k. gloo's ring hands every
   rank the same reduced bytes, so every member computes the same mean.
@@ -61,28 +62,48 @@ def bytes_on_link(encoded: compression.Encoded, wire_dtype: str, size: int) -> i
     return (size - 1) * encoded.nbytes
 
 
-def mean_pseudo_gradient(group: dist.ProcessGroupGloo, encoded: compression.Encoded, wire_dtype: str,
+def _allreduce(group: dist.ProcessGroup, flat: torch.Tensor, timeout_s: float, device) -> None:
+    """Sum ``flat`` (on the CPU) over the group, in place: on ``device`` for NCCL, else where it is."""
+    if device is None:
+        _wait(group.allreduce([flat]), timeout_s, "the all-reduce")
+        return
+    on_device = flat.to(device)
+    _wait(group.allreduce([on_device]), timeout_s, "the all-reduce")
+    flat.copy_(on_device)
+
+
+def _allgather(group: dist.ProcessGroup, tensor: torch.Tensor, timeout_s: float, device,
+               what: str) -> list[torch.Tensor]:
+    """Every rank's ``tensor``, in rank order, on the CPU (gathered on ``device`` for NCCL)."""
+    src = tensor if device is None else tensor.to(device)
+    out = [torch.empty_like(src) for _ in range(group.size())]
+    _wait(group.allgather([out], [src]), timeout_s, what)
+    return out if device is None else [t.cpu() for t in out]
+
+
+def mean_pseudo_gradient(group: dist.ProcessGroup, encoded: compression.Encoded, wire_dtype: str,
                          shapes: Mapping[str, torch.Size], timeout_s: float,
-                         buffer: torch.Tensor | None = None) -> Tensors:
-    """The group's mean pseudo-gradient (fp32) from this member's ``encoded`` one.
+                         buffer: torch.Tensor | None = None, device=None) -> Tensors:
+    """The group's mean pseudo-gradient (fp32, on the CPU) from this member's ``encoded`` one.
 
     fp32: the result is views into ``buffer`` when one of the right size is given (the caller
-    keeps it from round to round: no fresh pages per round), else into a new flat tensor."""
+    keeps it from round to round: no fresh pages per round), else into a new flat tensor.
+    ``device``: the CUDA device an NCCL group reduces on (None: gloo, on the CPU). The sum is
+    the same bits either way in bf16/int8 (the decode and the sum run on the CPU, in rank order);
+    in fp32 NCCL's ring sums in its own order, identical on every rank of the group."""
     names = list(shapes)
     size = group.size()
     if wire_dtype == "fp32":
         flat = _flat(encoded.values, names, torch.float32, out=buffer)
-        _wait(group.allreduce([flat]), timeout_s, "the all-reduce")
+        _allreduce(group, flat, timeout_s, device)
         flat /= size
         return _unflat(flat, shapes, names)
     values = _flat(encoded.values, names, encoded.values[names[0]].dtype if names else torch.float32)
-    gathered_values = [torch.empty_like(values) for _ in range(size)]
-    _wait(group.allgather([gathered_values], [values]), timeout_s, "the all-gather of values")
+    gathered_values = _allgather(group, values, timeout_s, device, "the all-gather of values")
     gathered_scales: list[torch.Tensor] = []
     if wire_dtype == "int8":
         scales = _flat(encoded.scales, names, torch.float32)
-        gathered_scales = [torch.empty_like(scales) for _ in range(size)]
-        _wait(group.allgather([gathered_scales], [scales]), timeout_s, "the all-gather of scales")
+        gathered_scales = _allgather(group, scales, timeout_s, device, "the all-gather of scales")
     total = {n: torch.zeros(shapes[n], dtype=torch.float32) for n in names}
     scale_shapes = {n: torch.Size([encoded.scales[n].numel()]) for n in names} if wire_dtype == "int8" else {}
     for rank in range(size):  # rank order: the same sum on every member

@@ -155,7 +155,9 @@ class DilocoWorker:
         self.endpoint = endpoint
         # Transparent on a hub run; on a collective one it turns the plane's messages into the
         # hub's, so the session is the same on both (diloco.collective.endpoint).
-        self.data_plane = CollectiveEndpoint(endpoint, worker_id)
+        # A model on a CUDA device reduces there, over NCCL; on the CPU, over gloo.
+        device = next(iter(self._params.values())).device if self._params else None
+        self.data_plane = CollectiveEndpoint(endpoint, worker_id, device=device)
         self.link = Link(self.data_plane, worker_id, threaded=(clock is None) if comm_thread is None else bool(comm_thread))
         self.worker_id = worker_id
         self.sync_every = sync_every
