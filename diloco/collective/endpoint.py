@@ -345,10 +345,11 @@ class CollectiveEndpoint:
             detail = f"no pseudo-gradient of fragment {fid} round {rid} on this worker"
         else:
             try:
-                group = self._group_cache().get(order.prefix, order.group.index(self.worker_id), len(order.group))
+                cache = self._group_cache()
+                group = cache.get(order.prefix, order.group.index(self.worker_id), len(order.group))
                 shapes = {n: replica.params[n].shape for n in replica.fragments[fid]}
                 mean = mean_pseudo_gradient(group, pending[1], replica.wire_dtype, shapes, self._timeout_s,
-                                            self._reduce_buffer(fid, shapes), self._group_cache().device)
+                                            self._reduce_buffer(fid, shapes), cache.device)
                 vote = replica.propose(fid, rid, mean)
                 ok = True
                 self.stats["bytes_sent"] += bytes_on_link(pending[1], replica.wire_dtype, len(order.group))

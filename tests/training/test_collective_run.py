@@ -150,6 +150,7 @@ class _DyingCache:
     def __init__(self, cache, death: Death, during_collective: bool) -> None:
         self._cache, self._death, self._during = cache, death, during_collective
         self.store, self.interface, self.timeout_s = cache.store, cache.interface, cache.timeout_s
+        self.device = cache.device
 
     def get(self, prefix, rank, size):
         if not self._during:
