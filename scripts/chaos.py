@@ -3,7 +3,7 @@
 
     python scripts/chaos.py --minutes 30 --workers 4 --seed 1     # the long soak (README)
     python scripts/chaos.py --minutes 1.5 --workers 3 --seed 7    # the CI variant
-    python scripts/chaos.py --minutes 30 --workers 4 --data-plane collective   # the collective plane
+    python scripts/chaos.py --minutes 30 --workers 4 --data-plane collective --worker-kill-every 8 --coordinator-kill-every 75
 
 A small supervisor starts ``diloco server --checkpoint-dir DIR --resume DIR``
 and N ``diloco worker`` processes (the built-in char transformer) on
