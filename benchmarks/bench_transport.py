@@ -707,7 +707,7 @@ SEGMENTS = (
     ("digest1", "report", "ReduceReport handed to the owner thread and sent"),
     ("report", "verdict", "vote: coordinator waits for every report, commits, Result(digest) back"),
     ("verdict", "commit1", "data thread wakes on the verdict, Replica.commit"),
-    ("commit1", "posted", "clone of the params into the session's Result"),
+    ("commit1", "posted", "copy of the params into the session's Result (kept buffers)"),
     ("posted", "t1", "hand-off to the session (recv returns the Result)"),
 )
 
