@@ -72,6 +72,26 @@ def test_partials_are_bounded_in_number_and_age():
     assert a.partial_count == 1
 
 
+def test_a_message_that_keeps_arriving_is_kept_however_long_it_takes_and_a_silent_one_is_dropped():
+    # A part every 9 s, a 10 s limit on silence: 60 s in all (older than the limit six times over).
+    a = Assembler(1 << 20, partial_timeout_s=10.0)
+    slow = _parts_of(Submit("w", 0, 0, {"t": torch.arange(8.0)}), chunk_bytes=4)
+    assert len(slow) > 7
+    got = None
+    for i, part in enumerate(slow):
+        other = a.add(f"other{i}", slow[0], 9.0 * i)  # other peers' messages start: expiry runs
+        assert other is None
+        got = a.add("slow", part, 9.0 * i)
+    # The slow message completes; each other peer's lone first part went stale 18 s after it came.
+    assert isinstance(got, Complete) and a.incomplete_dropped == len(slow) - 2 and a.partial_count == 2
+    # Silence past the limit drops it: the next message start (anyone's) finds it stale.
+    a = Assembler(1 << 20, partial_timeout_s=10.0)
+    a.add("slow", slow[0], 0.0)
+    a.add("slow", slow[1], 9.0)
+    a.add("other", slow[0], 19.5)
+    assert a.incomplete_dropped == 1 and a.add("slow", slow[2], 20.0) is None
+
+
 def test_a_bad_part_count_is_refused():
     a = Assembler(1 << 20)
     assert isinstance(a.add("p", [tag(1, 0, 0), b"x"], 0.0), Refused)

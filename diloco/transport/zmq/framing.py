@@ -81,7 +81,8 @@ def total_nbytes(frames: Iterator[Any] | Sequence[Any]) -> int:
 class _Partial:
     seq: int
     count: int
-    started_s: float
+    #: When its latest part arrived: a message that keeps arriving is never dropped for its age.
+    last_part_s: float
     frames: list = field(default_factory=list)
     size: int = 0
     #: True once the message went over the limit: its remaining parts are skipped.
@@ -111,7 +112,9 @@ class Assembler:
     returns ``Complete`` (a whole message), ``Refused`` (answer the peer) or
     None (more parts to come, or a part skipped). Memory: at most one partial
     message per peer, at most ``max_partials`` peers at once (the oldest is
-    dropped beyond that), none older than ``partial_timeout_s``.
+    dropped beyond that), none whose last part came more than ``partial_timeout_s``
+    ago: the limit is on silence, not on the transfer's total time, so a 1 GB message
+    crossing a slow link for minutes is kept as long as its parts keep coming.
     """
 
     def __init__(self, max_message_bytes: int, *, max_partials: int = 1024, partial_timeout_s: float = 120.0) -> None:
@@ -157,6 +160,7 @@ class Assembler:
             if index == partial.count - 1:
                 del self._partials[peer]
             return None
+        partial.last_part_s = now_s
         partial.size += nbytes(payload)
         if partial.size > self.max_message_bytes:
             partial.frames.clear()  # free what was held at once
@@ -180,7 +184,7 @@ class Assembler:
             self.incomplete_dropped += 1
 
     def _make_room(self, now_s: float) -> None:
-        stale = [p for p, part in self._partials.items() if now_s - part.started_s > self.partial_timeout_s]
+        stale = [p for p, part in self._partials.items() if now_s - part.last_part_s > self.partial_timeout_s]
         for p in stale:
             self._drop(p)
         while len(self._partials) >= self.max_partials:
