@@ -417,7 +417,8 @@ def op_costs(n_params: int, k: int, out_q) -> None:
 
     import torch
     torch.set_num_threads(1)
-    from diloco.collective.replica import Replica, digest, finite
+    from diloco.collective.replica import Replica, digest
+    from diloco.outer import all_finite
     from diloco.outer import OuterConfig
 
     shapes = shapes_for(n_params)
@@ -448,7 +449,7 @@ def op_costs(n_params: int, k: int, out_q) -> None:
         "backup of the params (copy into kept buffers)": lambda: [kept[n].copy_(p) for n, p in params.items()],
         "backup of the optimizer (copy into kept buffers)": lambda: opt_backup.take(opt),
         "outer Nesterov step": step,
-        "finiteness (aminmax)": lambda: [finite(p) for p in params.values()],
+        "finiteness (all_finite: a sum)": lambda: [all_finite(p) for p in params.values()],
         "digest": lambda: digest(params),
         "clone for the Result": lambda: {n: t.clone() for n, t in params.items()},
         "(not in the round) fresh backup: clone + deepcopy": lambda: (
@@ -702,7 +703,7 @@ SEGMENTS = (
     ("reduce0", "allreduce0", "flatten of the pseudo-gradient into the kept reduce buffer (cat)"),
     ("allreduce0", "allreduce1", "gloo all-reduce of the flat buffer (incl. waiting for peers)"),
     ("allreduce1", "reduce1", "divide by k, unflatten"),
-    ("reduce1", "digest0", "outer step: backup into kept buffers + Nesterov step + finiteness (aminmax)"),
+    ("reduce1", "digest0", "outer step: backup into kept buffers + Nesterov step + finiteness"),
     ("digest0", "digest1", "digest of the proposed params"),
     ("digest1", "report", "ReduceReport handed to the owner thread and sent"),
     ("report", "verdict", "vote: coordinator waits for every report, commits, Result(digest) back"),

@@ -110,9 +110,9 @@ class CollectiveEndpoint:
         self._heal_attempts = 0
         self._heal_orders: dict[str, str] = {}
         self._reduce_buffers: dict[int, torch.Tensor] = {}
-        #: fragment -> two sets of buffers the committed params are handed to the session in, in turn.
+        #: fragment -> two sets of buffers the committed params are handed to the session in, in
+        #: turn (the next one first).
         self._result_buffers: dict[int, list[dict[str, torch.Tensor]]] = {}
-        self._result_turn: dict[int, int] = {}
         self._last_join: Join | None = None
         #: A collective Welcome is held back while this member heals or builds its replica.
         self._welcome_withheld = False
@@ -496,9 +496,8 @@ class CollectiveEndpoint:
         sets = self._result_buffers.get(fid)
         if sets is None or any(n not in sets[0] or sets[0][n].shape != t.shape for n, t in params.items()):
             sets = self._result_buffers[fid] = [{n: torch.empty_like(t) for n, t in params.items()} for _ in range(2)]
-        turn = self._result_turn.get(fid, 0)
-        self._result_turn[fid] = 1 - turn
-        out = sets[turn]
+        out = sets.pop(0)
+        sets.append(out)
         for n, t in params.items():
             out[n].copy_(t)
         return dict(out)

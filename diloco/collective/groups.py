@@ -94,7 +94,6 @@ class GroupCache:
         self._store_factory = store_factory
         #: Where the reduce runs: a CUDA device (NCCL) or None (gloo, on the CPU).
         self.device = device if backend_for(device) == "nccl" else None
-        self.backend = backend_for(device)
         self._store: dist.Store | None = None
         self.interface = interface
         self.timeout_s = timeout_s
@@ -102,6 +101,10 @@ class GroupCache:
         self._group: dist.ProcessGroupGloo | None = None
         #: Groups built so far (a benchmark and the tests read it: one per membership change).
         self.built = 0
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device is not None else "gloo"
 
     @property
     def store(self) -> dist.Store:

@@ -35,7 +35,7 @@ from typing import Mapping
 
 import torch
 
-from diloco.outer import OuterConfig, build_outer_optimizer
+from diloco.outer import OuterConfig, all_finite, build_outer_optimizer
 from diloco.wire import compression
 
 Tensors = dict[str, torch.Tensor]
@@ -57,15 +57,6 @@ def digest(params: Mapping[str, torch.Tensor]) -> str:
         h.update(sums.numpy().tobytes())
         h.update(b";")
     return h.hexdigest()
-
-
-def finite(t: torch.Tensor) -> bool:
-    """True when ``t`` holds no NaN or infinity: its min and max (which propagate NaN) are finite,
-    read in one pass without the bool tensor ``isfinite`` would allocate."""
-    if t.numel() == 0:
-        return True
-    low, high = torch.aminmax(t.detach())
-    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
 
 
 class _OptimizerBackup:
@@ -213,7 +204,7 @@ class Replica:
         finally:
             for p in params.values():
                 p.grad = None
-        bad = next((n for n, p in params.items() if not finite(p)), None)
+        bad = next((n for n, p in params.items() if not all_finite(p)), None)
         if bad is not None:
             self._restore(fid, before, opt_before)
             with self._lock:

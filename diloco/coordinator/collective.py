@@ -131,13 +131,18 @@ class CollectivePlane:
         self._next_source += 1
         self._heals += 1
         self.stats["heals"] += 1
-        prefix = f"{self.secret}/{self.incarnation}/heal{self._heals}"
+        prefix = self._prefix(f"heal{self._heals}")
         self._retire_heal(joiner)
         self._healing[joiner] = prefix
         return source, prefix
 
+    def _prefix(self, name: str) -> str:
+        """A store prefix of this run and coordinator process (C7)."""
+        return f"{self.secret}/{self.incarnation}/{name}"
+
     def _newer_than_start(self, held_rounds: tuple[int, ...]) -> bool:
-        if self._committed_since_start or self._start_rounds is None or not held_rounds:
+        """``held_rounds`` newer than the start's (``reseed_for`` asks only before the first commit)."""
+        if self._start_rounds is None or not held_rounds:
             return False
         if not self._start_rounds:
             return True  # the run started from initial params: any committed state is newer
@@ -162,11 +167,11 @@ class CollectivePlane:
         if group != self._group:
             self.retire_group()
             self._group = group
-        return f"{self.secret}/{self.incarnation}/g{self._epoch}"
+        return self._prefix(f"g{self._epoch}")
 
     def retire_group(self) -> None:
         if self._group is not None:
-            self.retired.append((f"{self.secret}/{self.incarnation}/g{self._epoch}", len(self._group)))
+            self.retired.append((self._prefix(f"g{self._epoch}"), len(self._group)))
             self.stats["groups"] += 1
         self._group = None
         self._epoch += 1

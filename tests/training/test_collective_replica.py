@@ -8,7 +8,8 @@ import threading
 import torch
 
 from diloco.collective.endpoint import CollectiveEndpoint
-from diloco.collective.replica import Replica, digest, finite
+from diloco.collective.replica import Replica, digest
+from diloco.outer import all_finite as finite
 from diloco.outer import OuterConfig
 from diloco.wire.messages import Welcome
 
