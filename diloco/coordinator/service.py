@@ -178,6 +178,9 @@ class Coordinator:
                            if config.fsm.data_plane is DataPlane.COLLECTIVE else None)
         self.started_s = now_s
         self.last_applied_s: float | None = None
+        #: Hub plane: called with each outer step's input (fragment, mean pseudo-gradient) just
+        #: before the step, so that a write-ahead log writes it while the step runs (``journal.py``).
+        self.step_input_sink: Callable[[int, Tensors], None] | None = None
 
     # ------------------------------------------------------------------ state
 
@@ -709,7 +712,38 @@ class Coordinator:
         else:
             (wid,) = effect.contributors
             grad = self._held.pop((fid, wid)).tensors
+        if self.step_input_sink is not None:
+            self.step_input_sink(fid, grad)
+        bad, delta = self.outer_step(fid, grad)
+        if bad is not None:
+            self.stats.steps_refused += 1
+            self._notify("step_refused", now, fragment_id=fid, round_id=effect.round_id,
+                         contributors=list(effect.contributors), tensor=bad)
         params = store.fragment_params(fid)
+        # Snapshot for the Results of this apply (SPEC.md section 5, rule 1: they follow
+        # it). One copy shared by all its contributors; a later apply of the same fragment
+        # in the same step (async, held contributions) takes a new one.
+        if not self._delta_results:
+            released = compression.Encoded({n: p.detach().clone() for n, p in params.items()}, {})
+        elif bad is not None or delta is None:  # params unchanged: a zero delta
+            released = compression.encode({n: torch.zeros_like(t) for n, t in params.items()}, self.config.wire_dtype)
+        else:
+            released = delta
+        self._released[fid] = (effect.round_id + 1, released)
+        self.stats.rounds_applied += 1
+        self.last_applied_s = now
+        self.metrics.round_applied(now, fid, effect.round_id, effect.contributors)
+        self._notify("apply", now, fragment_id=fid, round_id=effect.round_id,
+                     contributors=list(effect.contributors))
+
+    def outer_step(self, fid: int, grad: Tensors) -> tuple[str | None, compression.Encoded | None]:
+        """Step fragment ``fid``'s outer optimizer on ``grad``: (the first non-finite tensor or None, the
+        encoded delta the Results carry on a bf16/int8 run, else None).
+
+        Deterministic: the same params, optimizer state and ``grad`` give the same bits, which
+        is what lets a write-ahead log replay a round (``journal.py``).
+        """
+        params = self.store.fragment_params(fid)
         opt = self._optimizers[fid]
         # Finite contributions can still step to an infinity (a huge mean times lr and
         # momentum): keep what to restore, step, and check before anything is released.
@@ -737,25 +771,7 @@ class Coordinator:
                 for n, p in params.items():
                     p.copy_(before[n])
             opt.load_state_dict(opt_before)
-            self.stats.steps_refused += 1
-            self._notify("step_refused", now, fragment_id=fid, round_id=effect.round_id,
-                         contributors=list(effect.contributors), tensor=bad)
-        # Snapshot for the Results of this apply (SPEC.md section 5, rule 1: they follow
-        # it). One copy shared by all its contributors; a later apply of the same fragment
-        # in the same step (async, held contributions) takes a new one.
-        if not self._delta_results:
-            after = before if bad is not None else {n: p.detach().clone() for n, p in params.items()}
-            released = compression.Encoded(after, {})
-        elif bad is not None or delta is None:  # params unchanged: a zero delta
-            released = compression.encode({n: torch.zeros_like(t) for n, t in before.items()}, self.config.wire_dtype)
-        else:
-            released = delta
-        self._released[fid] = (effect.round_id + 1, released)
-        self.stats.rounds_applied += 1
-        self.last_applied_s = now
-        self.metrics.round_applied(now, fid, effect.round_id, effect.contributors)
-        self._notify("apply", now, fragment_id=fid, round_id=effect.round_id,
-                     contributors=list(effect.contributors))
+        return bad, delta
 
     def _release(self, effect: ReleaseWorker, out: Outgoing) -> None:
         peer = self._peers.get(effect.worker_id)
