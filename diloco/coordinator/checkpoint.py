@@ -27,17 +27,21 @@ The old format (``coordinator.ckpt``, ``diloco.tensorfile``) is still read.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import pathlib
 import re
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from diloco.ckptio import flatten_named, read_safetensors, unflatten_named, write_safetensors
 from diloco.core import RoundFSM
+from diloco.coordinator import journal
 from diloco.coordinator.access import AccessList
 from diloco.coordinator.config import CoordinatorConfig
+from diloco.coordinator.params import check_tensors
 from diloco.coordinator.service import Coordinator, Observer
 from diloco.tensorfile import CheckpointError, flatten, load_tensorfile
 
@@ -85,7 +89,16 @@ def _meta(coordinator: Coordinator, outer: list) -> dict:
         "run_id": coordinator.run_id,
         # Key bindings and bans outlive a restart (access.py); absent in older checkpoints.
         "access": coordinator.access.to_dict(),
+        # The journal's steps this state holds (``persist.py``); a resume replays those after it.
+        "journal_seq": coordinator.journal_seq,
     }
+
+
+def journal_meta(coordinator: Coordinator) -> dict:
+    """The small state a journal commit records: a checkpoint's metadata without the optimizers' layout
+    (a replay steps the optimizers, and takes their layout from them)."""
+    return {**_meta(coordinator, []), "rounds_applied": coordinator.fsm.rounds_applied,
+            "open_rounds": list(coordinator.fsm.open_round_ids())}
 
 
 def restore_coordinator(meta: dict, tensors: dict[str, torch.Tensor], now_s: float, *,
@@ -128,9 +141,17 @@ def restore_coordinator(meta: dict, tensors: dict[str, torch.Tensor], now_s: flo
         coordinator.install_params(params, outer)
     coordinator.incarnation = incarnation + 1
     coordinator.access = access
+    coordinator.journal_seq = _int(meta.get("journal_seq", 0), "journal_seq")
+    coordinator.resumed = True
     run_id = meta.get("run_id")
     coordinator.run_id = run_id if isinstance(run_id, str) else None
     return coordinator
+
+
+def _int(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CheckpointError(f"checkpoint metadata: {what}={value!r} is not a count")
+    return value
 
 
 # --------------------------------------------------------------------- files
@@ -139,21 +160,34 @@ def restore_coordinator(meta: dict, tensors: dict[str, torch.Tensor], now_s: flo
 def save_coordinator(coordinator: Coordinator, directory: str | os.PathLike, *,
                      keep: int | None = DEFAULT_KEEP) -> pathlib.Path:
     """Write ``coordinator-<rounds_applied>.safetensors`` atomically; keep the newest ``keep`` files."""
+    return prepare_save(coordinator)(directory, keep)
+
+
+def prepare_save(coordinator: Coordinator) -> Callable[[str | os.PathLike, int | None], pathlib.Path]:
+    """``save_coordinator`` in two halves: the state's description now, and a function that writes it.
+
+    The function reads the live tensors (no copy): until it returns, nothing may change
+    them (``persist.py`` runs it on a background thread and holds the next outer step).
+    """
     if not coordinator.has_state:
         raise CheckpointError("nothing to checkpoint: no worker ever joined, so the run has no params")
-    directory = pathlib.Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = dict(coordinator.store.params) if coordinator.store is not None else {}
     outer = [flatten_named(state, f"{OUTER_PREFIX}{fid}", tensors)
              for fid, state in enumerate(coordinator.optimizer_states())]
     rounds = coordinator.fsm.rounds_applied
     meta = {**_meta(coordinator, outer), "rounds_applied": rounds,
             "open_rounds": list(coordinator.fsm.open_round_ids())}
-    path = directory / checkpoint_name(rounds)
-    write_safetensors(path, tensors, meta, KIND)
-    if keep is not None:
-        rotate(directory, keep)
-    return path
+
+    def write(directory: str | os.PathLike, keep: int | None = DEFAULT_KEEP) -> pathlib.Path:
+        directory = pathlib.Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / checkpoint_name(rounds)
+        write_safetensors(path, tensors, meta, KIND)
+        if keep is not None:
+            rotate(directory, keep)
+        return path
+
+    return write
 
 
 def rotate(directory: pathlib.Path, keep: int) -> list[pathlib.Path]:
@@ -206,19 +240,27 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tens
 
 @dataclass
 class Found:
-    """The newest valid checkpoint of a directory, and the newer ones that were refused."""
+    """The newest valid checkpoint of a directory, and the newer ones that were refused.
+
+    ``meta`` and ``tensors`` include the journal's steps after the file (``replayed`` of them).
+    """
 
     path: pathlib.Path
     meta: dict
     tensors: dict[str, torch.Tensor]
     skipped: list[tuple[pathlib.Path, str]] = field(default_factory=list)
+    replayed: int = 0
+    #: The journal's torn tails (an interrupted append: the open round), as (segment, offset, why).
+    torn: list = field(default_factory=list)
 
 
 def find_newest(location: str | os.PathLike) -> Found | None:
     """The newest checkpoint in a directory (or the given file) that reads and checks; None if there is none.
 
-    Raises ``CheckpointError`` when there are checkpoints but none is valid (the
-    message lists why each was refused), or when a given file is invalid.
+    In a directory, the journal's steps after it are replayed onto it (``journal.py``); a
+    given file is taken as it is. Raises ``CheckpointError`` when there are checkpoints but
+    none is valid (the message lists why each was refused), when a given file is invalid,
+    or when the journal cannot be replayed.
     """
     location = pathlib.Path(location)
     if location.is_file():
@@ -232,11 +274,56 @@ def find_newest(location: str | os.PathLike) -> Found | None:
         except CheckpointError as exc:
             skipped.append((path, str(exc)))
             continue
-        return Found(path, meta, tensors, skipped)
+        return replay_journal(Found(path, meta, tensors, skipped), location)
     if skipped:
         raise CheckpointError("no valid checkpoint in " + str(location) + ": "
                               + "; ".join(reason for _, reason in skipped))
     return None
+
+
+def replay_journal(found: Found, directory: pathlib.Path) -> Found:
+    """``found`` with the journal's committed steps after it applied, through the same outer step."""
+    try:
+        after = _int(found.meta.get("journal_seq", 0), "journal_seq")
+        reading = journal.read_steps(directory, after)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{found.path}: {exc}") from None
+    found.torn = reading.torn
+    if not reading.steps or found.meta.get("collective") is not None:
+        return found
+    try:
+        c = restore_coordinator(found.meta, found.tensors, 0.0)
+        for step in reading.steps:
+            # The config the step ran under (a resume may change the wire dtype).
+            c.config = CoordinatorConfig.from_dict(step.meta["config"])
+            for step_input in step.inputs:
+                grad = step_input.load()
+                check_tensors(grad, c.store.fragment_spec(step_input.fragment_id),
+                              f"journal step {step.seq}")
+                c.outer_step(step_input.fragment_id, grad)
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        raise CheckpointError(f"{directory}: the journal after {found.path.name} cannot be replayed ({exc!r})") from None
+    tensors = {f"param/{n}": t for n, t in c.store.params.items()}
+    outer = [flatten_named(state, f"{OUTER_PREFIX}{fid}", tensors) for fid, state in enumerate(c.optimizer_states())]
+    meta = {**reading.steps[-1].meta, "outer": outer, "param_names": list(c.store.params)}
+    return Found(found.path, meta, tensors, found.skipped, replayed=len(reading.steps), torn=reading.torn)
+
+
+def oldest_kept_seq(directory: str | os.PathLike) -> int:
+    """The journal step the oldest kept checkpoint holds (0 when one cannot be read: keep every segment)."""
+    from safetensors import safe_open
+
+    paths = [p for p in list_checkpoints(directory) if p.suffix == SUFFIX]
+    if not paths:
+        return 0
+    try:
+        with safe_open(str(paths[-1]), framework="pt") as f:
+            meta = json.loads((f.metadata() or {})["diloco"])
+        return _int(meta.get("journal_seq", 0), "journal_seq")
+    except Exception:  # an unreadable oldest file: keeping the journal is the safe answer
+        return 0
 
 
 def load_coordinator(location: str | os.PathLike, now_s: float, *, observer: Observer | None = None,

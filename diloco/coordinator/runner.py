@@ -19,7 +19,8 @@ from typing import Callable
 
 from diloco.core import ShutdownKind
 from diloco.coordinator.audit import AuditLog
-from diloco.coordinator.checkpoint import DEFAULT_KEEP, save_coordinator
+from diloco.coordinator.checkpoint import DEFAULT_KEEP
+from diloco.coordinator.persist import Durability
 from diloco.coordinator.service import Coordinator
 from diloco.wire.endpoints import CoordinatorEndpoint
 
@@ -29,6 +30,7 @@ log = logging.getLogger("diloco.coordinator")
 def serve(endpoint: CoordinatorEndpoint, coordinator: Coordinator, *,
           checkpoint_dir: str | os.PathLike | None = None,
           keep: int = DEFAULT_KEEP,
+          full_every: int = 1,
           audit: AuditLog | None = None,
           clock: Callable[[], float] = time.monotonic,
           stop_event: threading.Event | None = None,
@@ -37,11 +39,26 @@ def serve(endpoint: CoordinatorEndpoint, coordinator: Coordinator, *,
     """Run until the run stops (and the linger passes) or ``stop_event`` is set.
 
     With ``checkpoint_dir``, every step that applied a round (``rounds_applied``
-    moved: applied or refused outer steps) or banned or unbanned a worker is
-    written to a checkpoint before any of the step's messages is sent, keeping the newest ``keep`` files; then the
+    moved: applied or refused outer steps) or banned or unbanned a worker is made
+    durable before any of the step's messages is sent (``persist.py``: a full
+    checkpoint, keeping the newest ``keep`` files, or with ``full_every`` > 1 a
+    journal commit and a full checkpoint every ``full_every`` rounds); then the
     step's ``audit`` lines are appended and fsync'd. A failed write raises: nothing
     of that step is announced (restart with ``--resume``).
     """
+    durability = Durability(checkpoint_dir, keep, full_every) if checkpoint_dir is not None else None
+    if durability is not None:
+        durability.attach(coordinator)
+    try:
+        return _loop(endpoint, coordinator, durability, audit, clock, stop_event, tick_interval_s, linger_s)
+    finally:
+        if durability is not None:
+            durability.close()
+
+
+def _loop(endpoint: CoordinatorEndpoint, coordinator: Coordinator, durability: Durability | None,
+          audit: AuditLog | None, clock: Callable[[], float], stop_event: threading.Event | None,
+          tick_interval_s: float, linger_s: float | None) -> Coordinator:
     if linger_s is None:
         linger_s = 3 * coordinator.config.heartbeat_interval_s
     saved = False
@@ -67,22 +84,22 @@ def serve(endpoint: CoordinatorEndpoint, coordinator: Coordinator, *,
             stopped_at = now
             log.info("run stopped (%s)", coordinator.stop_kind.value)
             if coordinator.stop_kind is ShutdownKind.SAVE_AND_STOP and not saved:
-                if checkpoint_dir is None:
+                if durability is None:
                     log.warning("save-and-stop requested but no checkpoint directory is configured")
                 elif not coordinator.has_state:
                     log.warning("save-and-stop: no worker ever joined, nothing to save")
                 else:
-                    path = _persist(coordinator, checkpoint_dir, keep)
+                    path = durability.save_now()
                     log.info("checkpoint written to %s", path)
                 saved = True
         changed = (coordinator.fsm.rounds_applied != rounds_before
                    or coordinator.access.ban_changes != bans_before)
-        if checkpoint_dir is not None and changed and coordinator.has_state and not saved:
+        if durability is not None and not saved:
             # Persist before announce (SPEC.md section 5): the step's Results go out only once
             # the round they announce is on disk -- and a ban or unban is confirmed to the
             # operator only once a restart would keep it.
             try:
-                _persist(coordinator, checkpoint_dir, keep)
+                durability.after_step(changed)
             except BaseException:
                 if audit is not None:
                     audit.discard()  # no line for a round that is not durable
@@ -105,14 +122,6 @@ def _forget_retired_groups(coordinator: Coordinator) -> None:
     while plane.retired:
         prefix, size = plane.retired.popleft()
         host.forget(prefix, size)
-
-
-def _persist(coordinator: Coordinator, checkpoint_dir: str | os.PathLike, keep: int):
-    start = time.perf_counter()
-    path = save_coordinator(coordinator, checkpoint_dir, keep=keep)
-    coordinator.stats.checkpoints_written += 1
-    coordinator.stats.checkpoint_write_s += time.perf_counter() - start
-    return path
 
 
 class CoordinatorThread(threading.Thread):

@@ -130,6 +130,9 @@ class CoordinatorStats:
     #: Durable checkpoints written by the runner (one per step that applied a round), and their seconds.
     checkpoints_written: int = 0
     checkpoint_write_s: float = 0.0
+    #: Journal commits (``persist.py``), and the seconds the loop waited for them before announcing.
+    journal_records: int = 0
+    journal_wait_s: float = 0.0
 
 
 @dataclass
@@ -157,9 +160,6 @@ class Coordinator:
         #: 1 for a fresh run; a resumed coordinator is its checkpoint's incarnation + 1.
         self.incarnation = 1
         self._sync = config.fsm.mode is Mode.SYNC
-        #: Sync rounds of a bf16 or int8 run: Results carry the encoded delta, and the params
-        #: become old + decode(delta) (SPEC.md section 11, "Wire dtypes"). Async: full fp32.
-        self._delta_results = self._sync and config.wire_dtype != "fp32"
         #: fragment -> (next round id / version, what its Results carry right after its last
         #: ApplyRound in this step: params or an encoded delta). Results carry these copies,
         #: never the live tensors (see ``_release``).
@@ -181,8 +181,18 @@ class Coordinator:
         #: Hub plane: called with each outer step's input (fragment, mean pseudo-gradient) just
         #: before the step, so that a write-ahead log writes it while the step runs (``journal.py``).
         self.step_input_sink: Callable[[int, Tensors], None] | None = None
+        #: Steps made durable so far (``persist.py``); a checkpoint holds the steps up to it.
+        self.journal_seq = 0
+        #: Restored from a checkpoint (``restore_coordinator``), not started fresh.
+        self.resumed = False
 
     # ------------------------------------------------------------------ state
+
+    @property
+    def delta_results(self) -> bool:
+        """Sync rounds of a bf16 or int8 run: Results carry the encoded delta, and the params
+        become old + decode(delta) (SPEC.md section 11, "Wire dtypes"). Async: full fp32."""
+        return self._sync and self.config.wire_dtype != "fp32"
 
     @property
     def stopped(self) -> bool:
@@ -230,6 +240,8 @@ class Coordinator:
             reconciled=self.stats.reconciled,
             checkpoints_written=self.stats.checkpoints_written,
             checkpoint_write_s=round(self.stats.checkpoint_write_s, 6),
+            journal_records=self.stats.journal_records,
+            journal_wait_s=round(self.stats.journal_wait_s, 6),
             incarnation=self.incarnation,
             stopped=self.stopped,
             stop_kind=self._stop_kind.value if self._stop_kind else None,
@@ -723,7 +735,7 @@ class Coordinator:
         # Snapshot for the Results of this apply (SPEC.md section 5, rule 1: they follow
         # it). One copy shared by all its contributors; a later apply of the same fragment
         # in the same step (async, held contributions) takes a new one.
-        if not self._delta_results:
+        if not self.delta_results:
             released = compression.Encoded({n: p.detach().clone() for n, p in params.items()}, {})
         elif bad is not None or delta is None:  # params unchanged: a zero delta
             released = compression.encode({n: torch.zeros_like(t) for n, t in params.items()}, self.config.wire_dtype)
@@ -756,7 +768,7 @@ class Coordinator:
             p.grad = None
         bad = next((n for n, p in params.items() if not all_finite(p)), None)
         delta = None
-        if self._delta_results and bad is None:
+        if self.delta_results and bad is None:
             # The params every worker will hold: old + decode(encode(delta)), bit for bit.
             delta, new = compression.quantized_update(before, params, self.config.wire_dtype)
             with torch.no_grad():
@@ -793,7 +805,7 @@ class Coordinator:
         # apply in one step, each releasing its worker at its own version.
         next_round, released = self._released[effect.fragment_id]
         self.stats.bytes_sent += released.nbytes
-        delta = self._delta_results
+        delta = self.delta_results
         out.append((peer, Result(effect.fragment_id, effect.round_id, effect.outcome.value, next_round,
                                  released.values, delta, self.config.wire_dtype if delta else "fp32",
                                  released.scales)))

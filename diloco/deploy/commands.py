@@ -28,6 +28,13 @@ WIRE_DTYPES = ("fp32", "bf16", "int8")  # diloco.wire.messages.WIRE_DTYPE_NAMES 
 
 
 _positive_int = flag_value(int, lambda v: v >= 1, ">= 1")
+
+
+def _full_every(text: str) -> int:
+    """``--full-checkpoint-every``: a positive number of rounds, or ``auto`` (0)."""
+    return 0 if text.strip().lower() == "auto" else _positive_int(text)
+
+
 _non_negative_int = flag_value(int, lambda v: v >= 0, ">= 0")
 _positive_float = flag_value(float, lambda v: 0 < v < float("inf"), "a finite number > 0")
 #: ``--overlap-alpha``: 0 <= A < 1.
@@ -89,8 +96,9 @@ def register(subparsers) -> None:
                     "contributors: below that the run pauses until a replacement joins or the quorum is\n"
                     "lowered (`diloco set-min-workers`). A worker silent for --heartbeat-timeout seconds\n"
                     "is declared dead. Prints one line per join, death, quorum change and applied round.\n"
-                    "With --checkpoint-dir DIR every applied round is written to DIR (safetensors, the\n"
-                    "newest --keep kept) before any worker hears of it, with an audit log DIR/events.jsonl;\n"
+                    "With --checkpoint-dir DIR every applied round is made durable in DIR (safetensors\n"
+                    "checkpoints, the newest --keep kept, and for a big model a journal of each round's\n"
+                    "mean pseudo-gradient) before any worker hears of it, with an audit log DIR/events.jsonl;\n"
                     "`diloco server --resume DIR` continues that run after a crash or `shutdown --save`\n"
                     "(workers re-join). A supervisor can always pass both: --checkpoint-dir DIR --resume DIR.",
         epilog="example:\n  diloco server --bind tcp://127.0.0.1:5555 --min-workers 3 --heartbeat-timeout 5 "
@@ -108,6 +116,11 @@ def register(subparsers) -> None:
                         "also where `shutdown --save` writes (without it, nothing is saved)")
     p.add_argument("--keep", type=_positive_int, default=3, metavar="K",
                    help="checkpoint files kept in --checkpoint-dir, newest first (default 3)")
+    p.add_argument("--full-checkpoint-every", type=_full_every, default="auto", metavar="N|auto",
+                   help="write a full checkpoint every N applied rounds and, in between, append each round's "
+                        "mean pseudo-gradient to a journal in --checkpoint-dir (one model copy, written while "
+                        "the outer step runs) that --resume replays; 1: a full checkpoint every round. auto: 1 "
+                        "when a full checkpoint is under 128 MB, else 8 (default auto)")
     p.add_argument("--mode", choices=("sync", "async"), default=None,
                    help="sync: rounds with a barrier (DiLoCo); async: one outer step per contribution "
                         "(Async Local-SGD) (default sync)")
@@ -365,7 +378,7 @@ def cmd_server(args) -> int:
         bind=args.bind, min_workers=args.min_workers, heartbeat_timeout_s=args.heartbeat_timeout,
         checkpoint_dir=args.checkpoint_dir, mode=args.mode, fragments=args.fragments,
         outer_optimizer=args.outer_optimizer, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
-        resume=args.resume, keep=args.keep,
+        resume=args.resume, keep=args.keep, full_checkpoint_every=args.full_checkpoint_every,
         max_message_bytes=None if args.max_message_mb is None else int(args.max_message_mb * (1 << 20)),
         link_timeout_s=args.link_timeout, max_update_norm=args.max_update_norm, wire_dtype=args.wire_dtype,
         dylu=args.dylu, sync_every=args.sync_every,

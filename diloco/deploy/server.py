@@ -46,6 +46,9 @@ class ServerSettings:
     checkpoint_dir: str | None = None
     #: ``--keep K``: checkpoint files kept in ``checkpoint_dir`` (the newest K).
     keep: int = DEFAULT_KEEP
+    #: ``--full-checkpoint-every N|auto``: rounds between full checkpoints, the journal in between
+    #: (``persist.py``; 0: auto, 1: a full checkpoint every round).
+    full_checkpoint_every: int = 0
     mode: str | None = None
     fragments: int | None = None
     outer_optimizer: str | None = None
@@ -229,6 +232,8 @@ def make_coordinator(s: ServerSettings, printer: EventPrinter, now_s: float,
             print(f"  min_workers {before} (saved) -> {s.min_workers} (--min-workers)", file=out, flush=True)
     coordinator.resumed_from = found.path if found is not None else None
     coordinator.resume_skipped = skipped
+    coordinator.resume_replayed = found.replayed if found is not None else 0
+    coordinator.resume_torn = found.torn if found is not None else []
     printer.coordinator = coordinator
     return coordinator
 
@@ -286,6 +291,7 @@ def run_server(s: ServerSettings, out: TextIO = sys.stdout, stop_event: threadin
     if audit is not None:
         audit.attach(coordinator)
         audit.record("start", resumed_from=str(coordinator.resumed_from) if coordinator.resumed_from else None,
+                     replayed=coordinator.resume_replayed,
                      skipped=[str(p) for p, _ in coordinator.resume_skipped],
                      open_rounds=list(coordinator.fsm.open_round_ids()), min_workers=coordinator.fsm.min_workers,
                      mode=coordinator.config.fsm.mode.value, pid=os.getpid(), run_id=coordinator.run_id)
@@ -338,9 +344,16 @@ def run_server(s: ServerSettings, out: TextIO = sys.stdout, stop_event: threadin
               f"rounds applied {coordinator.fsm.rounds_applied}, "
               f"{coordinator._num_params()} params, "
               f"incarnation {coordinator.incarnation}", file=out, flush=True)
+        if coordinator.resume_replayed:
+            print(f"  replayed {coordinator.resume_replayed} journal step(s) after it", file=out, flush=True)
+        for segment, offset, why in coordinator.resume_torn:
+            print(f"  journal {segment} ends at byte {offset}: {why} (an interrupted append: the open round, "
+                  f"which no worker heard of, is dropped)", file=out, flush=True)
     if s.checkpoint_dir:
-        print(f"  durable rounds: every applied round is written to {s.checkpoint_dir} (newest {s.keep} kept) "
-              f"before any worker hears of it; audit log {os.path.join(s.checkpoint_dir, 'events.jsonl')}",
+        every = {0: "auto", 1: "every round"}.get(s.full_checkpoint_every, f"every {s.full_checkpoint_every} rounds")
+        print(f"  durable rounds: every applied round is written to {s.checkpoint_dir} (newest {s.keep} kept; "
+              f"full checkpoints {every}, a journal in between) before any worker hears of it; "
+              f"audit log {os.path.join(s.checkpoint_dir, 'events.jsonl')}",
               file=out, flush=True)
     print(f"  run id {coordinator.run_id}", file=out, flush=True)
     observing = None
@@ -368,7 +381,7 @@ def run_server(s: ServerSettings, out: TextIO = sys.stdout, stop_event: threadin
         previous = signal.signal(signal.SIGTERM, lambda *_: stop_event.set())
     try:
         serve(served, coordinator, checkpoint_dir=s.checkpoint_dir, stop_event=stop_event,
-              linger_s=s.linger_s, keep=s.keep, audit=audit)
+              linger_s=s.linger_s, keep=s.keep, full_every=s.full_checkpoint_every, audit=audit)
     finally:
         if observing is not None:
             observing.close()

@@ -197,7 +197,7 @@ def test_worker_checkpoint_old_format_is_read_and_rewritten(tmp_path):
 
 
 def test_a_failed_write_announces_nothing_and_logs_no_line(tmp_path, monkeypatch):
-    import diloco.coordinator.runner as runner
+    import diloco.coordinator.persist as persist
 
     ck = tmp_path / "ck"
     audit = AuditLog(ck)
@@ -211,7 +211,7 @@ def test_a_failed_write_announces_nothing_and_logs_no_line(tmp_path, monkeypatch
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(runner, "save_coordinator", disk_full)
+    monkeypatch.setattr(persist, "save_coordinator", disk_full)
     clock = iter(range(1, 1000))
     with pytest.raises(OSError):
         serve(endpoint, c, checkpoint_dir=ck, audit=audit, clock=lambda: float(next(clock)),
