@@ -37,12 +37,13 @@ from typing import Callable
 import torch
 
 from diloco.ckptio import flatten_named, read_safetensors, unflatten_named, write_safetensors
-from diloco.core import RoundFSM
+from diloco.core import Mode, RoundFSM
 from diloco.coordinator import journal
 from diloco.coordinator.access import AccessList
 from diloco.coordinator.config import CoordinatorConfig
 from diloco.coordinator.params import check_tensors
-from diloco.coordinator.service import Coordinator, Observer
+from diloco.coordinator.service import Coordinator, Observer, held_tensors
+from diloco.wire import compression
 from diloco.tensorfile import CheckpointError, flatten, load_tensorfile
 
 #: The old single-file format (``diloco.tensorfile``), still read by ``--resume``.
@@ -297,10 +298,7 @@ def replay_journal(found: Found, directory: pathlib.Path) -> Found:
             # The config the step ran under (a resume may change the wire dtype).
             c.config = CoordinatorConfig.from_dict(step.meta["config"])
             for step_input in step.inputs:
-                grad = step_input.load()
-                check_tensors(grad, c.store.fragment_spec(step_input.fragment_id),
-                              f"journal step {step.seq}")
-                c.outer_step(step_input.fragment_id, grad)
+                c.outer_step(step_input.fragment_id, _replayed_grad(c, step_input, step.seq))
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         if isinstance(exc, CheckpointError):
             raise
@@ -309,6 +307,28 @@ def replay_journal(found: Found, directory: pathlib.Path) -> Found:
     outer = [flatten_named(state, f"{OUTER_PREFIX}{fid}", tensors) for fid, state in enumerate(c.optimizer_states())]
     meta = {**reading.steps[-1].meta, "outer": outer, "param_names": list(c.store.params)}
     return Found(found.path, meta, tensors, found.skipped, replayed=len(reading.steps), torn=reading.torn)
+
+
+def _replayed_grad(c: Coordinator, step_input: journal.StepInput, seq: int) -> dict[str, torch.Tensor]:
+    """The outer step input a journal step records, rebuilt as the live coordinator built it."""
+    fid = step_input.fragment_id
+    spec = c.store.fragment_spec(fid)
+    what = f"journal step {seq}, fragment {fid}"
+    if step_input.mean is not None:
+        grad, _ = step_input.mean.load()
+        check_tensors(grad, spec, what)
+        return grad
+    decoded = []
+    for chunk in step_input.contributions:
+        values, scales = chunk.load()
+        decoded.append(compression.decode(values, scales, chunk.header["wire"], [(s.name, s.shape) for s in spec],
+                                          f"{what}, worker {chunk.header['worker']!r}"))
+    if c.config.fsm.mode is not Mode.SYNC:
+        (tensors,) = decoded
+        return held_tensors(tensors)
+    for tensors in decoded:  # summed in the order the live coordinator summed them
+        c.store.accumulate(fid, tensors)
+    return c.store.take_mean(fid, len(decoded))
 
 
 def oldest_kept_seq(directory: str | os.PathLike) -> int:

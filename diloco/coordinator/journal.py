@@ -3,12 +3,21 @@
 A full checkpoint (``checkpoint.py``) holds the params and the outer optimizers'
 state: two model copies, 800 MB at 100M parameters, too much to write before
 every round's Results (SPEC.md section 5: persist before announce). What a
-round changes is fully determined by its outer step's *input*, the mean
-pseudo-gradient of the fragment (``Coordinator.outer_step`` is deterministic),
-so the journal records that input, one model copy, and a full checkpoint is
-written every few rounds in the background (``persist.py``). Resuming reads the
-newest valid full checkpoint and replays the journal's steps after it through
-the same ``outer_step``: the params and the momentum come back bit for bit.
+round changes is fully determined by its outer step's *input*
+(``Coordinator.outer_step`` is deterministic), so the journal records that, and
+a full checkpoint is written every few rounds in the background
+(``persist.py``). The input is recorded in one of two forms:
+
+- the contributions, as they came (encoded in the run's wire dtype: one byte per
+  parameter at int8), each appended *as it is accepted*, so that only the last
+  one of a round is written after the round closes; a replay decodes them and
+  sums them in the same order (``ParamStore.accumulate``, ``take_mean``);
+- the mean pseudo-gradient itself (fp32 runs: k fp32 contributions would be k
+  times the bytes), written while the outer step runs.
+
+Resuming reads the newest valid full checkpoint and replays the journal's steps
+after it through the same code: the params and the momentum come back bit for
+bit.
 
 Files, next to the full checkpoints::
 
@@ -20,13 +29,18 @@ sequence of chunks::
 
     b"DLJ1" kind(1 byte) header_len(u64 LE) payload_len(u64 LE) header payload crc32(u32 LE)
 
-- ``S`` (step input): header ``{"fragment": fid, "tensors": [[name, dtype, shape], ...]}``,
-  payload the tensors' bytes in that order. Written by a background thread while
-  the step runs.
-- ``C`` (commit): header ``{"seq": n, "inputs": k, "meta": {...}}``, no payload: the
-  ``k`` step inputs before it are the step ``n``, and ``meta`` is the coordinator's
-  small state after it (the machine's snapshot, counters, access list: what a
-  checkpoint's metadata holds). The step is durable once its commit is fsync'd.
+- ``K`` (a contribution): header ``{"incarnation", "fragment", "round", "worker", "wire",
+  "tensors": [[name, dtype, shape], ...], "scales": [...]}``, payload the values' then
+  the scales' bytes.
+- ``S`` (a mean pseudo-gradient): header ``{"fragment", "tensors": [...]}``, payload the
+  tensors' bytes.
+- ``C`` (commit): header ``{"seq": n, "steps": [...], "meta": {...}}``, no payload. Each
+  step is ``{"fragment": f, "mean": true}`` (the next ``S`` chunk since the last
+  commit) or ``{"fragment": f, "inputs": [[round, worker], ...]}`` (``K`` chunks of this
+  incarnation: summed in that order, or in async mode the one held contribution).
+  ``meta`` is the coordinator's small state after step ``n`` (the machine's snapshot,
+  counters, access list: what a checkpoint's metadata holds). Step ``n`` is durable
+  once its commit is fsync'd.
 
 The crc32 covers the kind, the lengths, the header and the payload. Reading stops
 at the first chunk that is short or fails its crc (a torn tail: the append a
@@ -51,8 +65,10 @@ from diloco.ckptio import _raw, fsync_dir, write_all
 from diloco.tensorfile import CheckpointError
 
 MAGIC = b"DLJ1"
-STEP = b"S"
+CONTRIBUTION = b"K"
+MEAN = b"S"
 COMMIT = b"C"
+KINDS = (CONTRIBUTION, MEAN, COMMIT)
 _HEAD = struct.Struct("<4scQQ")
 _CRC = struct.Struct("<I")
 PREFIX = "journal-"
@@ -99,13 +115,27 @@ class Segment:
         fsync_dir(directory)
         self.bytes_written = 0
 
-    def append_step(self, fragment_id: int, tensors: dict[str, torch.Tensor]) -> int:
-        """Append a step input chunk (not fsync'd: the commit's fsync covers it); its size in bytes."""
-        listing = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in tensors.items()]
-        header = json.dumps({"fragment": fragment_id, "tensors": listing}, separators=(",", ":")).encode()
-        views = [_raw(t) for t in tensors.values() if t.numel()]
+    def append_mean(self, fragment_id: int, tensors: dict[str, torch.Tensor]) -> int:
+        """Append a mean pseudo-gradient (not fsync'd: the commit's fsync covers it); its size in bytes."""
+        return self._append(MEAN, {"fragment": fragment_id, "tensors": _listing(tensors)}, list(tensors.values()))
+
+    def append_contribution(self, incarnation: int, fragment_id: int, round_id: int, worker_id: str,
+                            wire_dtype: str, values: dict[str, torch.Tensor], scales: dict[str, torch.Tensor]) -> int:
+        """Append an accepted contribution as it came (not fsync'd); its size in bytes."""
+        header = {"incarnation": incarnation, "fragment": fragment_id, "round": round_id, "worker": worker_id,
+                  "wire": wire_dtype, "tensors": _listing(values), "scales": _listing(scales)}
+        return self._append(CONTRIBUTION, header, list(values.values()) + list(scales.values()))
+
+    def append_commit(self, seq: int, steps: list[dict], meta: dict) -> None:
+        """Append a commit and fsync the segment: step ``seq`` is durable when this returns."""
+        self._append(COMMIT, {"seq": seq, "steps": steps, "meta": meta}, [])
+        os.fdatasync(self._fd)
+
+    def _append(self, kind: bytes, header: dict, tensors: list[torch.Tensor]) -> int:
+        raw_header = json.dumps(header, separators=(",", ":")).encode()
+        views = [_raw(t) for t in tensors if t.numel()]
         payload_len = sum(len(v) for v in views)
-        head = _HEAD.pack(MAGIC, STEP, len(header), payload_len) + header
+        head = _HEAD.pack(MAGIC, kind, len(raw_header), payload_len) + raw_header
         crc = zlib.crc32(head[4:])
         write_all(self._fd, memoryview(head))
         for view in views:
@@ -118,52 +148,62 @@ class Segment:
         self.bytes_written += size
         return size
 
-    def append_commit(self, seq: int, inputs: int, meta: dict) -> None:
-        """Append a commit chunk and fsync the segment: step ``seq`` is durable when this returns."""
-        header = json.dumps({"seq": seq, "inputs": inputs, "meta": meta}, separators=(",", ":")).encode()
-        head = _HEAD.pack(MAGIC, COMMIT, len(header), 0) + header
-        write_all(self._fd, memoryview(head + _CRC.pack(zlib.crc32(head[4:]))))
-        os.fdatasync(self._fd)
-        self.bytes_written += len(head) + _CRC.size
-
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
 
 
+def _listing(tensors: dict[str, torch.Tensor]) -> list:
+    return [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in tensors.items()]
+
+
 # --------------------------------------------------------------------- reading
 
 
 @dataclass
-class StepInput:
-    """Where one step input's tensors lie in a segment (read only if the step is replayed)."""
+class Chunk:
+    """Where a chunk's tensors lie in a segment (read only if its step is replayed)."""
 
     path: pathlib.Path
-    fragment_id: int
-    listing: list
+    header: dict
     offset: int
     length: int
 
-    def load(self) -> dict[str, torch.Tensor]:
+    def load(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(tensors, scales): a mean's tensors, or a contribution's encoded values and scales."""
         with open(self.path, "rb") as f:
             f.seek(self.offset)
             buf = bytearray(self.length)
             if f.readinto(buf) != self.length:
-                raise CheckpointError(f"{self.path}: a step input ends early")
-        out: dict[str, torch.Tensor] = {}
+                raise CheckpointError(f"{self.path}: a journal chunk ends early")
         pos = 0
-        for name, dtype, shape in self.listing:
-            torch_dtype = _DTYPES[dtype]
-            numel = 1
-            for d in shape:
-                numel *= int(d)
-            nbytes = numel * torch.empty((), dtype=torch_dtype).element_size()
-            t = (torch.frombuffer(buf, dtype=torch_dtype, offset=pos, count=numel) if numel
-                 else torch.empty(0, dtype=torch_dtype))
-            out[name] = t.reshape([int(d) for d in shape])
-            pos += nbytes
-        return out
+        out = []
+        for listing in (self.header["tensors"], self.header.get("scales", [])):
+            tensors: dict[str, torch.Tensor] = {}
+            for name, dtype, shape in listing:
+                torch_dtype = _DTYPES[dtype]
+                numel = 1
+                for d in shape:
+                    numel *= int(d)
+                t = (torch.frombuffer(buf, dtype=torch_dtype, offset=pos, count=numel) if numel
+                     else torch.empty(0, dtype=torch_dtype))
+                tensors[name] = t.reshape([int(d) for d in shape])
+                pos += numel * t.element_size()
+            out.append(tensors)
+        if pos != self.length:
+            raise CheckpointError(f"{self.path}: a journal chunk's tensors do not fill its {self.length} bytes")
+        return out[0], out[1]
+
+
+@dataclass
+class StepInput:
+    """One outer step of a committed journal step: the mean itself, or the contributions that made it."""
+
+    fragment_id: int
+    mean: Chunk | None = None
+    #: The contributions in the order they were summed (async: the one held contribution).
+    contributions: list[Chunk] = field(default_factory=list)
 
 
 @dataclass
@@ -182,14 +222,18 @@ class Reading:
     steps: list[Step] = field(default_factory=list)
     #: Torn or corrupt tails, as (segment, byte offset, why); an interrupted append leaves one.
     torn: list[tuple[pathlib.Path, int, str]] = field(default_factory=list)
-    #: Step inputs with no commit after them (the open round at a crash).
-    uncommitted_inputs: int = 0
+    #: Means and contributions no commit used (the open rounds at a crash).
+    unused_chunks: int = 0
 
 
 def _chunks(path: pathlib.Path, reading: Reading) -> Iterator[tuple[bytes, dict, int, int]]:
     """(kind, header, payload offset, payload length) of each whole, crc-checked chunk of a segment."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return  # deleted since it was listed: a rotation (every kept checkpoint holds its steps)
+    with f:
+        size = os.fstat(f.fileno()).st_size
         pos = 0
         while pos < size:
             raw = f.read(_HEAD.size)
@@ -197,7 +241,7 @@ def _chunks(path: pathlib.Path, reading: Reading) -> Iterator[tuple[bytes, dict,
                 reading.torn.append((path, pos, "a chunk header ends early"))
                 return
             magic, kind, hlen, plen = _HEAD.unpack(raw)
-            if magic != MAGIC or kind not in (STEP, COMMIT) or pos + _HEAD.size + hlen + plen + _CRC.size > size:
+            if magic != MAGIC or kind not in KINDS or pos + _HEAD.size + hlen + plen + _CRC.size > size:
                 reading.torn.append((path, pos, "a chunk is torn or not a journal chunk"))
                 return
             header_raw = f.read(hlen)
@@ -218,6 +262,9 @@ def _chunks(path: pathlib.Path, reading: Reading) -> Iterator[tuple[bytes, dict,
             except ValueError:
                 reading.torn.append((path, pos, "a chunk header is not JSON"))
                 return
+            if not isinstance(header, dict):
+                reading.torn.append((path, pos, "a chunk header is not an object"))
+                return
             yield kind, header, payload_at, plen
             pos = payload_at + plen + _CRC.size
 
@@ -226,43 +273,72 @@ def read_steps(directory: str | os.PathLike, after_seq: int) -> Reading:
     """The committed steps with a sequence number above ``after_seq``, in order.
 
     Raises ``CheckpointError`` when they do not follow on from ``after_seq`` one by
-    one (a segment is missing or corrupt in the middle: steps that were announced
-    cannot be recovered, and resuming would silently lose them).
+    one, or a commit names a contribution the journal does not hold (a segment is
+    missing or corrupt in the middle: steps that were announced cannot be
+    recovered, and resuming would silently lose them).
     """
     reading = Reading()
     expected = after_seq + 1
+    #: (incarnation, fragment, round, worker) -> the contribution's chunk, until a commit uses it.
+    contributions: dict[tuple[int, int, int, str], Chunk] = {}
     for _, path in list_segments(directory):
-        pending: list[StepInput] = []
+        means: list[Chunk] = []
         for kind, header, offset, length in _chunks(path, reading):
+            chunk = Chunk(path, header, offset, length)
             try:
-                if kind == STEP:
-                    pending.append(StepInput(path, int(header["fragment"]), list(header["tensors"]), offset, length))
+                if kind == CONTRIBUTION:
+                    key = (int(header["incarnation"]), int(header["fragment"]), int(header["round"]),
+                           str(header["worker"]))
+                    contributions[key] = chunk
                     continue
-                seq, inputs, meta = int(header["seq"]), int(header["inputs"]), header["meta"]
+                if kind == MEAN:
+                    means.append(chunk)
+                    continue
+                seq, meta = int(header["seq"]), header["meta"]
+                incarnation = int(meta["incarnation"])
+                inputs = []
+                for step in header["steps"]:
+                    fid = int(step["fragment"])
+                    if step.get("mean"):
+                        if not means:
+                            raise CheckpointError(f"{path}: the commit of step {seq} has no mean before it")
+                        inputs.append(StepInput(fid, mean=means.pop(0)))
+                        continue
+                    used = []
+                    for round_id, worker in step["inputs"]:
+                        key = (incarnation, fid, int(round_id), str(worker))
+                        if key not in contributions:
+                            if seq < expected:
+                                break  # already in the checkpoint: its contributions may be gone
+                            raise CheckpointError(
+                                f"{path}: step {seq} sums worker {worker!r}'s contribution to fragment {fid} "
+                                f"round {round_id}, which the journal does not hold (a segment is missing)")
+                        used.append(contributions.pop(key))
+                    inputs.append(StepInput(fid, contributions=used))
             except (KeyError, TypeError, ValueError) as exc:
+                if isinstance(exc, CheckpointError):
+                    raise
                 raise CheckpointError(f"{path}: a journal chunk at byte {offset} is malformed ({exc!r})") from None
-            mine, pending = pending[len(pending) - inputs:] if inputs else [], []
-            if len(mine) != inputs or not isinstance(meta, dict):
-                raise CheckpointError(f"{path}: the commit of step {seq} lists {inputs} inputs; "
-                                      f"{len(mine)} precede it")
             if seq < expected:
                 continue  # already in the checkpoint
             if seq != expected:
                 raise CheckpointError(
                     f"{path}: the journal jumps from step {expected - 1} to step {seq}: the steps between are "
                     f"missing or corrupt, so rounds the workers were told of cannot be recovered")
-            reading.steps.append(Step(seq, mine, meta))
+            reading.steps.append(Step(seq, inputs, meta))
             expected += 1
-        reading.uncommitted_inputs += len(pending)
+        reading.unused_chunks += len(means)
+    reading.unused_chunks += len(contributions)
     return reading
 
 
-def rotate(directory: str | os.PathLike, oldest_kept_seq: int) -> list[pathlib.Path]:
-    """Delete the segments every kept full checkpoint already holds (all their steps <= ``oldest_kept_seq``)."""
+def rotate(directory: str | os.PathLike, oldest_kept_seq: int, pinned: set[int] = frozenset()) -> list[pathlib.Path]:
+    """Delete the segments every kept full checkpoint already holds (all their steps <= ``oldest_kept_seq``),
+    but not those ``pinned`` (by first seq: they hold contributions to rounds still open)."""
     segments = list_segments(directory)
     removed = []
     for (first, path), (next_first, _) in zip(segments, segments[1:]):
-        if next_first - 1 <= oldest_kept_seq:
+        if next_first - 1 <= oldest_kept_seq and first not in pinned:
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -37,6 +38,7 @@ import torch
 from diloco.coordinator import journal
 from diloco.coordinator.checkpoint import journal_meta, oldest_kept_seq, prepare_save, save_coordinator
 from diloco.coordinator.service import Coordinator
+from diloco.wire.messages import Submit
 
 log = logging.getLogger("diloco.coordinator")
 
@@ -57,7 +59,12 @@ def state_bytes(coordinator: Coordinator) -> int:
 
 
 class Durability:
-    """The runner's persistence: full checkpoints every ``full_every`` rounds, the journal in between."""
+    """The runner's persistence: full checkpoints every ``full_every`` rounds, the journal in between.
+
+    It is the coordinator's ``StepRecorder`` while journaling: the coordinator tells it of each
+    accepted contribution and each outer step as they happen, on the loop's thread; the writes
+    run on the journal thread.
+    """
 
     def __init__(self, directory: str | os.PathLike, keep: int, full_every: int = 1) -> None:
         if full_every < 0:
@@ -68,10 +75,19 @@ class Durability:
         self._coordinator: Coordinator | None = None
         self._io: ThreadPoolExecutor | None = None
         self._segment: journal.Segment | None = None
-        self._staged: list[Future] = []
+        #: Writes queued since the last commit (their errors surface at the next commit).
+        self._queued: list[Future] = []
+        #: The outer steps of the current loop step, as the commit records them.
+        self._steps: list[dict] = []
         self._full: Future | None = None
         self._rounds_at_full = 0
         self._has_base = False
+        #: True: contributions are journaled as they come (compressed wire dtypes); False: each step's mean.
+        self._contributions = False
+        #: Contributions journaled but not yet part of a committed step -> their segment's first seq:
+        #: such a segment is kept even when every kept full checkpoint is newer (``journal.rotate``).
+        self._pinned: dict[tuple[int, int, str], int] = {}
+        self._pin_lock = threading.Lock()
 
     # ------------------------------------------------------------------ setup
 
@@ -85,13 +101,13 @@ class Durability:
         # A resumed hub coordinator has a base to replay onto; a fresh one gets it at its first persist.
         self._has_base = coordinator.resumed and coordinator.store is not None
         self._rounds_at_full = coordinator.fsm.rounds_applied
-        if coordinator.collective is None and self.full_every != 1:
-            self._decide_and_start()
+        self._maybe_start()
 
-    def _decide_and_start(self) -> None:
-        """Journal mode (unless ``auto`` finds the model small); needs the params to size them."""
+    def _maybe_start(self) -> None:
+        """Journal mode, once the params exist (a fresh run's first joiner brings them), unless ``1``
+        or ``auto`` finds the model small."""
         c = self._coordinator
-        if self._io is not None or c is None or c.store is None:
+        if self._io is not None or self.full_every == 1 or c is None or c.store is None or c.collective is not None:
             return
         if self.full_every == AUTO:
             size = state_bytes(c)
@@ -99,12 +115,13 @@ class Durability:
                 self.full_every = 1
                 return
             self.full_every = AUTO_FULL_EVERY
-            log.info("journal on: a full checkpoint is %.0f MB, written every %d rounds; each round appends its "
-                     "mean pseudo-gradient (--full-checkpoint-every)", size / 1e6, self.full_every)
+            log.info("journal on: a full checkpoint is %.0f MB, written every %d rounds; in between each round's "
+                     "input is journaled (--full-checkpoint-every)", size / 1e6, self.full_every)
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._contributions = c.config.wire_dtype != "fp32"
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-journal")
         self._segment = journal.Segment(self.directory, c.journal_seq + 1)
-        c.step_input_sink = self._stage
+        c.recorder = self
 
     def close(self) -> None:
         """Wait for any background write (raising its error) and stop the writer thread."""
@@ -118,30 +135,50 @@ class Durability:
             if self._segment is not None:
                 self._segment.close()
             if self._coordinator is not None:
-                self._coordinator.step_input_sink = None
+                self._coordinator.recorder = None
 
-    # ------------------------------------------------------------------ the loop's calls
+    # ------------------------------------------------------------------ StepRecorder (the loop's thread)
 
-    def _stage(self, fragment_id: int, grad: dict[str, torch.Tensor]) -> None:
-        """The step input sink: queue the input's write, after any full checkpoint still reading the tensors."""
+    def contribution(self, fragment_id: int, round_id: int, worker_id: str, submit: Submit) -> None:
+        if not self._contributions:
+            return
+        incarnation = self._coordinator.incarnation
+        key = (fragment_id, round_id, worker_id)
+
+        def write() -> None:
+            with self._pin_lock:
+                self._pinned[key] = self._segment.first_seq
+            self._segment.append_contribution(incarnation, fragment_id, round_id, worker_id, submit.wire_dtype,
+                                              submit.tensors, submit.scales)
+
+        self._queued.append(self._io.submit(write))
+
+    def step(self, fragment_id: int, inputs: list[tuple[int, str]], grad: dict[str, torch.Tensor]) -> None:
+        # The step is about to change the tensors a background full checkpoint may still be reading.
         self._wait_full()
-        self._staged.append(self._io.submit(lambda: self._segment.append_step(fragment_id, grad)))
+        if self._contributions:
+            self._steps.append({"fragment": fragment_id, "inputs": [[r, w] for r, w in inputs]})
+            return
+        self._steps.append({"fragment": fragment_id, "mean": True})
+        self._queued.append(self._io.submit(self._segment.append_mean, fragment_id, grad))
+
+    # ------------------------------------------------------------------ the runner's calls
 
     def after_step(self, changed: bool) -> pathlib.Path | None:
         """Persist a step that ``changed`` the run before its messages go out; the full checkpoint written, if any."""
         c = self._coordinator
+        self._maybe_start()
         if not changed or c is None or not c.has_state:
-            self._drop_staged()
             return None
-        if self._io is None and self.full_every != 1 and c.collective is None:
-            self._decide_and_start()  # the params exist now (a fresh run's first joiner brought them)
         if self._io is None or not self._has_base:
             return self.save_now()
         start = time.perf_counter()
-        inputs = self._drop_staged()
+        self._wait_queued()
+        steps, self._steps = self._steps, []
         c.journal_seq += 1
         meta = journal_meta(c)
-        self._io.submit(self._segment.append_commit, c.journal_seq, inputs, meta).result()
+        self._io.submit(self._segment.append_commit, c.journal_seq, steps, meta).result()
+        self._unpin(steps)
         c.stats.journal_records += 1
         c.stats.journal_wait_s += time.perf_counter() - start
         if c.fsm.rounds_applied - self._rounds_at_full >= self.full_every:
@@ -153,7 +190,9 @@ class Durability:
         c = self._coordinator
         self._wait_full()
         if self._io is not None:
-            self._drop_staged()
+            self._wait_queued()
+            steps, self._steps = self._steps, []
+            self._unpin(steps)  # the checkpoint holds their result
         c.journal_seq += 1
         start = time.perf_counter()
         path = save_coordinator(c, self.directory, keep=self.keep)
@@ -167,24 +206,29 @@ class Durability:
 
     # ------------------------------------------------------------------ internals
 
-    def _drop_staged(self) -> int:
-        """Wait for the step inputs queued in this step (raising a write's error); how many there were."""
-        staged, self._staged = self._staged, []
-        for future in staged:
+    def _wait_queued(self) -> None:
+        """Wait for the writes queued since the last commit, raising the first one's error."""
+        queued, self._queued = self._queued, []
+        for future in queued:
             future.result()
-        return len(staged)
+
+    def _unpin(self, steps: list[dict]) -> None:
+        with self._pin_lock:
+            for step in steps:
+                for round_id, worker_id in step.get("inputs", ()):
+                    self._pinned.pop((step["fragment"], round_id, worker_id), None)
 
     def _start_full(self) -> None:
         c = self._coordinator
         seq = c.journal_seq
         self._rounds_at_full = c.fsm.rounds_applied
         # The meta is taken now, on this thread; the tensors are read by the writer until it is done,
-        # and nothing changes them meanwhile (``_stage`` waits before the next outer step).
-        snapshot = prepare_save(c)
+        # and nothing changes them meanwhile (``step`` waits before the next outer step).
+        write_checkpoint = prepare_save(c)
 
         def write() -> None:
             start = time.perf_counter()
-            snapshot(self.directory, self.keep)
+            write_checkpoint(self.directory, self.keep)
             c.stats.checkpoints_written += 1
             c.stats.checkpoint_write_s += time.perf_counter() - start
             self._new_segment(seq)
@@ -202,5 +246,6 @@ class Durability:
         self._segment = journal.Segment(self.directory, seq + 1)
         if old is not None:
             old.close()
-        journal.rotate(self.directory, oldest_kept_seq(self.directory))
-
+        with self._pin_lock:
+            pinned = set(self._pinned.values())
+        journal.rotate(self.directory, oldest_kept_seq(self.directory), pinned)

@@ -29,7 +29,7 @@ import copy
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -135,6 +135,22 @@ class CoordinatorStats:
     journal_wait_s: float = 0.0
 
 
+class StepRecorder(Protocol):
+    """What a write-ahead journal hears from the hub coordinator (``persist.py``)."""
+
+    def contribution(self, fragment_id: int, round_id: int, worker_id: str, submit: Submit) -> None:
+        """An accepted contribution, as it came (encoded in the run's wire dtype)."""
+
+    def step(self, fragment_id: int, inputs: list[tuple[int, str]], grad: Tensors) -> None:
+        """An outer step is about to run on ``grad``, made of ``inputs`` ((round, worker) in the order
+        they were summed; async: the one held contribution). ``grad`` is not changed by the step."""
+
+
+def held_tensors(tensors: Tensors) -> Tensors:
+    """An async contribution as it is held until it applies: fp32 copies (a replay makes the same)."""
+    return {n: t.detach().to(torch.float32).clone() for n, t in tensors.items()}
+
+
 @dataclass
 class _Held:
     """An async contribution's tensors, kept until it applies or is discarded."""
@@ -178,9 +194,12 @@ class Coordinator:
                            if config.fsm.data_plane is DataPlane.COLLECTIVE else None)
         self.started_s = now_s
         self.last_applied_s: float | None = None
-        #: Hub plane: called with each outer step's input (fragment, mean pseudo-gradient) just
-        #: before the step, so that a write-ahead log writes it while the step runs (``journal.py``).
-        self.step_input_sink: Callable[[int, Tensors], None] | None = None
+        #: Hub plane: hears each accepted contribution and each outer step's input, so that a
+        #: write-ahead journal can write them while the round goes on (``persist.py``).
+        self.recorder: StepRecorder | None = None
+        #: Sync rounds: the contributions in each fragment's running sum, in the order they were
+        #: added (a replay adds them in the same order: the same bits).
+        self._summed: dict[int, list[tuple[int, str]]] = {}
         #: Steps made durable so far (``persist.py``); a checkpoint holds the steps up to it.
         self.journal_seq = 0
         #: Restored from a checkpoint (``restore_coordinator``), not started fresh.
@@ -701,9 +720,11 @@ class Coordinator:
         self.stats.bytes_received += nbytes(submit.tensors) + nbytes(submit.scales)
         if self._sync:
             self.store.accumulate(effect.fragment_id, tensors)
+            self._summed.setdefault(effect.fragment_id, []).append((effect.round_id, effect.worker_id))
         else:
-            self._held[(effect.fragment_id, effect.worker_id)] = _Held(
-                {n: t.detach().to(torch.float32).clone() for n, t in tensors.items()}, effect.round_id)
+            self._held[(effect.fragment_id, effect.worker_id)] = _Held(held_tensors(tensors), effect.round_id)
+        if self.recorder is not None:
+            self.recorder.contribution(effect.fragment_id, effect.round_id, effect.worker_id, submit)
         out.append((peer, Accepted(effect.fragment_id, effect.round_id)))
 
     def _apply(self, effect: ApplyRound, now: float) -> None:
@@ -721,11 +742,13 @@ class Coordinator:
         fid = effect.fragment_id
         if self._sync:
             grad = store.take_mean(fid, len(effect.contributors))
+            inputs = self._summed.pop(fid, [])
         else:
             (wid,) = effect.contributors
-            grad = self._held.pop((fid, wid)).tensors
-        if self.step_input_sink is not None:
-            self.step_input_sink(fid, grad)
+            held = self._held.pop((fid, wid))
+            grad, inputs = held.tensors, [(held.base, wid)]
+        if self.recorder is not None:
+            self.recorder.step(fid, inputs, grad)
         bad, delta = self.outer_step(fid, grad)
         if bad is not None:
             self.stats.steps_refused += 1
@@ -827,6 +850,7 @@ class Coordinator:
             # Discards happen only at a stop (P1), which discards the whole round.
             if self.store is not None:
                 self.store.reset_sum(effect.fragment_id)
+            self._summed.pop(effect.fragment_id, None)
         else:
             self._held.pop((effect.fragment_id, effect.worker_id), None)
 

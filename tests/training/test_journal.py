@@ -47,9 +47,19 @@ class ScriptedEndpoint:
     def recv(self, timeout_s):
         return self.items.pop(0) if self.items else None
 
+    def _durable(self):
+        # The journal thread may delete a segment (after a background full checkpoint) while this
+        # reads; a resume never reads during a run. Read again then.
+        for _ in range(50):
+            try:
+                return find_newest(self.ck)
+            except FileNotFoundError:
+                continue
+        raise AssertionError("the checkpoint directory kept changing under the read")
+
     def send(self, peer, message) -> None:
         if isinstance(message, Result):
-            found = find_newest(self.ck)
+            found = self._durable()
             self.sent.append((message, found.meta["rounds_applied"] if found else 0))
             c = self.coordinator
             self.live[c.fsm.rounds_applied] = ({n: t.clone() for n, t in c.store.params.items()},
@@ -218,7 +228,7 @@ def test_a_hole_in_the_journal_is_refused(tmp_path):
     # A later segment holding later steps makes it a hole, not a torn tail.
     later = ck / journal.segment_name(10_000)
     good = journal.Segment(ck, 10_000)
-    good.append_commit(c.journal_seq, 0, json.loads(json.dumps({"rounds_applied": 99})))
+    good.append_commit(c.journal_seq + 5, [], {"rounds_applied": 99, "incarnation": 1})
     good.close()
     assert later.exists()
     with pytest.raises(CheckpointError, match="jumps from step"):
@@ -263,4 +273,35 @@ def test_segments_no_kept_checkpoint_needs_are_deleted(tmp_path):
     segments = journal.list_segments(ck)
     # Only segments after the oldest kept checkpoint remain (a few, not one per full checkpoint).
     assert 1 <= len(segments) <= 3, [p.name for _, p in segments]
+    _same_state(_state_of(load_coordinator(ck, 0.0)), _state_of(c))
+
+
+def interleaved_script(rounds: int, seed: int = 0) -> list:
+    """Two fragments whose rounds overlap: w1 submits both, then w2 closes fragment 0 (a full checkpoint may
+    follow) and then fragment 1, whose sum holds w1's contribution from before that checkpoint."""
+    g = torch.Generator().manual_seed(seed)
+    params = {n: torch.randn(*shape, generator=g) for n, shape in PARAMS.items()}
+    items = [("p1", join_message("w1", params)), ("p2", join_message("w2", params))]
+    c = make(fragments=2)
+    c.install_params(params)
+
+    def submit(peer, wid, fid, r):
+        names = c.store.fragments[fid]
+        enc = compression.encode({n: torch.randn(*PARAMS[n], generator=g) * 0.1 for n in names}, "int8")
+        return (peer, Submit(wid, fid, r, enc.values, "int8", enc.scales))
+
+    for r in range(rounds):
+        items += [submit("p1", "w1", 0, r), submit("p1", "w1", 1, r), submit("p2", "w2", 0, r),
+                  submit("p2", "w2", 1, r)]
+    return items
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_contributions_journaled_before_a_full_checkpoint_stay_for_their_round(tmp_path, mode):
+    ck = tmp_path / "ck"
+    c = make(mode=mode, wire="int8", fragments=2)
+    run(ck, interleaved_script(9), c, full_every=2, keep=1)
+    assert c.stats.checkpoints_written >= 4 and c.stats.journal_records > 0
+    found = find_newest(ck)
+    assert found.meta["rounds_applied"] == c.fsm.rounds_applied
     _same_state(_state_of(load_coordinator(ck, 0.0)), _state_of(c))
