@@ -1,33 +1,45 @@
-"""Benchmark: what making every round durable costs the coordinator (SPEC.md section 5).
+"""Benchmark: what making every round durable costs the hub coordinator (SPEC.md sections 5 and 12).
 
 What it measures
 ----------------
-A real ``Coordinator`` with a 10M-parameter fp32 model (12 tensors, as in
-bench_transport and bench_aggregate: four of 2.25M and eight of 125k
-elements), the default outer optimizer (SGD Nesterov, so a 40 MB momentum
-buffer too: 80 MB per checkpoint), one worker applying a round per
-submission. After each applied round it times what ``runner.serve`` does
-before sending that round's Results when ``--checkpoint-dir`` is set:
+Three real hub ``Coordinator``s side by side, each with ``--workers`` members
+(default 4) submitting in ``--wire-dtype`` (default int8, ``diloco server``'s
+default), on a model of ``--params`` fp32 parameters (default 10M; 12 tensors
+as in bench_transport and bench_aggregate: four of 22.5% and eight of 1.25%)
+with the default outer optimizer (SGD Nesterov: a momentum buffer too). They
+take turns round by round, so that the machine's noise falls on all three:
 
-* **write**: ``save_coordinator`` -- the sha256 of every tensor, then
-  ``safetensors.torch.save_file`` straight from the live tensors to a
-  temporary name, fsync of the file, rename, fsync of the folder, and the
-  keep-3 rotation (a delete per round once three files exist);
-* **audit**: appending the round's line to ``events.jsonl`` and its fsync.
+* **none**: no persistence (the baseline);
+* **full**: a full checkpoint every round (``--full-checkpoint-every 1``):
+  ``save_coordinator`` (params and momentum streamed to a temporary file,
+  sha256 on the way, fsync, rename, fsync of the folder, keep-3 rotation);
+* **journal**: ``--full-checkpoint-every 8`` (the ``auto`` value above 128 MB):
+  each contribution appended to the journal by its thread as it is accepted
+  (the mean instead on an fp32 run), a commit fdatasync'd after the step, a
+  full checkpoint every 8 rounds in the background.
 
-It reports the median and the 90th percentile over the rounds, and the
-share of a round: of bench_training's real round (~5 s at H=10, see
-README.md) and of bench_transport's outer step (the ZeroMQ exchange of
-Submits and Results, ~0.2 s), both given as options.
+Each round's contributions arrive ``--arrival-gap-s`` apart (default 0.25 s,
+what 100 MB takes over a ~3 Gbit/s link; 0 for back to back, the worst case),
+and ``--gap-s`` passes between rounds (the workers' training). What it reports:
+
+* **the Results' extra wait** (the headline): from the arrival of a round's
+  last contribution to the moment its Results may go out (that Submit's
+  handling, the outer step, the durable write or commit, the audit line's
+  fsync), less the same for **none**; and its share of a real 5 s round;
+* **the coordinator's extra work**: all of a round's handling plus the
+  durable part, less **none**'s (CPU the journal's thread takes from the loop).
 
 Run it::
 
-    python benchmarks/bench_durable.py            # 20 rounds
-    python benchmarks/bench_durable.py --quick    # 5 rounds
+    python benchmarks/bench_durable.py                    # 10M, 20 rounds
+    python benchmarks/bench_durable.py --params 100M      # the issue's size
+    python benchmarks/bench_durable.py --quick            # 5 rounds
 
 The last line printed is machine-readable::
 
-    RESULT bench_durable params=N write_ms=X write_p90_ms=X audit_ms=X share_of_round=R share_of_outer_step=R
+    RESULT bench_durable params=N full_ms=X full_p90_ms=X journal_ms=X journal_p90_ms=X close_ms=X
+        full_share=R journal_share=R full_busy_ms=X journal_busy_ms=X background_full_s=X workers=K wire=W
+        journal_mb_per_round=X
 
 The collective data plane (``--collective``)
 --------------------------------------------
@@ -283,12 +295,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="5 rounds (--collective: also 1 worker write, 1 hub write)")
     ap.add_argument("--round-s", type=float, default=5.0, help="a real round's seconds (bench_training, H=10)")
-    ap.add_argument("--outer-step-s", type=float, default=0.2, help="bench_transport's outer_step_s")
+    ap.add_argument("--gap-s", type=float, default=1.0,
+                    help="seconds between rounds (the workers' training, when a background full checkpoint runs)")
+    ap.add_argument("--wire-dtype", default="int8", choices=("fp32", "bf16", "int8"),
+                    help="how the workers submit (default int8, diloco server's default); fp32 journals the mean")
+    ap.add_argument("--full-every", type=int, default=8,
+                    help="the journal way's rounds between full checkpoints (default 8, the auto value for big models)")
+    ap.add_argument("--arrival-gap-s", type=float, default=0.25,
+                    help="seconds between a round's contributions (default 0.25: 100 MB, an int8 contribution of a "
+                         "100M model, over a ~3 Gbit/s link); 0: back to back, the worst case")
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
     ap.add_argument("--collective", action="store_true",
                     help="the collective plane's coordinator write (no tensors) at each --params size, beside a "
                          "member's own checkpoint and the hub coordinator's write")
-    ap.add_argument("--workers", type=int, default=4, help="--collective: members of the run (default 4)")
+    ap.add_argument("--workers", type=int, default=4, help="members of the run (default 4)")
     ap.add_argument("--worker-reps", type=int, default=3, help="--collective: worker checkpoint writes per size "
                                                                "(default 3; 0 skips)")
     ap.add_argument("--hub-rounds", type=int, default=3, help="--collective: hub coordinator writes per size "
@@ -299,44 +319,138 @@ def main(argv: list[str] | None = None) -> int:
         return main_collective(args)
     args.params = parse_count(args.params) if args.params is not None else 10_000_000
     rounds = 5 if args.quick else args.rounds
-
+    print(f"bench_durable: {args.params:,} fp32 params, {args.workers} workers submitting {args.wire_dtype}, Nesterov "
+          f"outer step, {rounds} rounds (+1 untimed) per way, {args.gap_s:g} s between rounds (the workers' "
+          f"training)", flush=True)
+    # The three ways take turns, round by round, so that the machine's noise falls on all of them alike.
+    plan = (("full", 1), ("journal", args.full_every), ("none", None))
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        ck = Path(tmp)
-        audit = AuditLog(ck)
-        c = Coordinator(CoordinatorConfig(fsm=FSMConfig(min_workers=1)), 0.0, observer=Tee(audit))
-        audit.attach(c)
-        params = make_params(args.params)
-        c.handle("p", Join("w1", PROTOCOL_VERSION, spec_of(params), params), 1.0)
-        grad = {n: torch.full_like(t, 1e-3) for n, t in params.items()}
-        writes, audits, steps = [], [], []
+        hubs = {}
+        for way, full_every in plan:
+            (Path(tmp) / way).mkdir()
+            hubs[way] = HubWay(args, full_every, Path(tmp) / way)
         for r in range(rounds + 1):
-            t0 = time.perf_counter()
-            c.handle("p", Submit("w1", 0, r, grad), 2.0 + r)
-            t1 = time.perf_counter()
-            save_coordinator(c, ck, keep=3)
-            t2 = time.perf_counter()
-            audit.flush()
-            t3 = time.perf_counter()
-            if r:  # the first round pays one-time costs (imports, first file)
-                steps.append(t1 - t0)
-                writes.append(t2 - t1)
-                audits.append(t3 - t2)
-        audit.close()
-        size_mb = sum(p.stat().st_size for p in ck.glob("coordinator-*.safetensors")) / 3 / 1e6
+            for way, _ in plan:
+                hubs[way].round(r)
+                time.sleep(args.gap_s)
+            print(f"  round {r}: " + ", ".join(f"{way} {(hubs[way].steps or [0])[-1] * 1e3:.0f}+"
+                                               f"{(hubs[way].durable or [0])[-1] * 1e3:.0f} ms" for way, _ in plan),
+                  flush=True)
+        ways = {way: hubs[way].finish() for way, _ in plan}
+        del hubs
+    for way, w in ways.items():
+        print(f"  {way:8s} round {statistics.median(w['steps']) * 1e3:8.1f} ms  durable wait "
+              f"{statistics.median(w['durable']) * 1e3:8.1f} ms  (p90 {p90_of(w['durable']) * 1e3:.1f})  "
+              f"audit {statistics.median(w['audits']) * 1e3:.2f} ms  on disk {w['disk_mb']:.0f} MB", flush=True)
+    base = statistics.median(ways["none"]["steps"])
+    base_close = statistics.median(ways["none"]["closing"])
 
-    write, audit_s = statistics.median(writes), statistics.median(audits)
-    p90 = sorted(writes)[int(0.9 * (len(writes) - 1))]
-    total = write + audit_s
-    print(f"{args.params:,} params, checkpoint {size_mb:.1f} MB, {rounds} rounds")
-    print(f"apply (in-process handle of the Submit): median {statistics.median(steps) * 1e3:.1f} ms")
-    print(f"write: median {write * 1e3:.1f} ms, p90 {p90 * 1e3:.1f} ms, min {min(writes) * 1e3:.1f} ms, "
-          f"max {max(writes) * 1e3:.1f} ms; audit line: median {audit_s * 1e3:.2f} ms")
-    print(f"share of a {args.round_s:g} s round: {total / args.round_s:.1%}; "
-          f"of a {args.outer_step_s:g} s outer step: {total / args.outer_step_s:.0%}")
-    print(f"RESULT bench_durable params={args.params} write_ms={write * 1e3:.1f} write_p90_ms={p90 * 1e3:.1f} "
-          f"audit_ms={audit_s * 1e3:.2f} share_of_round={total / args.round_s:.4f} "
-          f"share_of_outer_step={total / args.outer_step_s:.3f}")
+    def cost(way: str) -> tuple[float, float]:
+        """The Results' extra wait: from the round's last contribution arriving to the Results being free to go
+        (its handling, the outer step, the durable write or commit, the audit line), less the same without
+        persistence."""
+        w = ways[way]
+        return statistics.median(w["closing"]) - base_close, p90_of(w["closing"]) - base_close
+
+    def busy(way: str) -> float:
+        """The coordinator's whole work for a round (every Submit, the step, the durable part), less without."""
+        w = ways[way]
+        return statistics.median([s + d + a for s, d, a in zip(w["steps"], w["durable"], w["audits"])]) - base
+
+    full, full_p90 = cost("full")
+    jour, jour_p90 = cost("journal")
+    bg = ways["journal"]["background_full_s"]
+    print(f"the Results' extra wait (from the last contribution's arrival; without persistence "
+          f"{base_close * 1e3:.0f} ms): full checkpoint every round {full * 1e3:.0f} ms (p90 {full_p90 * 1e3:.0f}) "
+          f"= {full / args.round_s:.1%} of a {args.round_s:g} s round; journal {jour * 1e3:.0f} ms (p90 "
+          f"{jour_p90 * 1e3:.0f}) = {jour / args.round_s:.1%}")
+    print(f"the coordinator's extra work per round (all {args.workers} Submits, {args.arrival_gap_s:g} s apart, "
+          f"the step, the durable part; without persistence {base * 1e3:.0f} ms): full {busy('full') * 1e3:.0f} ms, "
+          f"journal {busy('journal') * 1e3:.0f} ms; the journal's full checkpoint every {args.full_every} rounds "
+          f"took {statistics.median(bg) if bg else 0:.2f} s in the background (x{len(bg)})")
+    print(f"RESULT bench_durable params={args.params} full_ms={full * 1e3:.1f} full_p90_ms={full_p90 * 1e3:.1f} "
+          f"journal_ms={jour * 1e3:.1f} journal_p90_ms={jour_p90 * 1e3:.1f} close_ms={base_close * 1e3:.1f} "
+          f"full_share={full / args.round_s:.4f} journal_share={jour / args.round_s:.4f} "
+          f"full_busy_ms={busy('full') * 1e3:.0f} journal_busy_ms={busy('journal') * 1e3:.0f} "
+          f"background_full_s={statistics.median(bg) if bg else 0:.2f} workers={args.workers} wire={args.wire_dtype} "
+          f"journal_mb_per_round={ways['journal']['record_mb']:.1f}")
     return 0
+
+
+def p90_of(values: list[float]) -> float:
+    return sorted(values)[int(0.9 * (len(values) - 1))]
+
+
+class HubWay:
+    """A hub ``Coordinator`` with ``--workers`` members submitting in ``--wire-dtype``, made durable one way
+    (``full_every``: None, no persistence; 1, a full checkpoint every round; N, the journal). Per round:
+    the round's handling (every Submit and the outer step, ``handle``), what ``runner.serve`` then waits
+    for before sending (``Durability.after_step``) and the audit line."""
+
+    def __init__(self, args, full_every: int | None, ck: Path) -> None:
+        from diloco.coordinator.persist import Durability
+        from diloco.wire import compression
+
+        self.args, self.full_every, self.ck = args, full_every, ck
+        self.audit = AuditLog(ck)
+        config = CoordinatorConfig(fsm=FSMConfig(min_workers=args.workers, heartbeat_timeout_s=1e9),
+                                   wire_dtype=args.wire_dtype)
+        self.c = c = Coordinator(config, 0.0, observer=Tee(self.audit))
+        self.audit.attach(c)
+        params = make_params(args.params)
+        self.ids = [f"w{k}" for k in range(args.workers)]
+        for k, wid in enumerate(self.ids):
+            c.handle(f"p{k}", Join(wid, PROTOCOL_VERSION, spec_of(params), params if k == 0 else {}), 1.0)
+        del params
+        self.durability = Durability(ck, 3, full_every) if full_every is not None else None
+        if self.durability is not None:
+            self.durability.attach(c)
+            self.durability.after_step(False)  # the params exist: the journal starts (as the runner's loop does)
+        g = torch.Generator().manual_seed(1)
+        self.grads = [compression.encode({n: torch.randn(t.shape, generator=g) * 1e-3
+                                          for n, t in c.store.params.items()}, args.wire_dtype) for _ in self.ids]
+        self.steps, self.durable, self.audits, self.closing = [], [], [], []
+
+    def round(self, r: int) -> None:
+        c, wire = self.c, self.args.wire_dtype
+        t0 = time.perf_counter()
+        for k, (wid, enc) in enumerate(zip(self.ids, self.grads)):
+            if k:
+                time.sleep(self.args.arrival_gap_s)  # the next contribution is still on the wire
+            t_last = time.perf_counter()
+            c.handle(f"p{k}", Submit(wid, 0, r, enc.values, wire, enc.scales), 2.0 + r)
+        assert c.fsm.rounds_applied == r + 1, c.fsm.rounds_applied
+        t1 = time.perf_counter()
+        if self.durability is not None:
+            self.durability.after_step(True)
+        t2 = time.perf_counter()
+        self.audit.flush()
+        t3 = time.perf_counter()
+        if r:  # the first round pays one-time costs (imports, the first full checkpoint)
+            self.steps.append(t1 - t0 - (len(self.ids) - 1) * self.args.arrival_gap_s)
+            self.durable.append(t2 - t1)
+            self.audits.append(t3 - t2)
+            self.closing.append(t3 - t_last)
+
+    def finish(self) -> dict:
+        from diloco.wire import compression
+
+        if self.durability is not None:
+            self.durability.close()
+        self.audit.close()
+        c = self.c
+        disk = sum(p.stat().st_size for p in self.ck.iterdir() if p.is_file())
+        record = sum(compression.tensor_nbytes(e.values) + compression.tensor_nbytes(e.scales) for e in self.grads)
+        if self.args.wire_dtype == "fp32":
+            record = compression.tensor_nbytes(self.grads[0].values)  # the mean
+        background = []
+        if self.full_every not in (None, 1):
+            # Background full checkpoints (beyond the first, synchronous one): their own seconds.
+            background = [c.stats.checkpoint_write_s / max(1, c.stats.checkpoints_written)] * (
+                c.stats.checkpoints_written - 1)
+        return {"steps": self.steps, "durable": self.durable, "audits": self.audits, "closing": self.closing,
+                "disk_mb": disk / 1e6,
+                "record_mb": record / 1e6, "background_full_s": background}
 
 
 if __name__ == "__main__":
