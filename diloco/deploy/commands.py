@@ -117,10 +117,12 @@ def register(subparsers) -> None:
     p.add_argument("--keep", type=_positive_int, default=3, metavar="K",
                    help="checkpoint files kept in --checkpoint-dir, newest first (default 3)")
     p.add_argument("--full-checkpoint-every", type=_full_every, default="auto", metavar="N|auto",
-                   help="write a full checkpoint every N applied rounds and, in between, append each round's "
-                        "mean pseudo-gradient to a journal in --checkpoint-dir (one model copy, written while "
-                        "the outer step runs) that --resume replays; 1: a full checkpoint every round. auto: 1 "
-                        "when a full checkpoint is under 128 MB, else 8 (default auto)")
+                   help="write a full checkpoint (params and outer momentum) every N applied rounds, in the "
+                        "background, and in between journal what each round is made of in --checkpoint-dir "
+                        "(each contribution as it arrives; on an fp32 run the round's mean), committed before "
+                        "the round is announced; --resume replays the journal bit for bit. 1: a full "
+                        "checkpoint every round. auto: 1 when a full checkpoint is under 128 MB, else 8 "
+                        "(default auto)")
     p.add_argument("--mode", choices=("sync", "async"), default=None,
                    help="sync: rounds with a barrier (DiLoCo); async: one outer step per contribution "
                         "(Async Local-SGD) (default sync)")
