@@ -103,7 +103,7 @@ def free_port() -> int:
 
 
 def diloco_coordinator(addr_q, stop_ev, n_workers: int, chunk_bytes: int, auth_dir: str | None = None,
-                       io_threads: int = 1) -> None:
+                       io_threads: int = 1, report_q=None, profile: bool = False) -> None:
     _tune()
     import torch
     torch.set_num_threads(1)
@@ -122,11 +122,219 @@ def diloco_coordinator(addr_q, stop_ev, n_workers: int, chunk_bytes: int, auth_d
         auth = ServerAuth.load(auth_dir)
     endpoint = ZmqCoordinatorEndpoint("tcp://127.0.0.1:0", auth=auth,
                                       options=ZmqOptions(chunk_bytes=chunk_bytes, io_threads=io_threads))
+    probe = _HubProbe(n_workers, report_q, profile) if report_q is not None else None
+    if probe is not None:
+        probe.install(endpoint)
     addr_q.put(endpoint.address)
     try:
         serve(endpoint, coordinator, stop_event=stop_ev, tick_interval_s=0.05)
     finally:
         endpoint.close()
+        if probe is not None:
+            probe.finish()
+
+
+def _proc_status_kb(field: str) -> int:
+    """A ``VmRSS``/``VmHWM``-like line of /proc/self/status, in kB (0 where there is no such file)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _reset_peak_rss() -> bool:
+    """Start a new VmHWM window (Linux >= 4.0: ``5`` > /proc/self/clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class _HubProbe:
+    """What one hub round costs inside the coordinator process, by wrapping functions in that process only
+    (nothing in diloco/ changes), and the process's memory.
+
+    Memory (always): VmRSS once the endpoint is bound and before any worker joined (the runtime: Python,
+    torch, libzmq), and the peak (VmHWM) over each round -- the window restarts after each round's last
+    Result is handed to the transport (``/proc/self/clear_refs``), so a round's peak includes what the
+    previous round's Results still hold while they are sent.
+
+    Phases (``profile``): wall ms on the coordinator's main thread per round, summed over the round's
+    submissions; ``phase_marks`` are ``time.monotonic`` readings, comparable with the workers' t0/t1."""
+
+    PHASES = (
+        ("codec", "Submit decode: codec.decode (header, checks, chunked tensors reassembled: a copy)"),
+        ("wire", "wire dtype decode: compression.decode (fp32: none)"),
+        ("check", "checks: names, shapes, dtypes, finiteness (check_submission)"),
+        ("accumulate", "running sum: ParamStore.accumulate"),
+        ("mean", "mean: ParamStore.take_mean"),
+        ("outer_rest", "outer step: backups of params and optimizer state"),
+        ("opt_step", "outer step: Nesterov step (torch.optim)"),
+        ("finite", "outer step: finiteness of the new params"),
+        ("snapshot", "Result snapshot of the new params"),
+        ("fsm", "everything else in Coordinator.handle (FSM, messages)"),
+        ("send", "Result encode + hand-off to the transport (x k)"),
+        ("recv_py", "transport, main thread: parts received and assembled (recv minus idle)"),
+    )
+
+    def __init__(self, n_workers: int, report_q, profile: bool) -> None:
+        self.n_workers = n_workers
+        self.report_q = report_q
+        self.profile = profile
+        self.base_kb = 0
+        self.round: dict = {}
+        self.results_sent = 0
+        self.rounds = 0
+        self.model_bytes = 0
+
+    def _add(self, key: str, dt: float) -> None:
+        self.round[key] = self.round.get(key, 0.0) + dt
+
+    def _mark(self, key: str, first: bool = False) -> None:
+        marks = self.round.setdefault("marks", {})
+        if not (first and key in marks):
+            marks[key] = time.monotonic()
+
+    def _wrap(self, owner, name: str, key: str, mark: str | None = None, first_mark: str | None = None):
+        original = getattr(owner, name)
+        probe = self
+
+        def wrapper(*args, **kwargs):
+            if first_mark:
+                probe._mark(first_mark, first=True)
+            t = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                probe._add(key, time.perf_counter() - t)
+                if mark:
+                    probe._mark(mark)
+        setattr(owner, name, wrapper)
+        return original
+
+    def install(self, endpoint) -> None:
+        import resource
+
+        import torch
+        import diloco.coordinator.service as service_mod
+        import diloco.transport.zmq.framing as framing_mod
+        import diloco.wire.codec as codec_mod
+        import diloco.wire.compression as compression_mod
+        from diloco.coordinator.params import ParamStore
+        from diloco.wire.messages import Result, Submit
+
+        self.base_kb = _proc_status_kb("VmRSS")
+        _reset_peak_rss()
+        probe = self
+        self._ru = resource.getrusage(resource.RUSAGE_SELF)
+        self._thread_cpu = time.thread_time()
+        if self.profile:
+            original_decode = codec_mod.decode
+
+            def decode(frames, **kw):
+                t = time.perf_counter()
+                message = original_decode(frames, **kw)
+                if isinstance(message, Submit):
+                    probe._add("codec", time.perf_counter() - t)
+                    probe._mark("last_submit_decoded")
+                    probe._mark("first_submit_decoded", first=True)
+                return message
+            codec_mod.decode = decode
+            self._wrap(compression_mod, "decode", "wire")
+            self._wrap(ParamStore, "check_submission", "check")
+            self._wrap(ParamStore, "accumulate", "accumulate")
+            self._wrap(ParamStore, "take_mean", "mean")
+            self._wrap(service_mod, "all_finite", "finite")
+            self._wrap(torch.optim.SGD, "step", "opt_step")
+            self._wrap(framing_mod.Assembler, "add", "assemble", first_mark="first_part")
+            original_outer = service_mod.Coordinator.outer_step
+            original_apply = service_mod.Coordinator._apply
+            original_handle = service_mod.Coordinator.handle
+
+            def outer_step(coordinator, fid, grad):
+                t = time.perf_counter()
+                before = dict(probe.round)
+                try:
+                    return original_outer(coordinator, fid, grad)
+                finally:
+                    inner = sum(probe.round.get(k, 0.0) - before.get(k, 0.0) for k in ("opt_step", "finite"))
+                    probe._add("outer_step", time.perf_counter() - t)
+                    probe._add("outer_rest", time.perf_counter() - t - inner)
+
+            def apply(coordinator, effect, now):
+                t = time.perf_counter()
+                before = dict(probe.round)
+                try:
+                    return original_apply(coordinator, effect, now)
+                finally:
+                    inner = sum(probe.round.get(k, 0.0) - before.get(k, 0.0) for k in ("mean", "outer_step"))
+                    probe._add("snapshot", time.perf_counter() - t - inner)
+                    probe._mark("applied")
+
+            def handle(coordinator, peer, message, now, identity=None):
+                t = time.perf_counter()
+                before = dict(probe.round)
+                try:
+                    return original_handle(coordinator, peer, message, now, identity=identity)
+                finally:
+                    if isinstance(message, Submit):
+                        inner = sum(probe.round.get(k, 0.0) - before.get(k, 0.0)
+                                    for k in ("wire", "check", "accumulate", "mean", "outer_step", "snapshot"))
+                        probe._add("fsm", time.perf_counter() - t - inner)
+            service_mod.Coordinator.outer_step = outer_step
+            service_mod.Coordinator._apply = apply
+            service_mod.Coordinator.handle = handle
+
+        original_send = type(endpoint).send
+        original_recv = type(endpoint).recv
+
+        def send(ep, peer, message):
+            t = time.perf_counter()
+            original_send(ep, peer, message)
+            if isinstance(message, Result) and message.params:
+                probe._add("send", time.perf_counter() - t)
+                probe.results_sent += 1
+                if not probe.model_bytes:
+                    probe.model_bytes = sum(p.numel() * p.element_size() for p in message.params.values())
+                if probe.results_sent % probe.n_workers == 0:
+                    probe._mark("results_sent")
+                    probe.end_round()
+
+        def recv(ep, timeout_s):
+            t, c = time.perf_counter(), time.thread_time()
+            try:
+                return original_recv(ep, timeout_s)
+            finally:
+                # CPU, not wall: recv mostly waits; what it computes is the parts' receive and assembly
+                # (the codec's decode inside it is counted apart, and subtracted by the reader).
+                probe._add("recv_cpu", time.thread_time() - c)
+                probe._add("recv_wall", time.perf_counter() - t)
+        type(endpoint).send = send
+        type(endpoint).recv = recv
+
+    def end_round(self) -> None:
+        import resource
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        thread_cpu = time.thread_time()
+        self.round.update(
+            peak_kb=_proc_status_kb("VmHWM"), rss_kb=_proc_status_kb("VmRSS"), base_kb=self.base_kb,
+            model_bytes=self.model_bytes,
+            cpu_user=ru.ru_utime - self._ru.ru_utime, cpu_sys=ru.ru_stime - self._ru.ru_stime,
+            main_cpu=thread_cpu - self._thread_cpu, minflt=ru.ru_minflt - self._ru.ru_minflt)
+        self._ru, self._thread_cpu = ru, thread_cpu
+        self.report_q.put(("round", self.rounds, self.round))
+        self.rounds += 1
+        self.round = {}
+        _reset_peak_rss()
+
+    def finish(self) -> None:
+        self.report_q.put(("done", self.rounds, {"peak_kb": _proc_status_kb("VmHWM")}))
 
 
 def diloco_worker(i: int, addr: str, shapes, rounds: int, barrier, out_q, chunk_bytes: int,
@@ -609,10 +817,14 @@ def make_auth_dir(path: str) -> str:
 
 
 def run_diloco(ctx, shapes, rounds: int, warmup: int, chunk_bytes: int, auth_dir: str | None = None,
-               io_threads: int = 1) -> list[float]:
+               io_threads: int = 1, coord_rounds: list | None = None, profile: bool = False,
+               stall_s: float = 120.0) -> list[float]:
+    """Seconds per timed round; with ``coord_rounds``, appends the coordinator's report of each timed round
+    (``_HubProbe``: its memory, and with ``profile`` its phases) and the workers' (t0s, t1s) of that round."""
     addr_q, worker_addr_q, out_q, stop_ev = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Event()
-    coord = ctx.Process(target=diloco_coordinator, args=(addr_q, stop_ev, N_WORKERS, chunk_bytes, auth_dir, io_threads),
-                        name="coordinator")
+    report_q = ctx.Queue() if coord_rounds is not None else None
+    coord = ctx.Process(target=diloco_coordinator, args=(addr_q, stop_ev, N_WORKERS, chunk_bytes, auth_dir, io_threads,
+                                                         report_q, profile), name="coordinator")
     barrier = ctx.Barrier(N_WORKERS)
     # The workers start with the coordinator (their imports overlap its own) and wait for its address.
     workers = [ctx.Process(target=diloco_worker, args=(i, worker_addr_q, shapes, rounds, barrier, out_q, chunk_bytes,
@@ -620,11 +832,12 @@ def run_diloco(ctx, shapes, rounds: int, warmup: int, chunk_bytes: int, auth_dir
     coord.start()
     for w in workers:
         w.start()
+    marks: list = []
     try:
         addr = addr_q.get(timeout=300)
         for _ in workers:
             worker_addr_q.put(addr)
-        times = _collect(out_q, N_WORKERS, rounds, warmup, procs=workers + [coord])
+        times = _collect(out_q, N_WORKERS, rounds, warmup, marks, procs=workers + [coord], stall_s=stall_s)
         _join_all(workers)
     finally:
         for w in workers:
@@ -634,6 +847,20 @@ def run_diloco(ctx, shapes, rounds: int, warmup: int, chunk_bytes: int, auth_dir
         coord.join(30)
         if coord.is_alive():
             coord.kill()
+    if report_q is not None:
+        import queue
+        reports = {}
+        while True:
+            try:
+                kind, r, data = report_q.get(timeout=5)
+            except queue.Empty:
+                break
+            if kind == "done":
+                break
+            reports[r] = data
+        for (t0s, t1s, _), r in zip(marks, range(warmup, rounds)):
+            if r in reports:
+                coord_rounds.append((reports[r], t0s, t1s))
     return times
 
 

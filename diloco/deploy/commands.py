@@ -32,7 +32,12 @@ _positive_int = flag_value(int, lambda v: v >= 1, ">= 1")
 
 def _full_every(text: str) -> int:
     """``--full-checkpoint-every``: a positive number of rounds, or ``auto`` (0)."""
-    return 0 if text.strip().lower() == "auto" else _positive_int(text)
+    if text.strip().lower() == "auto":
+        return 0
+    try:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of rounds >= 1 or 'auto'") from None
 
 
 _non_negative_int = flag_value(int, lambda v: v >= 0, ">= 0")

@@ -221,10 +221,24 @@ class ZmqWorkerEndpoint:
         """Seconds since the last message from the coordinator (or since connecting)."""
         return self.frames.silence_s()
 
+    def sending(self) -> bool:
+        """True while a message sent is still going out part by part (``FrameDealer.sending``)."""
+        return self.frames.sending()
+
+    def receiving(self) -> bool:
+        """True while a message from the coordinator is arriving part by part (``FrameDealer.receiving``)."""
+        return self.frames.receiving()
+
     def send(self, message: Message) -> None:
-        """Queue ``message`` for the coordinator (``FrameDealer.send``: dropped and counted if the queue stays full)."""
+        """Queue ``message`` for the coordinator (``FrameDealer.send``: dropped and counted if the queue stays full).
+
+        A ``Heartbeat`` goes as an aside: between the parts of a big message still going out,
+        not behind all of it, so that the coordinator hears from this worker while its Submit
+        crosses a slow link (SPEC.md section 11, "Frames"). Nothing else may pass: a Leave
+        or a Join must not overtake a Submit sent before it.
+        """
         frames = codec.encode(message, chunk_bytes=self.options.chunk_bytes, tensor_bytes=self._tensor_bytes)
-        self.frames.send(frames, what=type(message).__name__)
+        self.frames.send(frames, what=type(message).__name__, aside=type(message) is Heartbeat)
 
     def recv(self, timeout_s: float) -> Message | None:
         """The next message from the coordinator, or None after ``timeout_s`` (or when woken)."""

@@ -125,6 +125,17 @@ class Link:
         except Exception:  # a transport's probe must never break training
             return None
 
+    def transport_activity(self) -> tuple[bool, bool]:
+        """(sending, receiving): whether the transport is still moving a message out / in part by part."""
+        flags = []
+        for name in ("sending", "receiving"):
+            probe = getattr(self.endpoint, name, None)
+            try:
+                flags.append(bool(probe()) if callable(probe) else False)
+            except Exception:  # a transport's probe must never break training
+                flags.append(False)
+        return flags[0], flags[1]
+
     def close(self, farewell: list[Message]) -> None:
         """Send ``farewell`` and what is still queued (best effort), then close the endpoint."""
         for message in self.take_outbox() + farewell:

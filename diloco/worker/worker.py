@@ -462,8 +462,10 @@ class DilocoWorker:
                         self.wire_dtype = msg.wire_dtype  # adopted with the Welcome the session took
                 self._run(actions)
                 msg = self.link.recv(0.0)
+        sending, receiving = self.link.transport_activity()
         with self._lock:
-            actions = self._took(self.session.tick(self._clock(), self.link.transport_silence()))
+            actions = self._took(self.session.tick(self._clock(), self.link.transport_silence(), sending=sending,
+                                                   receiving=receiving))
         self._run(actions)
 
     def _comm_failed(self, exc: BaseException) -> None:

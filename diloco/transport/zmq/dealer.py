@@ -6,6 +6,20 @@ libzmq reconnects on its own when the coordinator goes away and comes back
 coordinator has said nothing, for a worker that wants to act on silence.
 ``wake()`` ends a ``recv`` blocked in another thread at once.
 
+Big messages do not hold small ones up. libzmq sends a connection's
+messages in order, so a heartbeat handed to it behind a 1 GB Submit would
+wait for the whole of it -- minutes on a slow link, long past the
+coordinator's heartbeat timeout. Instead the messages wait in an
+``framing.Outbox`` and libzmq gets at most ``dealer_pipe_parts`` parts at a
+time; a message sent with ``aside=True`` (heartbeats) goes out before the
+next part of the one in progress, as an *aside* the coordinator delivers
+without dropping the interrupted message (``framing``). So a heartbeat waits
+behind at most the part on the wire and ``dealer_pipe_parts`` more. Parts
+are handed over by whichever thread holds the socket: ``send``, ``recv``
+(polled for room while parts wait), or, when neither runs, a short-lived
+background thread that does the same until the outbox is empty. ``sending()`` and ``receiving()`` tell whether a message is still
+going out or coming in part by part.
+
 With ``auth`` the socket is a CURVE client. A coordinator that refuses the
 key sends nothing back through ZeroMQ itself: the socket's monitor sees the
 failed handshake, and ``send``/``recv`` raise ``AuthRefused`` with a line
@@ -50,7 +64,8 @@ class FrameDealer:
         self._lock = threading.Lock()
         set_option(self._sock, zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTING_ID, self.routing_id)
-        set_option(self._sock, zmq.SNDHWM, o.dealer_sndhwm)
+        # libzmq's own queue stays short: the rest waits in the outbox, where an aside can pass it.
+        set_option(self._sock, zmq.SNDHWM, o.dealer_pipe_parts)
         set_option(self._sock, zmq.RCVHWM, o.dealer_rcvhwm)
         set_option(self._sock, zmq.MAXMSGSIZE, o.max_frame_bytes)
         set_option(self._sock, zmq.RECONNECT_IVL, o.reconnect_ivl_ms)
@@ -85,7 +100,10 @@ class FrameDealer:
         self._poller.register(self._wake_rx, zmq.POLLIN)
         self._closed = False
         self._seq = 0
-        self._assembler = framing.Assembler(o.max_message_bytes, max_partials=1)
+        self._assembler = framing.Assembler(o.max_message_bytes, max_partials=1,
+                                            partial_timeout_s=o.partial_timeout_s)
+        self._outbox = framing.Outbox()
+        self._pumper: threading.Thread | None = None
         self._last_heard = clock()
         self.counters: Counter[str] = Counter()
 
@@ -96,6 +114,14 @@ class FrameDealer:
     def silence_s(self) -> float:
         """Seconds since the last message from the coordinator (or since connecting)."""
         return self._clock() - self._last_heard
+
+    def sending(self) -> bool:
+        """True while parts of a message sent still wait to be handed to libzmq (a big one on a slow link)."""
+        return bool(self._outbox)
+
+    def receiving(self) -> bool:
+        """True while a message from the coordinator has arrived in part, its other parts still coming."""
+        return self._assembler.arriving("coordinator", time.monotonic())
 
     def _check_handshake(self) -> None:
         """Raise ``AuthRefused`` once the monitor has seen the coordinator refuse our key. Call with the lock."""
@@ -121,42 +147,83 @@ class FrameDealer:
         if self._refused is not None:
             raise AuthRefused(self._refused)
 
-    def send(self, frames: list[Any], *, what: str = "a message") -> bool:
+    def send(self, frames: list[Any], *, what: str = "a message", aside: bool = False) -> bool:
         """Queue one message's ``frames`` for the coordinator; False if dropped. Never raises because it is away.
 
         While the coordinator is down the message waits in the queue and goes
-        out on reconnect. When the queue is full (``dealer_sndhwm`` parts:
-        the coordinator has been gone a long while, or stopped reading) it
-        waits up to ``send_timeout_s`` for room, then drops the message and
-        counts it (``counters["dropped_queue_full"]``), like a datagram to a
-        dead host: the worker notices the silence (no replies) and acts on it.
-        ``what`` names the message in that warning. Raises ``AuthRefused`` if
-        the coordinator refused this endpoint's key.
+        out on reconnect. When the queue is full (``dealer_sndhwm`` parts
+        waiting behind the message in progress: the coordinator has been gone
+        a long while, or stopped reading) it waits up to ``send_timeout_s``
+        for room, then drops the message and counts it
+        (``counters["dropped_queue_full"]``), like a datagram to a dead host:
+        the worker notices the silence (no replies) and acts on it. A message
+        is taken whole or not at all, whatever its size. ``aside``: a one-frame message (a heartbeat) that may go out
+        between the parts of one sent before it. ``what`` names the message in
+        that warning. Raises ``AuthRefused`` if the coordinator refused this
+        endpoint's key.
         """
         if self._closed:
             raise TransportClosed(f"endpoint to {self.address} is closed")
         deadline = time.monotonic() + self.options.send_timeout_s
         with self._lock:
             self._check_handshake()
+            while self._outbox.parts_behind >= self.options.dealer_sndhwm:
+                self._pump()
+                if self._outbox.parts_behind < self.options.dealer_sndhwm:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self.counters["dropped_queue_full"] += 1
+                    log.warning("dropped %s to %s: the send queue stayed full for %g s", what,
+                                self.address, self.options.send_timeout_s)
+                    return False
+                self._sock.poll(int(min(remaining, self._SLICE_S) * 1000) + 1, zmq.POLLOUT)
             self._seq += 1
-            for part in framing.parts(self._seq, frames):
-                while True:
-                    try:
-                        self._sock.send_multipart(part, zmq.NOBLOCK, copy=False)
-                        break
-                    except zmq.Again:
-                        pass
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        # The rest of the message is dropped; the coordinator drops the part
-                        # already sent as incomplete when our next message starts.
-                        self.counters["dropped_queue_full"] += 1
-                        log.warning("dropped %s to %s: the send queue stayed full for %g s", what,
-                                    self.address, self.options.send_timeout_s)
-                        return False
-                    self._sock.poll(int(min(remaining, self._SLICE_S) * 1000) + 1, zmq.POLLOUT)
-            self.counters["messages_out"] += 1
+            if aside and len(frames) == 1:
+                self._outbox.put([[framing.aside_tag(self._seq), frames[0]]], framing.total_nbytes(frames), what,
+                                 aside=True)
+            else:
+                self._outbox.put(list(framing.parts(self._seq, frames)), framing.total_nbytes(frames), what)
+            self._pump()
+            if self._outbox and self._pumper is None:
+                self._pumper = threading.Thread(target=self._pump_in_background, daemon=True,
+                                                name=f"diloco-send-{self.peer[:40]}")
+                self._pumper.start()
         return True
+
+    def _pump(self) -> None:
+        """Hand libzmq the outbox's next parts until its queue is full. Call with the lock."""
+        while (part := self._outbox.peek()) is not None:
+            between = self._outbox.mid_message
+            try:
+                self._sock.send_multipart(part, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            done = self._outbox.advance()
+            if done is not None:
+                self.counters["messages_out"] += 1
+                if between and len(done.parts) == 1:
+                    self.counters["asides_between_parts"] += 1
+
+    def _pump_in_background(self) -> None:
+        """Keep handing parts over while nobody calls ``send`` or ``recv``; ends once the outbox is empty."""
+        while True:
+            with self._lock:
+                if self._closed or not self._outbox:
+                    self._pumper = None
+                    return
+                try:
+                    self._pump()
+                    if self._outbox:
+                        # Room in libzmq's queue wakes this at once; the slice bounds how long a
+                        # send or recv in another thread waits for the lock.
+                        self._sock.poll(int(self._SLICE_S * 1000), zmq.POLLOUT)
+                        self._pump()
+                except zmq.ZMQError as exc:  # the socket is unusable: the owner's next call will say so
+                    log.warning("sending to %s stopped: %s", self.address, exc)
+                    self._pumper = None
+                    return
+            time.sleep(0)  # a thread waiting for the lock takes it now
 
     def recv(self, timeout_s: float) -> list[Any] | None:
         """The next whole message's frames from the coordinator; None after ``timeout_s`` or when woken.
@@ -170,9 +237,15 @@ class FrameDealer:
         while True:
             with self._lock:
                 self._check_handshake()
+                if self._outbox:
+                    self._pump()
+                # Parts still waiting: wake for room in libzmq's queue too, to hand the next one over.
+                self._poller.register(self._sock, zmq.POLLIN | (zmq.POLLOUT if self._outbox else 0))
                 remaining = deadline - time.monotonic()
                 wait_ms = max(0, int(min(remaining, self._SLICE_S) * 1000 + 0.999)) if remaining > 0 else 0
                 ready = dict(self._poller.poll(wait_ms))
+                if ready.get(self._sock, 0) & zmq.POLLOUT:
+                    self._pump()
                 if self._wake_rx in ready:
                     while True:
                         try:
@@ -180,7 +253,7 @@ class FrameDealer:
                         except zmq.Again:
                             break
                     return None  # woken: the caller has something to do (see ``wake``)
-                if self._sock in ready:
+                if ready.get(self._sock, 0) & zmq.POLLIN:
                     frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     self._last_heard = self._clock()
                     if len(frames) == 1 and len(frames[0].buffer) == 0:
@@ -210,6 +283,7 @@ class FrameDealer:
         with self._lock, self._wake_lock:
             if not self._closed:
                 self._closed = True
+                self._outbox.clear()  # linger 0: what was not sent is dropped, as libzmq drops its queue
                 self._close_sockets()
 
     def _close_sockets(self) -> None:

@@ -18,8 +18,21 @@ message is skipped as it arrives, and the sender is answered ``too_large``.
 So a peer holds at most one message being assembled (at most
 ``max_message_bytes``) plus what libzmq queues for it (``RCVHWM`` parts of
 at most ``ZMQ_MAXMSGSIZE`` each). A sender that gives up half-way through a
-message (a full queue) leaves an incomplete message, which the receiver
-drops when that peer's next message starts.
+message leaves an incomplete message, which the receiver drops when that
+peer's next message starts, or once no part of it has come for
+``partial_timeout_s``.
+
+An *aside* is a one-part message sent between another message's parts, so
+that it does not wait behind the whole of that message (a worker's heartbeat
+behind its 1 GB Submit on a slow link)::
+
+    [aside_tag, payload]    aside_tag = b"DLCA" + seq (u32) + 0 (u32) + 1 (u32)
+
+It is delivered as it arrives and leaves the message it interrupts being
+assembled; any other message that starts still drops an incomplete one.
+(A receiver older than asides takes one for the start of a new message and
+drops the interrupted one: both ends must know them.) ``Outbox`` is the
+sender's side: the parts it has not yet handed to libzmq, asides first.
 
 Anything that does not carry a tag is handed back whole as a *legacy*
 message (protocol version 1 sent a message as one multipart message), so
@@ -30,10 +43,13 @@ can read.
 from __future__ import annotations
 
 import struct
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 MAGIC = b"DLC2"
+#: The tag of an aside: a one-part message sent between another message's parts.
+ASIDE_MAGIC = b"DLCA"
 _TAG = struct.Struct("<4sIII")
 TAG_BYTES = _TAG.size
 #: Most parts one message may have (a header plus tensor frames; the codec's own limit is far above real models).
@@ -44,6 +60,10 @@ def tag(seq: int, index: int, count: int) -> bytes:
     return _TAG.pack(MAGIC, seq & 0xFFFFFFFF, index, count)
 
 
+def aside_tag(seq: int) -> bytes:
+    return _TAG.pack(ASIDE_MAGIC, seq & 0xFFFFFFFF, 0, 1)
+
+
 def parts(seq: int, frames: Sequence[Any]) -> Iterator[list]:
     """The ZeroMQ messages (each ``[tag, payload]``) that carry one codec message's ``frames``."""
     n = len(frames)
@@ -51,18 +71,21 @@ def parts(seq: int, frames: Sequence[Any]) -> Iterator[list]:
         yield [tag(seq, i, n), frame]
 
 
-def read_tag(frame: Any) -> tuple[int, int, int] | None:
-    """(seq, index, count) of a tag frame, or None if ``frame`` is not a tag."""
+def _unpack(frame: Any) -> tuple[bytes, int, int, int] | None:
     try:
         buf = memoryview(getattr(frame, "buffer", frame))
     except TypeError:
         return None
     if buf.nbytes != TAG_BYTES:
         return None
-    magic, seq, index, count = _TAG.unpack(buf.cast("B") if buf.format != "B" else buf)
-    if magic != MAGIC:
-        return None
-    return seq, index, count
+    fields = _TAG.unpack(buf.cast("B") if buf.format != "B" else buf)
+    return fields if fields[0] in (MAGIC, ASIDE_MAGIC) else None
+
+
+def read_tag(frame: Any) -> tuple[int, int, int] | None:
+    """(seq, index, count) of a part's tag, or None if ``frame`` is not one (an aside's tag is not)."""
+    t = _unpack(frame)
+    return None if t is None or t[0] != MAGIC else t[1:]
 
 
 def nbytes(frame: Any) -> int:
@@ -134,13 +157,15 @@ class Assembler:
         return sum(p.size for p in self._partials.values())
 
     def add(self, peer: str, zmq_frames: Sequence[Any], now_s: float) -> Complete | Refused | None:
-        if len(zmq_frames) != 2 or (t := read_tag(zmq_frames[0])) is None:
+        if len(zmq_frames) != 2 or (t := _unpack(zmq_frames[0])) is None:
             # Not a part: an old peer's whole message (or garbage), for the decoder to judge.
             self._drop(peer)
             return Complete(list(zmq_frames), legacy=True)
-        seq, index, count = t
+        magic, seq, index, count = t
         payload = zmq_frames[1]
         partial = self._partials.get(peer)
+        if magic == ASIDE_MAGIC:
+            return self._aside(peer, partial, index, count, payload, now_s)
         if index == 0:
             if partial is not None:
                 self._drop(peer)
@@ -176,8 +201,29 @@ class Assembler:
         self._partials.pop(peer, None)
         return Complete(partial.frames)
 
+    def _aside(self, peer: str, partial: _Partial | None, index: int, count: int, payload: Any,
+               now_s: float) -> Complete | Refused:
+        """A one-part message between another's parts: delivered, and the interrupted message kept.
+
+        Kept unless it has itself gone silent: asides (heartbeats) keep coming from a sender
+        that gave up on a message, and must not keep that message's parts held forever.
+        """
+        if partial is not None and now_s - partial.last_part_s > self.partial_timeout_s:
+            self._drop(peer)
+        if index != 0 or count != 1:
+            return Refused("bad_message", f"aside tag: part {index} of {count}; an aside is one part (0 of 1)")
+        if nbytes(payload) > self.max_message_bytes:
+            return Refused("too_large", f"an aside of {nbytes(payload)} bytes is over max_message_bytes="
+                                        f"{self.max_message_bytes}")
+        return Complete([payload])
+
     def forget(self, peer: str) -> None:
         self._partials.pop(peer, None)
+
+    def arriving(self, peer: str, now_s: float) -> bool:
+        """True while ``peer`` has a message partly arrived whose latest part came within ``partial_timeout_s``."""
+        partial = self._partials.get(peer)
+        return partial is not None and not partial.dropping and now_s - partial.last_part_s <= self.partial_timeout_s
 
     def _drop(self, peer: str) -> None:
         if self._partials.pop(peer, None) is not None:
@@ -191,4 +237,85 @@ class Assembler:
             self._drop(next(iter(self._partials)))
 
 
-__all__ = ["Assembler", "Complete", "Refused", "MAGIC", "TAG_BYTES", "MAX_PARTS", "parts", "read_tag", "tag"]
+@dataclass(slots=True)
+class Queued:
+    """One message in an ``Outbox``: its parts and how many of them went out."""
+
+    parts: list
+    nbytes: int
+    what: str = ""
+    sent: int = 0
+
+
+class Outbox:
+    """A sender's messages not yet handed to libzmq, given out one part at a time: asides first.
+
+    The owner hands libzmq the part ``peek`` names while its queue has room and
+    calls ``advance`` for each one it took, so that libzmq never holds more than
+    its send limit and what waits here can still be reordered: an aside put here
+    goes out before the next part of the message in progress. Everything else
+    keeps its order.
+    """
+
+    def __init__(self) -> None:
+        self._asides: deque[Queued] = deque()
+        self._messages: deque[Queued] = deque()
+        #: Parts waiting here.
+        self.parts = 0
+
+    def __bool__(self) -> bool:
+        return self.parts > 0
+
+    def put(self, parts: Sequence[list], nbytes: int, what: str = "", *, aside: bool = False) -> None:
+        queued = Queued(list(parts), nbytes, what)
+        if not queued.parts:
+            return
+        (self._asides if aside else self._messages).append(queued)
+        self.parts += len(queued.parts)
+
+    def peek(self) -> list | None:
+        """The next part to hand over (an aside's whole, or the current message's next part), or None."""
+        if self._asides:
+            return self._asides[0].parts[0]
+        if self._messages:
+            head = self._messages[0]
+            return head.parts[head.sent]
+        return None
+
+    def advance(self) -> Queued | None:
+        """The part ``peek`` named went out: its message if that was the last of it, else None."""
+        queue = self._asides if self._asides else self._messages
+        head = queue[0]
+        head.parts[head.sent] = None  # libzmq holds it now: drop our reference
+        head.sent += 1
+        self.parts -= 1
+        if head.sent < len(head.parts):
+            return None
+        queue.popleft()
+        return head
+
+    @property
+    def parts_behind(self) -> int:
+        """Parts waiting behind the first message's (what a sender's queue limit counts: one message of
+        any size is taken, and a receiver that stopped reading is told by what piles up after it)."""
+        if not self._messages:
+            return self.parts
+        head = self._messages[0]
+        return self.parts - (len(head.parts) - head.sent)
+
+    @property
+    def mid_message(self) -> bool:
+        """True while a message is partly handed over (the rest of it waits here)."""
+        return bool(self._messages) and self._messages[0].sent > 0
+
+    def clear(self) -> list[Queued]:
+        """Forget everything waiting; returns the messages dropped."""
+        dropped = [*self._asides, *self._messages]
+        self._asides.clear()
+        self._messages.clear()
+        self.parts = 0
+        return dropped
+
+
+__all__ = ["Assembler", "Complete", "Outbox", "Queued", "Refused", "ASIDE_MAGIC", "MAGIC", "TAG_BYTES", "MAX_PARTS",
+           "aside_tag", "parts", "read_tag", "tag"]

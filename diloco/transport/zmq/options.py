@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket as _socket
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -16,6 +17,24 @@ log = logging.getLogger("diloco.transport.zmq")
 
 #: ``zmtp_heartbeat_timeout_ms`` by default (``diloco server|worker --link-timeout``, in seconds).
 DEFAULT_LINK_TIMEOUT_MS = 30_000
+#: ``partial_timeout_s`` by default: an incomplete message silent this long is dropped.
+DEFAULT_PARTIAL_TIMEOUT_S = 120.0
+#: Environment variable that sets ``partial_timeout_s`` (seconds) for every endpoint of the process:
+#: a test can shorten the limit without waiting minutes (tests/zmq/test_slow_link.py).
+PARTIAL_TIMEOUT_ENV = "DILOCO_PARTIAL_TIMEOUT_S"
+
+
+def _partial_timeout_from_env() -> float:
+    text = os.environ.get(PARTIAL_TIMEOUT_ENV)
+    if text is None or not text.strip():
+        return DEFAULT_PARTIAL_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise ValueError(f"{PARTIAL_TIMEOUT_ENV}={text!r} is invalid: expected seconds > 0")
+    return value
 
 
 @dataclass(frozen=True)
@@ -26,13 +45,20 @@ class ZmqOptions:
     max_message_bytes: int = MAX_MESSAGE_BYTES
     #: Tensors larger than this are sent as several frames (SPEC.md section 11).
     chunk_bytes: int = CHUNK_BYTES
-    #: Coordinator: messages queued per peer before further ones are dropped.
+    #: Coordinator: parts handed to libzmq per peer; beyond them a message's rest waits in the endpoint
+    #: (a message of more parts, or one for a slow reader), and a message for a peer that has this
+    #: many parts waiting behind the one going out (it stopped reading) is dropped.
     router_sndhwm: int = 256
     #: Coordinator: parts queued per peer before libzmq stops reading that peer's connection.
     #: With parts of at most ``max_frame_bytes``, this bounds what libzmq holds for one peer.
     router_rcvhwm: int = 16
-    #: Worker: messages queued towards the coordinator (while it is away, they wait here).
+    #: Worker: parts queued towards the coordinator behind the message going out, not yet handed to
+    #: libzmq (while it is away, they wait here); a message is taken whole while fewer wait, however
+    #: many parts it has.
     dealer_sndhwm: int = 1000
+    #: Worker: parts handed to libzmq at a time. The rest wait in the endpoint, where a heartbeat can
+    #: pass them, so it waits behind at most the part on the wire and these.
+    dealer_pipe_parts: int = 1
     dealer_rcvhwm: int = 1024
     #: Worker: how long ``send`` waits for room in a full queue before dropping the message.
     send_timeout_s: float = 0.5
@@ -57,6 +83,10 @@ class ZmqOptions:
     #: Coordinator: a peer whose connection closed and did not come back within this many
     #: seconds is reported lost (``lost_peers``); a reconnect inside the window is a blip.
     disconnect_grace_s: float = 1.0
+    #: An incomplete message none of whose parts came for this many seconds is dropped: a limit on
+    #: silence, not on the transfer's age (``framing.Assembler``). Default 120 s, or
+    #: ``$DILOCO_PARTIAL_TIMEOUT_S``.
+    partial_timeout_s: float = field(default_factory=_partial_timeout_from_env)
 
     @property
     def max_frame_bytes(self) -> int:
@@ -65,12 +95,12 @@ class ZmqOptions:
 
     def __post_init__(self) -> None:
         for name in ("max_message_bytes", "chunk_bytes", "router_sndhwm", "router_rcvhwm", "dealer_sndhwm",
-                     "dealer_rcvhwm", "reconnect_ivl_ms", "reconnect_ivl_max_ms", "zmtp_heartbeat_ivl_ms",
+                     "dealer_pipe_parts", "dealer_rcvhwm", "reconnect_ivl_ms", "reconnect_ivl_max_ms", "zmtp_heartbeat_ivl_ms",
                      "zmtp_heartbeat_timeout_ms", "io_threads"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"ZmqOptions.{name}={v!r} is invalid: expected an integer >= 1")
-        for name in ("send_timeout_s", "disconnect_grace_s"):
+        for name in ("send_timeout_s", "disconnect_grace_s", "partial_timeout_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not (isinstance(v, (int, float)) and 0 < v < float("inf")):
                 raise ValueError(f"ZmqOptions.{name}={v!r} is invalid: expected seconds > 0")

@@ -9,6 +9,16 @@ This layer moves a message's frames as parts (``framing``), bounds what a
 peer may make it hold, watches connections and finds lost peers. It never
 decodes a frame: ``diloco.wire.zmq`` turns frames into messages and answers
 what it refuses.
+
+libzmq takes at most ``router_sndhwm`` parts per peer. What does not fit --
+the rest of a message of more parts (a Result for a model of many tensors),
+or messages for a slow reader (a worker behind a slow link) -- waits in that
+peer's ``framing.Outbox``, in order, and is handed over as libzmq's queue
+drains: on every ``send`` and ``recv`` (which polls every few milliseconds
+while anything waits), so the owner's loop must keep calling ``recv``, as the
+coordinator's does. Only a message for a peer that already has
+``router_sndhwm`` parts waiting behind the message in progress (it stopped
+reading) is dropped.
 """
 
 from __future__ import annotations
@@ -50,6 +60,9 @@ class FrameRouter:
     ``ROUTER_HANDOVER``: a second connection claiming a live peer's routing
     id is refused by libzmq).
     """
+
+    #: While parts wait for a peer, ``recv`` polls in slices this long to hand them over.
+    _PUMP_SLICE_S = 0.005
 
     def __init__(self, bind: str, *, options: ZmqOptions | None = None, monitor: bool = True,
                  auth: ServerAuth | None = None) -> None:
@@ -95,7 +108,9 @@ class FrameRouter:
             self._poller.register(self._monitor, zmq.POLLIN)
         self._closed = False
         self._seq = 0
-        self._assembler = framing.Assembler(o.max_message_bytes)
+        self._assembler = framing.Assembler(o.max_message_bytes, partial_timeout_s=o.partial_timeout_s)
+        #: routing id -> the parts libzmq had no room for yet (only peers with some waiting).
+        self._outboxes: dict[bytes, framing.Outbox] = {}
         self.counters: Counter[str] = Counter()
 
     def stats(self) -> dict:
@@ -108,6 +123,7 @@ class FrameRouter:
                 "connections_accepted", "disconnects", "handshake_failures", "auth_failures", "peers_lost")},
             "incomplete_dropped": self._assembler.incomplete_dropped,
             "partial_messages": self._assembler.partial_count,
+            "send_backlog_parts": sum(box.parts for box in self._outboxes.values()),
         }
 
     def recv(self, timeout_s: float) -> Arrival | None:
@@ -116,12 +132,16 @@ class FrameRouter:
             raise TransportClosed("coordinator endpoint is closed")
         deadline = time.monotonic() + max(0.0, timeout_s)
         while True:
+            if self._outboxes:
+                self._pump_all()
             arrival = self._recv_ready()
             if arrival is not None:
                 return arrival
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
+            if self._outboxes:  # wake soon to hand over more (libzmq has no per-peer "room" event)
+                remaining = min(remaining, self._PUMP_SLICE_S)
             events = dict(self._poller.poll(max(0, int(remaining * 1000 + 0.999))))
             if self._monitor is not None and self._monitor in events:
                 self._drain_monitor()
@@ -191,6 +211,7 @@ class FrameRouter:
                     raise TransportError(f"probe of {peer_name(rid)} failed: {exc}") from None
                 del self._heard[rid]
                 self._assembler.forget(peer_name(rid))
+                self._drop_outbox(rid)
                 lost.append(peer_name(rid))
         self.counters["peers_lost"] += len(lost)
         return lost
@@ -219,8 +240,10 @@ class FrameRouter:
     def send(self, peer: str, frames: list[Any], *, legacy: bool = False) -> None:
         """Send one message's frames to ``peer`` as parts; ``legacy``: as one multipart message (an old peer's reply).
 
-        Never blocks: a peer that stopped reading (its queue is full) or is
-        gone loses the message, which is counted.
+        Never blocks. What libzmq has no room for waits in the peer's outbox
+        (module docstring); a peer that already has ``router_sndhwm`` parts
+        waiting behind the message in progress (it stopped reading) or is gone
+        loses the message, which is counted.
         """
         if self._closed:
             raise TransportClosed("coordinator endpoint is closed")
@@ -231,14 +254,24 @@ class FrameRouter:
             return
         self._seq += 1
         messages = [frames] if legacy else framing.parts(self._seq, frames)
-        for part in messages:
+        box = self._outboxes.get(rid)
+        if box is not None:
+            if box.parts_behind >= self.options.router_sndhwm:
+                # The peer stopped reading: drop rather than hold ever more for it.
+                self.counters["dropped_queue_full"] += 1
+                log.warning("dropped a message to %s: its send queue is full", peer)
+                return
+            box.put([[rid, *part] for part in messages], framing.total_nbytes(frames))
+            self._pump(rid, box)
+            return
+        messages = list(messages)
+        for i, part in enumerate(messages):
             try:
                 self._sock.send_multipart([rid, *part], zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                # The peer stopped reading and its queue is full: drop rather than stall every other
-                # peer (the rest of a message cut here is dropped by the receiver as incomplete).
-                self.counters["dropped_queue_full"] += 1
-                log.warning("dropped a message to %s: its send queue is full", peer)
+                # libzmq's queue for this peer is full: the rest waits here, in order.
+                box = self._outboxes[rid] = framing.Outbox()
+                box.put([[rid, *p] for p in messages[i:]], framing.total_nbytes(frames))
                 return
             except zmq.ZMQError as exc:
                 if exc.errno == zmq.EHOSTUNREACH:  # gone (a datagram to a dead host)
@@ -247,6 +280,34 @@ class FrameRouter:
                 raise TransportError(f"send to {peer} failed: {exc}") from None
         self.counters["messages_out"] += 1
         self.counters["bytes_out"] += framing.total_nbytes(frames)
+
+    def _pump(self, rid: bytes, box: framing.Outbox) -> None:
+        """Hand libzmq ``rid``'s waiting parts until its queue for that peer is full."""
+        while (part := box.peek()) is not None:
+            try:
+                self._sock.send_multipart(part, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EHOSTUNREACH:  # the peer went away with parts still waiting
+                    self._drop_outbox(rid)
+                    return
+                raise TransportError(f"send to {peer_name(rid)} failed: {exc}") from None
+            done = box.advance()
+            if done is not None:
+                self.counters["messages_out"] += 1
+                self.counters["bytes_out"] += done.nbytes
+        if self._outboxes.get(rid) is box:
+            del self._outboxes[rid]
+
+    def _pump_all(self) -> None:
+        for rid, box in list(self._outboxes.items()):
+            self._pump(rid, box)
+
+    def _drop_outbox(self, rid: bytes) -> None:
+        box = self._outboxes.pop(rid, None)
+        if box is not None:
+            self.counters["dropped_unroutable"] += len(box.clear())
 
     def close(self) -> None:
         if not self._closed:
