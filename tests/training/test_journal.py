@@ -305,3 +305,31 @@ def test_contributions_journaled_before_a_full_checkpoint_stay_for_their_round(t
     found = find_newest(ck)
     assert found.meta["rounds_applied"] == c.fsm.rounds_applied
     _same_state(_state_of(load_coordinator(ck, 0.0)), _state_of(c))
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "x", "1.5"])
+def test_a_bad_full_checkpoint_every_is_a_usage_error(value, capsys):
+    from diloco import cli
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["server", "--full-checkpoint-every", value])
+    assert info.value.code == 2
+    assert f"--full-checkpoint-every: {value!r} is not a number of rounds >= 1 or 'auto'" in capsys.readouterr().err
+
+
+def test_auto_journals_only_a_big_state(tmp_path):
+    from diloco.coordinator.persist import AUTO, AUTO_FULL_EVERY, Durability
+
+    small = make()
+    small.install_params({"w": torch.zeros(1000)})
+    d = Durability(tmp_path / "small", 3, AUTO)
+    d.attach(small)
+    assert d.full_every == 1 and not d.journaling
+    big = make()
+    big.install_params({"w": torch.zeros(17 << 20)})  # 68 MB of params + as much momentum: 136 MB
+    d = Durability(tmp_path / "big", 3, AUTO)
+    d.attach(big)
+    try:
+        assert d.full_every == AUTO_FULL_EVERY and d.journaling and big.recorder is d
+    finally:
+        d.close()
