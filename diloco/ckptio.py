@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 from typing import Any
 
 import torch
@@ -88,6 +89,20 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
         h.update(json.dumps([name, str(t.dtype).removeprefix("torch."), list(t.shape)]).encode())
         h.update(_raw(t))
     return h.hexdigest()
+
+
+def numbered_files(directory: str | os.PathLike, pattern: "re.Pattern[str]") -> list[tuple[int, pathlib.Path]]:
+    """(number, path) of the files in ``directory`` whose name ``pattern`` matches with the number as its
+    first group, lowest first (``coordinator-<n>.safetensors``, ``journal-<n>.log``); none for a missing folder."""
+    directory = pathlib.Path(directory)
+    if not directory.is_dir():
+        return []
+    found = []
+    for entry in directory.iterdir():
+        m = pattern.match(entry.name)
+        if m:
+            found.append((int(m.group(1)), entry))
+    return sorted(found)
 
 
 def fsync_dir(directory: pathlib.Path) -> None:

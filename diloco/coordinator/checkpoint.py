@@ -36,7 +36,7 @@ from typing import Callable
 
 import torch
 
-from diloco.ckptio import flatten_named, read_safetensors, unflatten_named, write_safetensors
+from diloco.ckptio import flatten_named, numbered_files, read_safetensors, unflatten_named, write_safetensors
 from diloco.core import Mode, RoundFSM
 from diloco.coordinator import journal
 from diloco.coordinator.access import AccessList
@@ -204,14 +204,7 @@ def rotate(directory: pathlib.Path, keep: int) -> list[pathlib.Path]:
 def list_checkpoints(directory: str | os.PathLike) -> list[pathlib.Path]:
     """The checkpoint files in ``directory``, newest first; an old-format ``coordinator.ckpt`` last."""
     directory = pathlib.Path(directory)
-    if not directory.is_dir():
-        return []
-    found = []
-    for entry in directory.iterdir():
-        m = _NAME_RX.match(entry.name)
-        if m:
-            found.append((int(m.group(1)), entry))
-    paths = [p for _, p in sorted(found, reverse=True)]
+    paths = [p for _, p in reversed(numbered_files(directory, _NAME_RX))]
     legacy = directory / FILENAME
     if legacy.is_file():
         paths.append(legacy)

@@ -61,7 +61,7 @@ from typing import Iterator
 
 import torch
 
-from diloco.ckptio import _raw, fsync_dir, write_all
+from diloco.ckptio import _raw, fsync_dir, numbered_files, write_all
 from diloco.tensorfile import CheckpointError
 
 MAGIC = b"DLJ1"
@@ -88,15 +88,7 @@ def segment_name(first_seq: int) -> str:
 
 def list_segments(directory: str | os.PathLike) -> list[tuple[int, pathlib.Path]]:
     """(first seq, path) of the journal segments in ``directory``, oldest first."""
-    directory = pathlib.Path(directory)
-    if not directory.is_dir():
-        return []
-    found = []
-    for entry in directory.iterdir():
-        m = _NAME_RX.match(entry.name)
-        if m:
-            found.append((int(m.group(1)), entry))
-    return sorted(found)
+    return numbered_files(directory, _NAME_RX)
 
 
 # --------------------------------------------------------------------- writing
