@@ -160,7 +160,7 @@ class Durability:
             self._steps.append({"fragment": fragment_id, "inputs": [[r, w] for r, w in inputs]})
             return
         self._steps.append({"fragment": fragment_id, "mean": True})
-        self._queued.append(self._io.submit(self._segment.append_mean, fragment_id, grad))
+        self._queued.append(self._io.submit(lambda: self._segment.append_mean(fragment_id, grad)))
 
     # ------------------------------------------------------------------ the runner's calls
 
@@ -177,7 +177,10 @@ class Durability:
         steps, self._steps = self._steps, []
         c.journal_seq += 1
         meta = journal_meta(c)
-        self._io.submit(self._segment.append_commit, c.journal_seq, steps, meta).result()
+        seq = c.journal_seq
+        # The segment is looked up when the write runs: a background full checkpoint queued before
+        # it (a ban's commit does not wait for one) switches to a new segment first.
+        self._io.submit(lambda: self._segment.append_commit(seq, steps, meta)).result()
         self._unpin(steps)
         c.stats.journal_records += 1
         c.stats.journal_wait_s += time.perf_counter() - start

@@ -333,3 +333,39 @@ def test_auto_journals_only_a_big_state(tmp_path):
         assert d.full_every == AUTO_FULL_EVERY and d.journaling and big.recorder is d
     finally:
         d.close()
+
+
+def test_a_commit_while_a_full_checkpoint_is_written_goes_to_the_new_segment(tmp_path, monkeypatch):
+    """A ban's commit does not wait for a background full checkpoint (no outer step runs): it must land
+    in the segment that follows that checkpoint, not in the one the checkpoint closes."""
+    import time as _time
+
+    import diloco.coordinator.persist as persist
+    from diloco.coordinator.persist import Durability
+
+    real = persist.prepare_save
+
+    def slow_prepare(c):
+        write = real(c)
+
+        def slow(directory, keep):
+            _time.sleep(0.3)
+            return write(directory, keep)
+        return slow
+
+    monkeypatch.setattr(persist, "prepare_save", slow_prepare)
+    ck = tmp_path / "ck"
+    c = make()
+    d = Durability(ck, 3, 2)
+    d.attach(c)
+    banned_during_full = 0
+    for peer, message in script(4):
+        c.handle(peer, message, 1.0)
+        d.after_step(isinstance(message, Submit) and message.worker_id == "w2")
+        if d._full is not None and not d._full.done():
+            d.after_step(True)  # a ban's commit, while a background full checkpoint is being written
+            banned_during_full += 1
+    d.close()
+    assert c.fsm.rounds_applied == 4 and banned_during_full >= 1
+    _same_state(_state_of(load_coordinator(ck, 0.0)), _state_of(c))
+    assert find_newest(ck).meta["journal_seq"] == c.journal_seq
