@@ -360,7 +360,7 @@ class WorkerSession:
         if state is S.JOINING:
             if self._outage(now, silence):
                 return self._flush()
-            if False and (sending or receiving) and now - self._last_hb_sent >= self.heartbeat_interval_s:
+            if (sending or receiving) and now - self._last_hb_sent >= self.heartbeat_interval_s:
                 # W3: the coordinator may count us a member already while our Join's or its
                 # Welcome's parts are still crossing; before that it answers rejoin (ignored here).
                 self._heartbeat(now)
