@@ -345,8 +345,9 @@ class WorkerSession:
 
         ``sending`` / ``receiving``: the transport is still moving a message to / from the
         coordinator part by part (a big Submit or Result on a slow link). Meanwhile a joining
-        worker heartbeats too (its Welcome may take longer than the heartbeat timeout to
-        arrive) and no resync runs (W9: the Result is not lost, it is on its way).
+        worker heartbeats instead of sending its Join again (its Welcome may take longer than
+        the heartbeat timeout to arrive), and no resync runs (W9: the Result is not lost, it
+        is on its way).
         """
         state = self.state
         if state is None or state is S.STOPPED:
@@ -360,11 +361,13 @@ class WorkerSession:
         if state is S.JOINING:
             if self._outage(now, silence):
                 return self._flush()
-            if (sending or receiving) and now - self._last_hb_sent >= self.heartbeat_interval_s:
-                # W3: the coordinator may count us a member already while our Join's or its
-                # Welcome's parts are still crossing; before that it answers rejoin (ignored here).
-                self._heartbeat(now)
-            if self._unanswered_since is not None and \
+            if sending or receiving:
+                # W1, W3: our Join (with params) or the Welcome is still crossing, part by part. The
+                # coordinator may count us a member already: heartbeat (before it does, it answers
+                # rejoin, ignored here); a Join sent again would only be answered already_member.
+                if now - self._last_hb_sent >= self.heartbeat_interval_s:
+                    self._heartbeat(now)
+            elif self._unanswered_since is not None and \
                     now - max(self._last_join, self._unanswered_since) >= self._join_resend_s:
                 # A Join can be lost with a connection that died under it (a duplicate is
                 # answered already_member after the Welcome, and ignored).

@@ -14,6 +14,7 @@ round's outer step input in between; resuming replays the journal. What must hol
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -48,14 +49,16 @@ class ScriptedEndpoint:
         return self.items.pop(0) if self.items else None
 
     def _durable(self):
-        # The journal thread may delete a segment (after a background full checkpoint) while this
-        # reads; a resume never reads during a run. Read again then.
-        for _ in range(50):
+        # The journal thread may delete segments and checkpoints (after a background full checkpoint)
+        # while this reads, which a resume never does. Read again then: once the thread is idle
+        # the directory is consistent, and an error that persists is a real one.
+        for attempt in range(200):
             try:
                 return find_newest(self.ck)
-            except FileNotFoundError:
-                continue
-        raise AssertionError("the checkpoint directory kept changing under the read")
+            except (FileNotFoundError, CheckpointError):
+                if attempt == 199:
+                    raise
+                time.sleep(0.01)
 
     def send(self, peer, message) -> None:
         if isinstance(message, Result):
@@ -338,8 +341,6 @@ def test_auto_journals_only_a_big_state(tmp_path):
 def test_a_commit_while_a_full_checkpoint_is_written_goes_to_the_new_segment(tmp_path, monkeypatch):
     """A ban's commit does not wait for a background full checkpoint (no outer step runs): it must land
     in the segment that follows that checkpoint, not in the one the checkpoint closes."""
-    import time as _time
-
     import diloco.coordinator.persist as persist
     from diloco.coordinator.persist import Durability
 
@@ -349,7 +350,7 @@ def test_a_commit_while_a_full_checkpoint_is_written_goes_to_the_new_segment(tmp
         write = real(c)
 
         def slow(directory, keep):
-            _time.sleep(0.3)
+            time.sleep(0.3)
             return write(directory, keep)
         return slow
 
