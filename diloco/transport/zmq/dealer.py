@@ -157,10 +157,10 @@ class FrameDealer:
         for room, then drops the message and counts it
         (``counters["dropped_queue_full"]``), like a datagram to a dead host:
         the worker notices the silence (no replies) and acts on it. A message
-        is taken whole or not at all, whatever its size. ``aside``: a one-frame message (a heartbeat) that may go out
-        between the parts of one sent before it. ``what`` names the message in
-        that warning. Raises ``AuthRefused`` if the coordinator refused this
-        endpoint's key.
+        is taken whole or not at all, whatever its size. ``aside``: a
+        one-frame message (a heartbeat) that may go out between the parts of
+        one sent before it. ``what`` names the message in that warning.
+        Raises ``AuthRefused`` if the coordinator refused this endpoint's key.
         """
         if self._closed:
             raise TransportClosed(f"endpoint to {self.address} is closed")
