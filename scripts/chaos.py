@@ -33,11 +33,17 @@ checkpoint's committed params; in addition
 6. every two workers whose checkpoints hold the same round ids hold
    bit-identical committed params (the replicas never diverge).
 
+Every run ends with trace validation (``diloco check-log``): the audit log's
+inputs, replayed through the pure machine from each incarnation's snapshot,
+must give exactly the effects and decisions the live coordinators logged; a
+divergence is a violation (``trace_divergences`` in the RESULT line).
+
 It reports how many applied rounds a coordinator kill lost (the rounds the
 log recorded before the kill minus those the restarted coordinator resumed
 with: persist-before-announce makes it 0). Last line::
 
     RESULT chaos data_plane=P minutes=M worker_kills=N coordinator_kills=N rounds_applied=N violations=N max_lost_rounds=N
+        trace_inputs=N trace_divergences=N
 
 A coordinator that exits by itself (for example, refusing to resume) and a
 final ``shutdown --save`` that fails are violations too: a run that cannot
@@ -390,6 +396,12 @@ def main(argv: list[str] | None = None) -> int:
     violations += soak.server_failures
     ck_violations, ck_stats = check_checkpoint(out / "ckpt", out if args.data_plane == "collective" else None)
     violations += ck_violations
+    from diloco.coordinator.tracecheck import check_log
+
+    trace = check_log(out / "ckpt")
+    print(f"trace validation: {trace.summary()}", flush=True)
+    if not trace.ok:
+        violations.append(f"trace validation: {trace.summary()}")
     for v in violations:
         print(f"VIOLATION {v}", flush=True)
     print(f"audit log: {log_stats['rounds_applied']} applied rounds over {log_stats['incarnations']} coordinator "
@@ -397,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
           f"-> {ck_stats.get('loss_end', math.nan):.4f}; {soak.min_worker_changes} min_workers changes", flush=True)
     print(f"RESULT chaos data_plane={args.data_plane} minutes={args.minutes:g} worker_kills={soak.worker_kills} "
           f"coordinator_kills={soak.coordinator_kills} rounds_applied={log_stats['rounds_applied']} "
-          f"violations={len(violations)} max_lost_rounds={log_stats['max_lost_rounds']}", flush=True)
+          f"violations={len(violations)} max_lost_rounds={log_stats['max_lost_rounds']} "
+          f"trace_inputs={trace.inputs} trace_divergences={0 if trace.divergence is None else 1}", flush=True)
     return 1 if violations else 0
 
 

@@ -19,8 +19,10 @@ import time
 from diloco.coordinator.service import Coordinator
 
 FILENAME = "events.jsonl"
-#: Coordinator events that get a line (membership, quorum, rounds, refusals, discards, the stop).
-KINDS = frozenset({"join", "left", "dead", "quorum", "apply", "step_refused", "discard", "reconciled", "stop"})
+#: Coordinator events that get a line (membership, quorum, rounds, refusals, discards, the stop), and
+#: every input of the machine with its effects (trace validation, ``tracecheck.py``).
+KINDS = frozenset({"join", "left", "dead", "quorum", "apply", "step_refused", "discard", "reconciled", "stop",
+                   "input"})
 
 
 def last_incarnation(path: pathlib.Path) -> int:
@@ -73,6 +75,8 @@ class AuditLog:
         self.incarnation = 0
         self._base_rounds = 0
         self._pending: list[str] = []
+        #: A queued line other than an input: the flush fsyncs (inputs alone are only written, see ``flush``).
+        self._decisions = False
         self._file = open(self.path, "ab")
         if self._file.tell() > 0:
             with open(self.path, "rb") as f:
@@ -86,6 +90,7 @@ class AuditLog:
         coordinator.incarnation = max(coordinator.incarnation, last_incarnation(self.path) + 1)
         self.incarnation = coordinator.incarnation
         self._base_rounds = coordinator.fsm.rounds_applied - coordinator.stats.rounds_applied
+        coordinator.trace_inputs = True
         return self.incarnation
 
     def record(self, event: str, **info) -> None:
@@ -97,6 +102,12 @@ class AuditLog:
             line["min_workers"] = c.fsm.min_workers
         line.update(info)
         self._pending.append(json.dumps(line, default=str, separators=(",", ":")))
+        self._decisions = self._decisions or event != "input"
+
+    def record_start(self, **info) -> None:
+        """The incarnation's first line: ``info`` and the machine's snapshot, where ``check-log`` starts
+        replaying this incarnation's inputs (``tracecheck.py``)."""
+        self.record("start", **info, fsm=self.coordinator.fsm.snapshot())
 
     def __call__(self, kind: str, now_s: float, info: dict) -> None:
         if kind in KINDS:
@@ -107,18 +118,23 @@ class AuditLog:
         return bool(self._pending)
 
     def flush(self) -> None:
-        """Append the queued lines and fsync the file (nothing to do when none is queued)."""
+        """Append the queued lines; fsync the file when one of them is a decision (nothing to do when none
+        is queued). A step of inputs alone (a heartbeat) is written but not fsync'd: the next decision's
+        fsync covers it, and a crash before then loses only lines no decision depends on."""
         if not self._pending:
             return
         data = ("\n".join(self._pending) + "\n").encode()
         self._pending.clear()
         self._file.write(data)
         self._file.flush()
-        os.fsync(self._file.fileno())
+        if self._decisions:
+            os.fsync(self._file.fileno())
+        self._decisions = False
 
     def discard(self) -> None:
         """Drop the queued lines (their step could not be made durable)."""
         self._pending.clear()
+        self._decisions = False
 
     def close(self) -> None:
         try:

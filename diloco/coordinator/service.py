@@ -68,6 +68,7 @@ from diloco.coordinator.config import CoordinatorConfig
 from diloco.coordinator.collective import CollectivePlane
 from diloco.coordinator.dylu import SpeedTable
 from diloco.coordinator.metrics import MetricsHistory
+from diloco.core import trace
 from diloco.outer import build_outer_optimizer
 from diloco.coordinator.params import (
     describe_mismatch,
@@ -200,6 +201,9 @@ class Coordinator:
         #: Sync rounds: the contributions in each fragment's running sum, in the order they were
         #: added (a replay adds them in the same order: the same bits).
         self._summed: dict[int, list[tuple[int, str]]] = {}
+        #: Observers hear every event fed to the machine and its effects (``"input"``): the audit
+        #: log sets it, for trace validation (``tracecheck.py``).
+        self.trace_inputs = False
         #: Steps made durable so far (``persist.py``); a checkpoint holds the steps up to it.
         self.journal_seq = 0
         #: Restored from a checkpoint (``restore_coordinator``), not started fresh.
@@ -588,6 +592,9 @@ class Coordinator:
               report: ReduceReport | None = None) -> list:
         effects = self.fsm.step(event)
         now = self.fsm.now_s
+        if self.trace_inputs:
+            # Trace validation (``diloco check-log``): the machine's input and its answer, first.
+            self._notify("input", now, **{"in": trace.event_record(event), "out": trace.effect_records(effects)})
         if type(event) is WorkerLeft and not (effects and type(effects[0]) is Reject):
             # Observers hear of the leave before what it caused (quorum and phase changes,
             # an apply, a stop), as they hear of a DeclareDead: in effect order (SPEC.md 5.3).

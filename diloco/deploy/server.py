@@ -291,11 +291,11 @@ def run_server(s: ServerSettings, out: TextIO = sys.stdout, stop_event: threadin
                               else None) or uuid.uuid4().hex[:12]
     if audit is not None:
         audit.attach(coordinator)
-        audit.record("start", resumed_from=str(coordinator.resumed_from) if coordinator.resumed_from else None,
-                     replayed=coordinator.resume_replayed,
-                     skipped=[str(p) for p, _ in coordinator.resume_skipped],
-                     open_rounds=list(coordinator.fsm.open_round_ids()), min_workers=coordinator.fsm.min_workers,
-                     mode=coordinator.config.fsm.mode.value, pid=os.getpid(), run_id=coordinator.run_id)
+        audit.record_start(resumed_from=str(coordinator.resumed_from) if coordinator.resumed_from else None,
+                           replayed=coordinator.resume_replayed,
+                           skipped=[str(p) for p, _ in coordinator.resume_skipped],
+                           open_rounds=list(coordinator.fsm.open_round_ids()), min_workers=coordinator.fsm.min_workers,
+                           mode=coordinator.config.fsm.mode.value, pid=os.getpid(), run_id=coordinator.run_id)
         audit.flush()
     warm_up(coordinator.config)
     store_host = None

@@ -33,3 +33,5 @@ def test_ninety_seconds_of_chaos_break_no_rule(tmp_path):
     assert proc.returncode == 0 and fields["violations"] == "0", out[-4000:]
     assert int(fields["worker_kills"]) >= 3 and int(fields["coordinator_kills"]) >= 1, fields
     assert int(fields["rounds_applied"]) >= 5 and fields["max_lost_rounds"] == "0", fields
+    # Trace validation: every input the live coordinators logged, replayed through the pure machine.
+    assert fields["trace_divergences"] == "0" and int(fields["trace_inputs"]) > 100, fields

@@ -18,6 +18,7 @@ from test_durable import audit_lines, check_audit, worker_max_round
 
 from diloco.coordinator import journal
 from diloco.coordinator.checkpoint import find_newest, list_checkpoints
+from diloco.coordinator.tracecheck import check_log
 
 pytestmark = pytest.mark.slow
 
@@ -64,3 +65,5 @@ def test_kill9_of_a_journaling_coordinator_loses_at_most_the_open_round(cluster,
     # The second incarnation journaled too, on top of what it replayed.
     again = find_newest(ck)
     assert again.meta["rounds_applied"] >= durable + 3 and again.meta["incarnation"] == 2
+    report = check_log(ck)  # trace validation across the kill
+    assert report.ok and report.incarnations == 2, report.summary()
