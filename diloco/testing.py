@@ -92,19 +92,21 @@ def make_coordinator(
     observer: Observer | None = None,
     wire_dtype: str = "fp32",
     collective_timeout_s: float = 0.0,
+    outlier_factor: float = 10.0,
     **fsm: Any,
 ) -> Coordinator:
     """``Coordinator(CoordinatorConfig(FSMConfig(**fsm), outer=..., max_update_norm=..., wire_dtype=...), now_s,
     observer=...)``.
 
-    ``outer=None`` is the default outer optimizer (Nesterov, lr 0.7, momentum 0.8).
+    ``outer=None`` is the default outer optimizer (Nesterov, lr 0.7, momentum 0.8);
+    ``outlier_factor`` the default bound on contributions out of line (0: off).
     """
     from diloco.coordinator import Coordinator, CoordinatorConfig, OuterConfig
     from diloco.core import FSMConfig
 
     config = CoordinatorConfig(FSMConfig(**fsm), outer=outer if outer is not None else OuterConfig(),
                                max_update_norm=max_update_norm, wire_dtype=wire_dtype,
-                               collective_timeout_s=collective_timeout_s)
+                               collective_timeout_s=collective_timeout_s, outlier_factor=outlier_factor)
     return Coordinator(config, now_s, observer=observer)
 
 

@@ -35,11 +35,14 @@ class AccessList:
         #: ``kick --ban``: ids, and (with authentication) keys, refused at join until ``unban``.
         self.banned_ids: set[str] = set()
         self.banned_keys: set[str] = set()
+        #: public key -> worker ids it may hold at once, as its identity said at its last join (``status``).
+        self.allowances: dict[str, int] = {}
         #: Counts bans and unbans, so the runner writes a checkpoint before confirming one.
         self.ban_changes = 0
 
-    def refusal(self, msg, identity) -> tuple[ErrorCode, str] | None:
-        """Why a worker message is refused before anything else: a banned id or key, or another key's id."""
+    def refusal(self, msg, identity, is_member: Callable[[str], bool] = lambda w: False) -> tuple[ErrorCode, str] | None:
+        """Why a worker message is refused before anything else: a banned id or key, another key's id, or
+        a join past the key's allowance of live ids."""
         wid = msg.worker_id
         if not isinstance(wid, str):
             return None  # the core rejects it with invalid_worker_id
@@ -54,9 +57,33 @@ class AccessList:
             return ErrorCode.WRONG_KEY, (f"worker id {wid!r} is bound to key {self.key_names.get(bound, '?')!r}, "
                                          f"the key that first joined it; this message came with key "
                                          f"{identity.name!r}")
+        if isinstance(msg, Join) and identity is not None and not is_member(wid):
+            # One key, one live worker id (unless its allowance says more): a key cannot fill the
+            # quorum, or weigh a round, as several workers (SPEC.md section 11, "Auth").
+            allowed = getattr(identity, "max_ids", 1)
+            held = self.live_ids(identity.public_key, is_member)
+            if len(held) >= allowed:
+                return ErrorCode.KEY_ID_LIMIT, (
+                    f"key {identity.name!r} already holds {len(held)} live worker id(s) {held[:5]} and may hold "
+                    f"{allowed} at once; a key that runs several workers needs workers/{identity.name}.max_ids "
+                    f"in the server's auth directory")
         return None
 
+    def live_ids(self, public_key: str, is_member: Callable[[str], bool]) -> list[str]:
+        """The live members bound to ``public_key``."""
+        return [w for w, k in self.keys.items() if k == public_key and is_member(w)]
+
+    def key_summary(self, is_member: Callable[[str], bool]) -> list[dict]:
+        """Per key with a live member: its name, live ids and allowance (``status``)."""
+        out = []
+        for pk, name in sorted(self.key_names.items(), key=lambda kv: kv[1]):
+            ids = self.live_ids(pk, is_member)
+            if ids:
+                out.append({"key": name, "worker_ids": ids, "max_ids": self.allowances.get(pk, 1)})
+        return out
+
     def bind(self, worker_id: str, identity, is_member: Callable[[str], bool]) -> None:
+        self.allowances[identity.public_key] = getattr(identity, "max_ids", 1)
         if worker_id in self.keys:
             return
         self.keys[worker_id] = identity.public_key

@@ -22,7 +22,7 @@ FILENAME = "events.jsonl"
 #: Coordinator events that get a line (membership, quorum, rounds, refusals, discards, the stop), and
 #: every input of the machine with its effects (trace validation, ``tracecheck.py``).
 KINDS = frozenset({"join", "left", "dead", "quorum", "apply", "step_refused", "discard", "reconciled", "stop",
-                   "input"})
+                   "outlier", "input"})
 
 
 def last_incarnation(path: pathlib.Path) -> int:

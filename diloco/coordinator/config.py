@@ -20,6 +20,9 @@ class CoordinatorConfig:
     #: Refuse a contribution whose L2 norm (over all its tensors) exceeds this with
     #: ``update_too_large``; None: no limit (SPEC.md section 12, ``--max-update-norm``).
     max_update_norm: float | None = None
+    #: Refuse a contribution whose L2 norm exceeds this many times the median of the fragment's
+    #: recent accepted ones (``outliers.py``, ``--outlier-factor``); 0: off.
+    outlier_factor: float = 10.0
     #: How pseudo-gradients (Submit) and sync Results travel: "fp32", "bf16" or "int8"
     #: (``diloco.wire.compression``; SPEC.md section 11, "Wire dtypes"). The outer step is
     #: fp32 whatever it is. ``diloco server`` defaults to ``DEFAULT_SERVER_WIRE_DTYPE``.
@@ -50,6 +53,10 @@ class CoordinatorConfig:
             raise ConfigError("max_update_norm", m, "a finite number > 0, or None for no limit")
         if m is not None:
             object.__setattr__(self, "max_update_norm", float(m))
+        f = self.outlier_factor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or (0 < f < 2) or f < 0:
+            raise ConfigError("outlier_factor", f, "0 (off) or a finite number >= 2")
+        object.__setattr__(self, "outlier_factor", float(f))
         if not isinstance(self.wire_dtype, str) or self.wire_dtype not in WIRE_DTYPE_NAMES:
             raise ConfigError("wire_dtype", self.wire_dtype, f"one of {list(WIRE_DTYPE_NAMES)}")
         if not isinstance(self.dylu, bool):
@@ -83,7 +90,7 @@ class CoordinatorConfig:
     def to_dict(self) -> dict:
         return {"fsm": self.fsm.to_dict(), "outer": self.outer.to_dict(),
                 "heartbeat_interval_s": self.heartbeat_interval_s, "max_update_norm": self.max_update_norm,
-                "wire_dtype": self.wire_dtype, "dylu": self.dylu, "sync_every": self.sync_every,
+                "outlier_factor": self.outlier_factor, "wire_dtype": self.wire_dtype, "dylu": self.dylu, "sync_every": self.sync_every,
                 "collective_timeout_s": self.collective_timeout_s}
 
     @classmethod
@@ -92,5 +99,5 @@ class CoordinatorConfig:
         # checkpoints: absent means no limit, fp32 (what those runs sent), no DyLU.
         return cls(fsm=FSMConfig.from_dict(d["fsm"]), outer=OuterConfig(**d["outer"]),
                    heartbeat_interval_s=d["heartbeat_interval_s"], max_update_norm=d.get("max_update_norm"),
-                   wire_dtype=d.get("wire_dtype", "fp32"), dylu=d.get("dylu", False),
+                   outlier_factor=d.get("outlier_factor", 10.0), wire_dtype=d.get("wire_dtype", "fp32"), dylu=d.get("dylu", False),
                    sync_every=d.get("sync_every"), collective_timeout_s=d.get("collective_timeout_s", 0.0))

@@ -69,6 +69,7 @@ from diloco.coordinator.collective import CollectivePlane
 from diloco.coordinator.dylu import SpeedTable
 from diloco.coordinator.metrics import MetricsHistory
 from diloco.core import trace
+from diloco.coordinator.outliers import OutlierGuard, fast_norm
 from diloco.outer import build_outer_optimizer
 from diloco.coordinator.params import (
     describe_mismatch,
@@ -204,6 +205,8 @@ class Coordinator:
         #: Observers hear every event fed to the machine and its effects (``"input"``): the audit
         #: log sets it, for trace validation (``tracecheck.py``).
         self.trace_inputs = False
+        #: The bound on contributions far out of line with the recent ones (``outliers.py``).
+        self.outliers = OutlierGuard(config.fsm.num_fragments, config.outlier_factor)
         #: Steps made durable so far (``persist.py``); a checkpoint holds the steps up to it.
         self.journal_seq = 0
         #: Restored from a checkpoint (``restore_coordinator``), not started fresh.
@@ -275,6 +278,7 @@ class Coordinator:
             wire_dtype=self.config.wire_dtype,
             banned_workers=sorted(self.access.banned_ids),
             banned_keys=self.access.banned_key_names(),
+            keys=self.access.key_summary(self.fsm.is_member),
         )
         now = self.fsm.now_s
         uptime = max(0.0, now - self.started_s)
@@ -326,7 +330,7 @@ class Coordinator:
             self._answer_after_stop(peer, message, out)
             return out
         if isinstance(message, (Heartbeat, Submit, Join, Leave, ReduceReport)):
-            refusal = self.access.refusal(message, identity)
+            refusal = self.access.refusal(message, identity, self.fsm.is_member)
             if refusal is not None:
                 self._refuse(peer, out, *refusal, message)
                 return out
@@ -490,6 +494,7 @@ class Coordinator:
                 self._refuse(peer, out, ErrorCode.TENSOR_MISMATCH, str(exc), msg)
                 return
             limit = self.config.max_update_norm
+            norm = None
             if limit is not None:
                 norm = l2_norm(tensors)
                 if norm > limit:
@@ -497,6 +502,18 @@ class Coordinator:
                                  f"fragment {fid} submission: L2 norm {norm:.6g} exceeds the coordinator's "
                                  f"--max-update-norm {limit:g}", msg)
                     return
+            if self.outliers.factor > 0:
+                norm = fast_norm(tensors) if norm is None else norm
+                why = self.outliers.check(fid, norm, self.store.fragment_params(fid))
+                if why is not None:
+                    self._refuse(peer, out, ErrorCode.UPDATE_TOO_LARGE, f"fragment {fid} submission: {why}", msg)
+                    self._notify("outlier", self.fsm.now_s, worker_id=wid, fragment_id=fid, norm=norm, detail=why)
+                    return
+            effects = self._step(ContributionSubmitted(wid, fid, msg.round_id), out, peer=peer, submit=msg,
+                                 tensors=tensors)
+            if norm is not None and any(type(e) is AcceptContribution for e in effects):
+                self.outliers.accepted(fid, norm)
+            return
         self._step(ContributionSubmitted(wid, fid, msg.round_id), out, peer=peer, submit=msg, tensors=tensors)
 
     def _on_report(self, peer: str, msg: ReduceReport, out: Outgoing) -> None:

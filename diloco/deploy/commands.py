@@ -45,6 +45,7 @@ _positive_float = flag_value(float, lambda v: 0 < v < float("inf"), "a finite nu
 #: ``--overlap-alpha``: 0 <= A < 1.
 _overlap_alpha = flag_value(float, lambda v: 0 <= v < 1, "in [0, 1): the weight of the local params at a merge")
 #: ``--max-update-norm``: a finite number > 0, or 0 for no limit.
+_outlier_factor = flag_value(float, lambda v: v == 0 or 2 <= v < float("inf"), "0 (off) or a number >= 2")
 _update_norm = flag_value(float, lambda v: 0 <= v < float("inf"), "a finite number > 0 (or 0 for no limit)")
 
 
@@ -169,6 +170,12 @@ def register(subparsers) -> None:
                         "catch a diverging worker: set X to a few times the largest healthy pseudo-gradient "
                         "norm, which the workers' round lines or a trial run show. 0: no limit (on --resume: "
                         "default the saved limit)")
+    p.add_argument("--outlier-factor", type=_outlier_factor, default=None, metavar="F",
+                   help="refuse a contribution whose L2 norm is over F times the median norm of the fragment's "
+                        "last 16 accepted contributions (update_too_large), before it enters a round: one worker "
+                        "or key cannot wreck the params with a huge but finite pseudo-gradient, and nothing needs "
+                        "tuning (before 3 are known: 1000 x the params' norm). 0: off (default 10; on --resume: "
+                        "the saved value)")
     p.add_argument("--data-plane", choices=("hub", "collective"), default=None,
                    help="how a round's pseudo-gradients combine. hub (default): every worker sends its "
                         "pseudo-gradient here and gets the new params back; right for a few workers, small "
@@ -388,6 +395,7 @@ def cmd_server(args) -> int:
         resume=args.resume, keep=args.keep, full_checkpoint_every=args.full_checkpoint_every,
         max_message_bytes=None if args.max_message_mb is None else int(args.max_message_mb * (1 << 20)),
         link_timeout_s=args.link_timeout, max_update_norm=args.max_update_norm, wire_dtype=args.wire_dtype,
+        outlier_factor=args.outlier_factor,
         dylu=args.dylu, sync_every=args.sync_every,
         auth_dir=args.auth, io_threads=args.io_threads, http=args.http, log_dir=args.log_dir,
         data_plane=args.data_plane, collective_timeout_s=args.collective_timeout,

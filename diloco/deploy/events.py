@@ -63,6 +63,8 @@ class EventPrinter:
         elif kind == "discard":
             line = (f"discard  fragment {info['fragment_id']} round {info['round_id']} of {info['worker_id']} "
                     f"({info['reason']})")
+        elif kind == "outlier":
+            line = f"REFUSED  {info['worker_id']}'s fragment {info['fragment_id']} submission: {info['detail']}"
         elif kind == "reconciled":
             line = (f"RECONCILED {info['worker_id']} submitted fragment {info['fragment_id']} round "
                     f"{info['round_id']}, ahead of this coordinator's durable round {info['open_round']}: "

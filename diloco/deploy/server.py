@@ -65,6 +65,8 @@ class ServerSettings:
     #: ``--max-update-norm``: refuse contributions with a larger L2 norm (0: no limit; None: not given,
     #: so the default, no limit, or on resume the checkpoint's).
     max_update_norm: float | None = None
+    #: ``--outlier-factor F``: refuse contributions F times the recent median norm (0: off; None: default/saved).
+    outlier_factor: float | None = None
     #: ``--wire-dtype``: fp32, bf16 or int8 (None: not given, so ``DEFAULT_WIRE_DTYPE``, or on resume
     #: the checkpoint's).
     wire_dtype: str | None = None
@@ -136,6 +138,7 @@ def build_config(s: ServerSettings, base: CoordinatorConfig | None = None) -> Co
         if fsm.mode is Mode.SYNC and outer.name == "delayed_nesterov" and "name" not in outer_changes:
             outer = dataclasses.replace(outer, name="nesterov")
         max_norm = base.max_update_norm if s.max_update_norm is None else (s.max_update_norm or None)
+        outlier_factor = base.outlier_factor if s.outlier_factor is None else s.outlier_factor
         dylu = base.dylu if s.dylu is None else s.dylu
         sync_every = base.sync_every if s.sync_every is None else s.sync_every
         if dylu and sync_every is None:
@@ -151,7 +154,10 @@ def build_config(s: ServerSettings, base: CoordinatorConfig | None = None) -> Co
                                   "never sees a pseudo-gradient to measure")
             # C7: op timeout < the core's reduce deadline < ... (the heartbeat timeout bounds the op too).
             fsm = dataclasses.replace(fsm, reduce_timeout_s=4 * collective_timeout)
+        if fsm.data_plane.value == "collective":
+            outlier_factor = 0.0  # the coordinator never sees a pseudo-gradient there
         return CoordinatorConfig(fsm=fsm, outer=outer, heartbeat_interval_s=hb_interval, max_update_norm=max_norm,
+                                 outlier_factor=outlier_factor,
                                  wire_dtype=wire_dtype, dylu=dylu, sync_every=sync_every,
                                  collective_timeout_s=collective_timeout)
     except (ConfigError, ValueError) as exc:
@@ -334,6 +340,10 @@ def run_server(s: ServerSettings, out: TextIO = sys.stdout, stop_event: threadin
     if cfg.max_update_norm is not None:
         print(f"  max update norm {cfg.max_update_norm:g}: contributions with a larger L2 norm are refused "
               f"(update_too_large)", file=out, flush=True)
+    if cfg.outlier_factor > 0:
+        print(f"  outlier bound: a contribution whose L2 norm is over {cfg.outlier_factor:g} x the median of the "
+              f"fragment's last accepted ones is refused (update_too_large; --outlier-factor 0: off)",
+              file=out, flush=True)
     if auth is not None:
         roles = [c.role.value for c in auth.clients.values()]
         print(f"  auth: CURVE, {roles.count('worker')} worker key(s) and {roles.count('admin')} admin key(s) "

@@ -101,6 +101,9 @@ class Simulation(EventQueue, Network, FaultInjector):
             outer=OuterConfig("nesterov" if self.sync else "delayed_nesterov", cfg.outer_lr,
                               cfg.outer_momentum, cfg.outer_delay),
             heartbeat_interval_s=cfg.heartbeat_interval_s,
+            # The checker models every accepted contribution's outer step; the simulated pseudo-gradients
+            # are seeded noise, and the outlier bound's refusals are tested on the coordinator itself.
+            outlier_factor=0.0,
             collective_timeout_s=cfg.collective_timeout_s if cfg.collective else 0.0,
         )
         self.coord: Coordinator | None = Coordinator(self.coord_config, 0.0, observer=self._observe)

@@ -62,6 +62,8 @@ TRANSPORT_ERROR_CODES: dict[str, str] = {
                  "or a worker message from an admin key)",
     "WRONG_KEY": "the worker id is bound to another key: the key that first joined it",
     "BANNED": "the worker id (or, with authentication, its key) was banned with `kick --ban`",
+    "KEY_ID_LIMIT": "the key already holds as many live worker ids as it may (one, unless its auth directory "
+                    "entry allows more: workers/NAME.max_ids)",
     "START_PARAMS_REQUIRED": "collective plane: no member holds the run's state yet; join again with "
                              "holds_params (your own initial params start the run; they are not sent)",
 }

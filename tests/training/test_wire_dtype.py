@@ -103,7 +103,8 @@ P0 = {"w": torch.zeros(3, 300), "b": torch.zeros(3)}
 
 
 def test_the_outer_step_is_fp32_on_the_decoded_mean_and_the_result_is_the_encoded_delta():
-    c = joined(make_coordinator(min_workers=2, wire_dtype="int8", outer=OuterConfig("sgd", 1.0, 0.0)), P0, "a", "b")
+    c = joined(make_coordinator(min_workers=2, wire_dtype="int8", outer=OuterConfig("sgd", 1.0, 0.0),
+                                outlier_factor=0.0), P0, "a", "b")  # huge on purpose: the layer beneath the bound
     summed = []
     accumulate = c.store.accumulate
     c.store.accumulate = lambda fid, t: (summed.append({n: x.dtype for n, x in t.items()}), accumulate(fid, t))
@@ -127,7 +128,8 @@ def test_the_outer_step_is_fp32_on_the_decoded_mean_and_the_result_is_the_encode
 
 def test_an_update_too_large_for_bf16_is_refused_like_a_non_finite_step_and_results_carry_a_zero_delta():
     # The fp32 step lands at -3.3997e38 (finite), beyond bfloat16's range: its delta would decode to -inf.
-    c = joined(make_coordinator(min_workers=1, wire_dtype="bf16", outer=OuterConfig("sgd", 1.003, 0.0)), P0, "a")
+    c = joined(make_coordinator(min_workers=1, wire_dtype="bf16", outer=OuterConfig("sgd", 1.003, 0.0),
+                                outlier_factor=0.0), P0, "a")  # huge on purpose: the layer beneath the bound
     big = {n: torch.full(t.shape, 3.3895e38) for n, t in P0.items()}  # bfloat16's largest value
     r = only(c.handle("a", _encoded_submit("a", big, "bf16"), 0.0), Result)
     assert c.stats.steps_refused == 1 and all(torch.equal(c.store.params[n], P0[n]) for n in P0)

@@ -67,7 +67,9 @@ def test_contributions_that_overflow_the_step_never_reach_a_worker(cluster):
     """Two keys submit 3e38 everywhere: the float64 mean is finite, the Nesterov step is not, and is refused."""
     cluster.make_keys(workers=("a1", "a2"))
     # fp32 on the wire: the attackers send raw fp32 values (an int8 run refuses them as bad_message).
+    # --outlier-factor 0: these contributions are huge on purpose, to reach the step's own refusal.
     server = cluster.server("--min-workers", "2", "--auth", str(cluster.auth_dir), "--wire-dtype", "fp32",
+                            "--outlier-factor", "0",
                             heartbeat_timeout_s=30.0)
     params = tiny_params()
     a1, a2 = Attacker(cluster, "a1", "evil1"), Attacker(cluster, "a2", "evil2")
@@ -137,5 +139,48 @@ def test_max_update_norm_keeps_absurd_values_out_and_real_workers_keep_training(
     try:
         assert all_finite(probe.join(params).params)
         probe.ep.send(Leave("probe"))
+    finally:
+        probe.close()
+
+
+def test_by_default_one_key_can_neither_fill_the_quorum_nor_poison_the_run(cluster):
+    """Issue scenario: one authorized key joined under two ids and submitted 3e38 (and 1e30) from each; the
+    round applied and every param became about 1e38. Now, with the defaults: the second id is refused
+    (key_id_limit) and the huge contributions are refused as far out of line (update_too_large)."""
+    from diloco.wire import compression
+
+    cluster.make_keys(workers=("k1", "k2", "evil", "probe"))
+    cluster.server("--min-workers", "2", "--auth", str(cluster.auth_dir), heartbeat_timeout_s=10.0)  # int8
+    w1 = cluster.worker("w1", *cluster.key_args("k1"))
+    w2 = cluster.worker("w2", *cluster.key_args("k2"))
+    cluster.wait_status(lambda s: s["rounds_applied"] >= 4, 120, "rounds applied")
+    params = tiny_params()
+    first, second = Attacker(cluster, "evil", "evil1"), Attacker(cluster, "evil", "evil2")
+    try:
+        welcome = first.join(params)
+        second.ep.send(join_message("evil2", spec_of(params)))
+        refused = second.expect(Error)
+        assert refused.code is ErrorCode.KEY_ID_LIMIT and "workers/evil.max_ids" in refused.detail, refused
+        keys = {k["key"]: k for k in cluster.status()["keys"]}
+        assert keys["evil"]["worker_ids"] == ["evil1"] and keys["evil"]["max_ids"] == 1
+        round_id = welcome.round_ids[0]
+        for value in (3e38, 1e30, -1e30):
+            enc = compression.encode({n: torch.full_like(t, value) for n, t in params.items()}, "int8")
+            first.ep.send(Submit("evil1", 0, round_id, enc.values, "int8", enc.scales))
+            reply = first.expect((Accepted, Error))
+            assert isinstance(reply, Error) and reply.code is ErrorCode.UPDATE_TOO_LARGE, (value, reply)
+            assert "far out of line" in reply.detail
+        before = cluster.status()
+        first.ep.send(Leave("evil1"))
+    finally:
+        first.close()
+        second.close()
+    st = cluster.wait_status(lambda s: s["rounds_applied"] >= before["rounds_applied"] + 3, 90, "more rounds")
+    assert {m["worker_id"] for m in st["members"]} == {"w1", "w2"} and st["steps_refused"] == 0
+    assert w1.alive() and w2.alive()
+    probe = Attacker(cluster, "probe", "probe")
+    try:
+        now = probe.join(params).params
+        assert all_finite(now) and max(float(t.abs().max()) for t in now.values()) < 100.0  # a normal range
     finally:
         probe.close()

@@ -8,7 +8,9 @@ This module owns the key files and the roles (SPEC.md section 11, "Auth"):
   to hand out) and ``DIR/NAME.key_secret`` (mode 0600, to keep).
 * a server's auth directory holds ``server.key_secret`` (its own key pair),
   ``workers/*.key`` (public keys allowed to train) and ``admins/*.key``
-  (public keys allowed to run admin commands).
+  (public keys allowed to run admin commands). A worker key may hold one
+  worker id at a time; ``workers/NAME.max_ids`` (a number) allows key NAME
+  that many at once (a host that runs several workers under one key).
 
 Two pitfalls of pyzmq's machinery are closed here, each with a test: a CURVE
 server without an authenticator on its *own* context accepts every client
@@ -63,6 +65,8 @@ class KeyIdentity:
     public_key: str
     name: str
     role: Role
+    #: Worker ids this key may hold at once (``workers/NAME.max_ids``; 1 by default).
+    max_ids: int = 1
 
     def describe(self) -> str:
         return f"{self.role.value} key {self.name!r}"
@@ -134,6 +138,31 @@ def _read_key_file(p: Path) -> tuple[bytes, bytes | None]:
 
 # ------------------------------------------------------------------ server side
 
+#: The most ids one worker key may be allowed (``max_ids``): the core's default ``max_workers``.
+MAX_IDS_PER_KEY = 10_000
+
+
+def _max_ids(path: Path) -> int:
+    """A worker key's allowance from ``workers/NAME.max_ids`` (1 when there is no such file)."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return 1
+    except OSError as exc:
+        raise AuthError(f"{path}: cannot be read: {exc}") from None
+    lines = [ln.split("#", 1)[0].strip() for ln in text.splitlines()]
+    values = [ln for ln in lines if ln]
+    try:
+        (value,) = values
+        n = int(value)
+    except ValueError:
+        raise AuthError(f"{path}: expected one whole number (the worker ids this key may hold at once), "
+                        f"got {text.strip()[:60]!r}") from None
+    if not 1 <= n <= MAX_IDS_PER_KEY:
+        raise AuthError(f"{path}: {n} is not between 1 and {MAX_IDS_PER_KEY}")
+    return n
+
+
 @dataclass(frozen=True)
 class ServerAuth:
     """A server's key pair and the public keys of each role, loaded from an auth directory."""
@@ -164,7 +193,8 @@ class ServerAuth:
                 if other is not None:
                     raise AuthError(f"{key_file}: the same key is also {other.describe()}; one key, one role "
                                     f"(an admin key that also trains is two keys)")
-                clients[pk] = KeyIdentity(pk, key_file.stem, role)
+                max_ids = _max_ids(folder / f"{key_file.stem}.max_ids") if role is Role.WORKER else 1
+                clients[pk] = KeyIdentity(pk, key_file.stem, role, max_ids)
         if not clients:
             raise AuthError(f"--auth {d}: no client keys in {d / WORKERS_DIR} or {d / ADMINS_DIR}: nobody could "
                             f"connect")
