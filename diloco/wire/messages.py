@@ -20,8 +20,10 @@ if TYPE_CHECKING:  # torch only for tensors: an admin command must not pay for i
 #: wire dtype (``Welcome.wire_dtype``; ``Submit`` and ``Result`` carry it, with ``scales``,
 #: and a ``Result`` may carry a delta). 4: the collective data plane (``Welcome.data_plane``,
 #: ``ReduceOrder``, ``ReduceReport``, ``ReduceAbort``, ``HealOrder``, ``Result.digest``,
-#: ``Join.holds_params``, ``Join.held_rounds``, ``Join.held_digests``).
-PROTOCOL_VERSION = 4
+#: ``Join.holds_params``, ``Join.held_rounds``, ``Join.held_digests``). 5: heartbeat asides may
+#: come between the parts of another message (the ``DLCA`` part tag, ``transport/zmq/framing.py``):
+#: a version 4 peer would take one for a new message and drop the one it interrupts.
+PROTOCOL_VERSION = 5
 
 #: How tensors of ``Submit`` and ``Result`` travel (``diloco.wire.compression``, SPEC.md
 #: section 11, "Wire dtypes"). Plain names here so that decoding a header needs no torch.
