@@ -48,6 +48,24 @@ AUTO_JOURNAL_BYTES = 128 << 20
 AUTO_FULL_EVERY = 8
 
 
+def describe_policy(full_every: int) -> str:
+    """``--full-checkpoint-every`` in words (the server's start-up lines)."""
+    if full_every == AUTO:
+        return (f"a full checkpoint every round below {AUTO_JOURNAL_BYTES >> 20} MB of state, else full checkpoints "
+                f"every {AUTO_FULL_EVERY} rounds, a journal in between")
+    if full_every == 1:
+        return "a full checkpoint every round"
+    return f"full checkpoints every {full_every} rounds, a journal in between"
+
+
+def resume_notes(replayed: int, torn: list) -> list[str]:
+    """What a resume did with the journal, one line each (the server prints them)."""
+    notes = [f"replayed {replayed} journal step(s) after it"] if replayed else []
+    notes += [f"journal {segment} ends at byte {offset}: {why} (an interrupted append: the open round, which no "
+              f"worker heard of, is dropped)" for segment, offset, why in torn]
+    return notes
+
+
 def state_bytes(coordinator: Coordinator) -> int:
     """Bytes of the params and the outer optimizers' tensors: the size of a full checkpoint."""
     total = sum(t.numel() * t.element_size() for t in coordinator.store.params.values())

@@ -507,7 +507,8 @@ class Coordinator:
                 why = self.outliers.check(fid, norm, self.store.fragment_params(fid))
                 if why is not None:
                     self._refuse(peer, out, ErrorCode.UPDATE_TOO_LARGE, f"fragment {fid} submission: {why}", msg)
-                    self._notify("outlier", self.fsm.now_s, worker_id=wid, fragment_id=fid, norm=norm, detail=why)
+                    self._notify("outlier", self.fsm.now_s, worker_id=wid, fragment_id=fid,
+                                 norm=norm if math.isfinite(norm) else str(norm), detail=why)
                     return
             effects = self._step(ContributionSubmitted(wid, fid, msg.round_id), out, peer=peer, submit=msg,
                                  tensors=tensors)

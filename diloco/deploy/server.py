@@ -24,7 +24,7 @@ from typing import TextIO
 from diloco import __version__
 from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.coordinator.audit import AuditLog, Tee, last_run_id
-from diloco.coordinator.persist import AUTO_FULL_EVERY, AUTO_JOURNAL_BYTES
+from diloco.coordinator.persist import describe_policy, resume_notes
 from diloco.coordinator.checkpoint import DEFAULT_KEEP, find_newest, list_checkpoints, restore_coordinator
 from diloco.coordinator.runner import serve
 from diloco.deploy.events import EventPrinter
@@ -355,18 +355,11 @@ def run_server(s: ServerSettings, out: TextIO = sys.stdout, stop_event: threadin
               f"rounds applied {coordinator.fsm.rounds_applied}, "
               f"{coordinator._num_params()} params, "
               f"incarnation {coordinator.incarnation}", file=out, flush=True)
-        if coordinator.resume_replayed:
-            print(f"  replayed {coordinator.resume_replayed} journal step(s) after it", file=out, flush=True)
-        for segment, offset, why in coordinator.resume_torn:
-            print(f"  journal {segment} ends at byte {offset}: {why} (an interrupted append: the open round, "
-                  f"which no worker heard of, is dropped)", file=out, flush=True)
+        for note in resume_notes(coordinator.resume_replayed, coordinator.resume_torn):
+            print(f"  {note}", file=out, flush=True)
     if s.checkpoint_dir:
-        every = {0: f"a full checkpoint every round below {AUTO_JOURNAL_BYTES >> 20} MB of state, else full "
-                    f"checkpoints every {AUTO_FULL_EVERY} rounds, a journal in between",
-                 1: "a full checkpoint every round"}.get(
-            s.full_checkpoint_every, f"full checkpoints every {s.full_checkpoint_every} rounds, a journal in between")
         print(f"  durable rounds: every applied round is written to {s.checkpoint_dir} before any worker hears of it "
-              f"({every}; newest {s.keep} kept); audit log {os.path.join(s.checkpoint_dir, 'events.jsonl')}",
+              f"({describe_policy(s.full_checkpoint_every)}; newest {s.keep} kept); audit log {os.path.join(s.checkpoint_dir, 'events.jsonl')}",
               file=out, flush=True)
     print(f"  run id {coordinator.run_id}", file=out, flush=True)
     observing = None
