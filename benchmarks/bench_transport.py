@@ -23,11 +23,24 @@ heartbeat every ``--hb-interval`` seconds (random phase) against the real
 server loop; round trip p50 and p99 from send to decoded ``HeartbeatReply``.
 
 Repetitions are interleaved (diloco, raw, gloo in each repetition) and the
-median is reported. Last line::
+median is reported.
 
-    RESULT bench_transport outer_step_s=X raw_zmq_s=X gloo_s=X ratio_vs_raw=R ratio_vs_gloo=R heartbeat_p99_ms=X auth_s=X auth_ratio=R
+The coordinator's memory: its process runs nothing but the coordinator (``serve``, the endpoint,
+libzmq's threads). Its RSS once the endpoint is bound and before any worker joined is the runtime
+(Python, torch, libzmq); the peak RSS of each round (VmHWM, its window restarted after each round)
+above that, divided by the model's bytes, is ``coord_peak_copies``. The report splits it: what the
+coordinator's own structures hold right after an outer step, and what is in flight at the transport
+(the Submits' frames, whole or being assembled) as each Submit is decoded. ``--workers K`` shows how
+it grows with k.
 
-Goals: ratio_vs_raw <= 1.3; heartbeat p99 < 10 ms; auth_ratio <= 2.
+``--profile``: where the hub's round goes in the coordinator process (each phase's ms on its main
+thread, its CPU and fresh pages, a timeline against the workers' clocks) and the floor's timeline,
+by wrapping functions in the bench's processes only. ``--stall-dump S``: when no result has come
+for S seconds, every process of the run dumps its stacks to stderr. Last line::
+
+    RESULT bench_transport outer_step_s=X raw_zmq_s=X gloo_s=X ratio_vs_raw=R ratio_vs_gloo=R heartbeat_p99_ms=X auth_s=X auth_ratio=R coord_peak_mb=X coord_peak_copies=R
+
+Goals: ratio_vs_raw <= 1.3 at 10M and <= 1.5 at 100M; heartbeat p99 < 10 ms; auth_ratio <= 2.
 
 The collective data plane (``--collective``)
 --------------------------------------------
@@ -74,7 +87,11 @@ N_WORKERS = 4
 
 def _tune() -> None:
     """Every benchmark process (diloco, raw floor, gloo alike) runs with the malloc tuning
-    ``diloco server``/``worker`` apply (diloco/deploy/tuning.py), so the comparison is fair."""
+    ``diloco server``/``worker`` apply (diloco/deploy/tuning.py), so the comparison is fair.
+    And each dumps its threads' stacks to stderr on SIGUSR1: the driver sends it when a run stalls."""
+    import faulthandler
+    import signal
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     from diloco.deploy.tuning import keep_freed_memory
     keep_freed_memory()
 
@@ -156,6 +173,44 @@ def _reset_peak_rss() -> bool:
         return False
 
 
+def _held_bytes(coordinator) -> int:
+    """Bytes of the distinct tensor memory the hub coordinator's own structures hold: the params, the
+    outer optimizers' state and its backups, the running sums, held async contributions, and the views
+    its pending Results carry (one storage counted once, however many tensors view it)."""
+    import torch
+
+    seen: dict[int, int] = {}
+
+    def add(t) -> None:
+        if isinstance(t, torch.Tensor) and t.numel():
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+
+    store = coordinator.store
+    if store is None:
+        return 0
+    for t in store.params.values():
+        add(t)
+    for s in getattr(store, "_sums", []):
+        for t in (s or {}).values():
+            add(t)
+    for opt in coordinator._optimizers:
+        for state in opt.state.values():
+            for v in state.values():
+                add(v)
+    for backup in getattr(coordinator, "_optimizer_backups", []):
+        for entry in getattr(backup, "_state", {}).values():
+            for v in entry.values():
+                add(v)
+    for _, released in coordinator._released.values():
+        for t in list(released.values.values()) + list(released.scales.values()):
+            add(t)
+    for held in coordinator._held.values():
+        for t in held.tensors.values():
+            add(t)
+    return sum(seen.values())
+
+
 class _HubProbe:
     """What one hub round costs inside the coordinator process, by wrapping functions in that process only
     (nothing in diloco/ changes), and the process's memory.
@@ -180,7 +235,7 @@ class _HubProbe:
         ("snapshot", "Result snapshot of the new params"),
         ("fsm", "everything else in Coordinator.handle (FSM, messages)"),
         ("send", "Result encode + hand-off to the transport (x k)"),
-        ("recv_py", "transport, main thread: parts received and assembled (recv minus idle)"),
+        ("recv_py", "transport, main thread: parts received and assembled (CPU)"),
     )
 
     def __init__(self, n_workers: int, report_q, profile: bool) -> None:
@@ -234,18 +289,31 @@ class _HubProbe:
         probe = self
         self._ru = resource.getrusage(resource.RUSAGE_SELF)
         self._thread_cpu = time.thread_time()
-        if self.profile:
-            original_decode = codec_mod.decode
+        original_decode = codec_mod.decode
+        assembler = getattr(endpoint.frames, "_assembler", None)
 
-            def decode(frames, **kw):
-                t = time.perf_counter()
-                message = original_decode(frames, **kw)
-                if isinstance(message, Submit):
-                    probe._add("codec", time.perf_counter() - t)
-                    probe._mark("last_submit_decoded")
-                    probe._mark("first_submit_decoded", first=True)
-                return message
-            codec_mod.decode = decode
+        def decode(frames, **kw):
+            t, c = time.perf_counter(), time.thread_time()
+            message = original_decode(frames, **kw)
+            if isinstance(message, Submit):
+                probe._add("codec", time.perf_counter() - t)
+                probe._add("codec_cpu", time.thread_time() - c)
+                probe._mark("last_submit_decoded")
+                probe._mark("first_submit_decoded", first=True)
+                # In flight at the transport as this Submit is decoded: its own frames, and the parts
+                # of other peers' messages held until they are whole (the transport's assembler).
+                held = sum(framing_mod.nbytes(f) for f in frames) + (assembler.partial_bytes if assembler else 0)
+                probe.round["inflight_bytes"] = max(probe.round.get("inflight_bytes", 0), held)
+            return message
+        codec_mod.decode = decode
+        original_census_apply = service_mod.Coordinator._apply
+
+        def census_apply(coordinator, effect, now):
+            out = original_census_apply(coordinator, effect, now)
+            probe.round["held_bytes"] = max(probe.round.get("held_bytes", 0), _held_bytes(coordinator))
+            return out
+        service_mod.Coordinator._apply = census_apply
+        if self.profile:
             self._wrap(compression_mod, "decode", "wire")
             self._wrap(ParamStore, "check_submission", "check")
             self._wrap(ParamStore, "accumulate", "accumulate")
@@ -359,8 +427,10 @@ def diloco_worker(i: int, addr: str, shapes, rounds: int, barrier, out_q, chunk_
     while not isinstance(ep.recv(60.0), Welcome):
         pass
     grad = make_params(shapes, 0.001 * (i + 1))
+    import resource
     for r in range(rounds):
         barrier.wait()
+        ru0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.monotonic()
         ep.send(Submit(wid, 0, r, grad))
         while True:
@@ -370,15 +440,20 @@ def diloco_worker(i: int, addr: str, shapes, rounds: int, barrier, out_q, chunk_
             if msg is None:
                 raise RuntimeError(f"{wid}: no Result for round {r}")
         t1 = time.monotonic()
+        ru1 = resource.getrusage(resource.RUSAGE_SELF)
         assert msg.outcome == "applied" and len(msg.params) == len(shapes)
-        out_q.put((r, i, t0, t1))
+        # This worker's CPU (all its threads) and fresh pages over the round (ru_ keys: not times).
+        out_q.put((r, i, t0, t1, dict(ru_cpu=ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime,
+                                      ru_minflt=ru1.ru_minflt - ru0.ru_minflt)))
     ep.close()
 
 
 # ------------------------------------------------------------------ raw pyzmq floor
 
 
-def raw_router(addr_q, n_workers: int, rounds: int) -> None:
+def raw_router(addr_q, n_workers: int, rounds: int, marks_q=None) -> None:
+    """The floor's hub; with ``marks_q``, puts (round, first message whole, last message whole, replies
+    handed over) per round, ``time.monotonic`` readings comparable with the dealers' t0/t1."""
     _tune()
     import torch
     import zmq
@@ -388,11 +463,13 @@ def raw_router(addr_q, n_workers: int, rounds: int) -> None:
     sock.linger = 0
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     addr_q.put(f"tcp://127.0.0.1:{port}")
-    for _ in range(rounds):
+    for r in range(rounds):
         acc = None
         ids = []
+        got = []
         for _k in range(n_workers):
             frames = sock.recv_multipart(copy=False)
+            got.append(time.monotonic())
             ids.append(frames[0].bytes)
             parts = [torch.frombuffer(f.buffer, dtype=torch.float32) for f in frames[1:]]
             if acc is None:
@@ -403,8 +480,11 @@ def raw_router(addr_q, n_workers: int, rounds: int) -> None:
         out = [a.numpy() for a in acc]
         for rid in ids:
             sock.send_multipart([rid, *out], copy=False)
-    time.sleep(0.5)  # let the last sends drain
-    sock.close(0)
+        if marks_q is not None:
+            marks_q.put((r, got[0], got[-1], time.monotonic()))
+    # Close only once the last round's replies have left: linger 0 after a fixed pause (0.5 s) dropped them
+    # when 4 x 400 MB took longer to send (100M params, a loaded machine), and the dealers waited forever.
+    sock.close(linger=120_000)
     ctx.term()
 
 
@@ -419,6 +499,7 @@ def raw_dealer(i: int, addr: str, shapes, rounds: int, barrier, out_q, chunk_byt
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
+    sock.rcvtimeo = 300_000  # a lost reply fails the run (zmq.Again) instead of hanging it
     sock.connect(addr)
     for r in range(rounds):
         barrier.wait()
@@ -762,14 +843,20 @@ def hb_client(i: int, addr: str, n_sockets: int, interval_s: float, duration_s: 
 # ------------------------------------------------------------------ driver
 
 
-def _collect(out_q, n: int, rounds: int, warmup: int, marks: list | None = None, procs=()) -> list[float]:
+def _collect(out_q, n: int, rounds: int, warmup: int, marks: list | None = None, procs=(),
+             stall_s: float = 120.0) -> list[float]:
     """Seconds per timed round: from the first worker's send to the last worker's answer. With ``marks``,
     also appends each timed round's (t0 of every worker, t1 of every worker, the probe marks of every worker).
-    Raises as soon as one of ``procs`` has failed, instead of waiting out the timeout."""
+    Raises as soon as one of ``procs`` has failed, instead of waiting out the timeout. When no result has
+    come for ``stall_s`` seconds (a stall), says which processes live and which results are missing, and
+    has every live process dump its threads' stacks to stderr (SIGUSR1); again every ``stall_s``."""
     import queue
+    import signal
 
     by_round: dict[int, list[tuple]] = {}
     deadline = time.monotonic() + 900
+    last = time.monotonic()
+    next_dump = last + stall_s
     for _ in range(n * rounds):
         while True:
             try:
@@ -779,8 +866,24 @@ def _collect(out_q, n: int, rounds: int, warmup: int, marks: list | None = None,
                 dead = [p for p in procs if p.exitcode not in (0, None)]
                 if dead:
                     raise RuntimeError(f"{dead[0].name} exited with {dead[0].exitcode}") from None
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now >= next_dump:
+                    got = {r_: len(v) for r_, v in sorted(by_round.items())}
+                    print(f"  STALL: no result for {now - last:.0f} s; results per round so far {got} of {n}; "
+                          + ", ".join(f"{p.name} pid {p.pid} " + ("alive" if p.exitcode is None else
+                                                                  f"exited {p.exitcode}") for p in procs)
+                          + "; stacks follow on stderr", file=sys.stderr, flush=True)
+                    for p in procs:
+                        if p.exitcode is None:
+                            try:
+                                os.kill(p.pid, signal.SIGUSR1)
+                            except OSError:
+                                pass
+                    next_dump = now + stall_s
+                if now > deadline:
                     raise
+        last = time.monotonic()
+        next_dump = last + stall_s
         by_round.setdefault(r, []).append((t0, t1, extra[0] if extra else {}))
     rows = [v for r, v in sorted(by_round.items()) if r >= warmup]
     if marks is not None:
@@ -858,15 +961,20 @@ def run_diloco(ctx, shapes, rounds: int, warmup: int, chunk_bytes: int, auth_dir
             if kind == "done":
                 break
             reports[r] = data
-        for (t0s, t1s, _), r in zip(marks, range(warmup, rounds)):
+        for (t0s, t1s, per_worker), r in zip(marks, range(warmup, rounds)):
             if r in reports:
+                reports[r]["workers"] = per_worker
                 coord_rounds.append((reports[r], t0s, t1s))
     return times
 
 
-def run_raw(ctx, shapes, rounds: int, warmup: int, chunk_bytes: int) -> list[float]:
+def run_raw(ctx, shapes, rounds: int, warmup: int, chunk_bytes: int, stall_s: float = 120.0,
+            phases: list | None = None) -> list[float]:
+    """Seconds per timed round; with ``phases``, appends per timed round the floor's (first message whole,
+    last message whole, replies handed over, last dealer holds its reply), ms after the first send."""
     addr_q, out_q = ctx.Queue(), ctx.Queue()
-    router = ctx.Process(target=raw_router, args=(addr_q, N_WORKERS, rounds), name="raw-router")
+    marks_q = ctx.Queue() if phases is not None else None
+    router = ctx.Process(target=raw_router, args=(addr_q, N_WORKERS, rounds, marks_q), name="raw-router")
     router.start()
     addr = addr_q.get(timeout=300)
     barrier = ctx.Barrier(N_WORKERS)
@@ -874,12 +982,18 @@ def run_raw(ctx, shapes, rounds: int, warmup: int, chunk_bytes: int) -> list[flo
                            name=f"raw-dealer{i}") for i in range(N_WORKERS)]
     for w in workers:
         w.start()
-    times = _collect(out_q, N_WORKERS, rounds, warmup, procs=workers + [router])
+    rows: list = []
+    times = _collect(out_q, N_WORKERS, rounds, warmup, rows, procs=workers + [router], stall_s=stall_s)
     _join_all(workers + [router])
+    if marks_q is not None:
+        marks = dict((r, m) for r, *m in (marks_q.get(timeout=30) for _ in range(rounds)))
+        for (t0s, t1s, _), r in zip(rows, range(warmup, rounds)):
+            start = min(t0s)
+            phases.append(tuple((t - start) * 1000 for t in (*marks[r], max(t1s))))
     return times
 
 
-def run_gloo(ctx, shapes, rounds: int, warmup: int) -> list[float]:
+def run_gloo(ctx, shapes, rounds: int, warmup: int, stall_s: float = 120.0) -> list[float]:
     out_q = ctx.Queue()
     port = free_port()
     barrier = ctx.Barrier(N_WORKERS)
@@ -887,7 +1001,7 @@ def run_gloo(ctx, shapes, rounds: int, warmup: int) -> list[float]:
                          name=f"gloo{r}") for r in range(N_WORKERS)]
     for p in procs:
         p.start()
-    times = _collect(out_q, N_WORKERS, rounds, warmup, procs=procs)
+    times = _collect(out_q, N_WORKERS, rounds, warmup, procs=procs, stall_s=stall_s)
     _join_all(procs)
     return times
 
@@ -1129,6 +1243,69 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
 
+def hub_report(coord_rounds: list, step_s: float, profile: bool) -> tuple[list[str], float, float]:
+    """The coordinator's memory (and with ``profile`` where its round goes) over the timed rounds:
+    (lines to print, peak RSS above the runtime in model copies, peak RSS in MB)."""
+    med = lambda v: statistics.median(v) if v else float("nan")  # noqa: E731
+    reports = [r for r, _, _ in coord_rounds]
+    model = reports[0]["model_bytes"] or 1
+    base_mb = reports[0]["base_kb"] / 1024
+    peaks = [r["peak_kb"] / 1024 for r in reports]
+    copies = (max(peaks) - base_mb) * (1 << 20) / model
+    held = max(r.get("held_bytes", 0) for r in reports) / model
+    inflight = max(r.get("inflight_bytes", 0) for r in reports) / model
+    lines = [f"coordinator process: RSS before any join (Python, torch, libzmq) {base_mb:.0f} MB; peak RSS per "
+             f"round {min(peaks):.0f}-{max(peaks):.0f} MB (median {med(peaks):.0f}); above the runtime: "
+             f"{copies:.2f} model copies at the most ({model / 1e6:.0f} MB each), {N_WORKERS} workers",
+             f"  of which: held by the coordinator's structures right after an outer step (params, optimizer state "
+             f"and backups, sums, Results' views) {held:.2f} copies; in flight at the transport as a Submit is "
+             f"decoded (its frames + other peers' parts being assembled) up to {inflight:.2f} copies"]
+    if not profile:
+        return lines, copies, max(peaks)
+    lines.append(f"  where the hub's round goes in the coordinator process (median over {len(reports)} rounds; "
+                 f"ms of the main thread, summed over the round's {N_WORKERS} submissions):")
+    total = 0.0
+    for key, what in _HubProbe.PHASES:
+        if key == "recv_py":
+            values = [r.get("recv_cpu", 0.0) - r.get("codec_cpu", 0.0) for r in reports]
+        else:
+            values = [r.get(key, 0.0) for r in reports]
+        ms = med(values) * 1000
+        total += ms
+        lines.append(f"    {what:86} {ms:8.1f}")
+    lines.append(f"    {'sum':86} {total:8.1f}")
+    user = med([r["cpu_user"] for r in reports])
+    sys_s = med([r["cpu_sys"] for r in reports])
+    main = med([r["main_cpu"] for r in reports])
+    faults = med([r["minflt"] for r in reports]) * 4096 / 1e6
+    lines.append(f"    process CPU per round: {(user + sys_s) * 1000:.0f} ms (user {user * 1000:.0f}, system "
+                 f"{sys_s * 1000:.0f}); main thread {main * 1000:.0f} ms, the rest (libzmq I/O thread, pyzmq's "
+                 f"gc thread) {(user + sys_s - main) * 1000:.0f} ms; {faults:.0f} MB of fresh pages faulted in")
+    spans = {"first Submit sent -> first part at the coordinator": ("t0", "first_part"),
+             "first Submit sent -> first Submit decoded": ("t0", "first_submit_decoded"),
+             "first Submit sent -> last Submit decoded": ("t0", "last_submit_decoded"),
+             "last Submit decoded -> outer step applied": ("last_submit_decoded", "applied"),
+             "outer step applied -> last Result handed to the transport": ("applied", "results_sent"),
+             "last Result handed over -> last worker holds it": ("results_sent", "t1")}
+    workers = [w for r in reports for w in r.get("workers", []) if w]
+    if workers:
+        lines.append(f"    each worker per round (median): CPU {med([w['ru_cpu'] for w in workers]) * 1000:.0f} ms, "
+                     f"{med([w['ru_minflt'] for w in workers]) * 4096 / 1e6:.0f} MB of fresh pages faulted in")
+    lines.append("    per timed round, in order (rounds of one run follow each other): outer step s / coordinator's "
+                 "fresh pages MB / its peak RSS MB:")
+    lines.append("      " + "  ".join(f"{max(t1s) - min(t0s):.2f}/{r['minflt'] * 4096 / 1e6:.0f}/{r['peak_kb'] / 1024:.0f}"
+                                      for r, t0s, t1s in coord_rounds))
+    lines.append(f"    timeline (median ms; the outer step, first Submit to last Result, {step_s * 1000:.0f} ms):")
+    for what, (a, b) in spans.items():
+        values = []
+        for r, t0s, t1s in coord_rounds:
+            m = dict(r.get("marks", {}), t0=min(t0s), t1=max(t1s))
+            if a in m and b in m:
+                values.append(m[b] - m[a])
+        lines.append(f"      {what:84} {med(values) * 1000:8.1f}")
+    return lines, copies, max(peaks)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", default=None,
@@ -1151,10 +1328,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="--collective: also run the collective plane with MALLOC_ARENA_MAX=1 in its worker "
                          "processes (collective_a1; see benchmarks/README.md)")
     ap.add_argument("--profile", action="store_true",
-                    help="--collective: also time the round's local ops alone, one by one, at each size")
+                    help="where the hub's round goes in the coordinator process (phases, CPU, fresh pages, "
+                         "memory per round); --collective: also time the round's local ops alone, one by one")
+    ap.add_argument("--stall-dump", type=float, default=60.0,
+                    help="seconds without a result after which the run's processes dump their stacks (default 60)")
     ap.add_argument("--chunk-mb", type=float, default=None,
                     help="diloco: the codec's frame size for tensors, MiB (default: the codec's, 16)")
     ap.add_argument("--raw-chunk-mb", type=float, default=4.0, help="the floor's frame size, MiB (default 4)")
+    ap.add_argument("--workers", type=int, default=N_WORKERS,
+                    help=f"worker processes of the outer step (default {N_WORKERS})")
     ap.add_argument("--hb-workers", type=int, default=100)
     ap.add_argument("--hb-clients", type=int, default=4, help="processes holding the heartbeat sockets")
     ap.add_argument("--hb-interval", type=float, default=0.1, help="seconds between one socket's heartbeats")
@@ -1166,6 +1348,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--auth-io-threads", type=int, default=2,
                     help="ZeroMQ I/O threads of the coordinator with CURVE (default 2, as `diloco server --auth`)")
     args = ap.parse_args(argv)
+    globals()["N_WORKERS"] = args.workers  # the driver's count; each process gets its own as an argument
     ctx = mp.get_context("spawn")
     if args.collective:
         return main_collective(args, ctx)
@@ -1190,12 +1373,18 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
     auth_dir = make_auth_dir(os.path.join(tempfile.mkdtemp(prefix="bench-auth-"), "auth"))
     results: dict[str, list[float]] = {"diloco": [], "diloco_auth": [], "raw_zmq": [], "gloo": []}
+    coord_rounds: list = []
+    raw_phases: list = []
+    stall = args.stall_dump
     for rep in range(args.reps):
-        for name, fn in (("diloco", lambda: run_diloco(ctx, shapes, rounds, args.warmup, chunk)),
+        for name, fn in (("diloco", lambda: run_diloco(ctx, shapes, rounds, args.warmup, chunk,
+                                                       coord_rounds=coord_rounds, profile=args.profile,
+                                                       stall_s=stall)),
                          ("diloco_auth", lambda: run_diloco(ctx, shapes, rounds, args.warmup, chunk, auth_dir,
-                                                            args.auth_io_threads)),
-                         ("raw_zmq", lambda: run_raw(ctx, shapes, rounds, args.warmup, raw_chunk)),
-                         ("gloo", lambda: run_gloo(ctx, shapes, rounds, args.warmup))):
+                                                            args.auth_io_threads, stall_s=stall)),
+                         ("raw_zmq", lambda: run_raw(ctx, shapes, rounds, args.warmup, raw_chunk, stall_s=stall,
+                                                     phases=raw_phases if args.profile else None)),
+                         ("gloo", lambda: run_gloo(ctx, shapes, rounds, args.warmup, stall_s=stall))):
             if name.split("_")[0] in skip or (name == "diloco_auth" and "auth" in skip):
                 continue
             times = fn()
@@ -1208,6 +1397,15 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in results.items():
         if v:
             print(f"{k:10} {med[k]:9.3f} {min(v):8.3f} {max(v):8.3f}  {len(v)}")
+    copies = float("nan")
+    peak_mb = float("nan")
+    if coord_rounds:
+        lines, copies, peak_mb = hub_report(coord_rounds, med["diloco"], args.profile)
+        print("\n".join(lines))
+    if raw_phases:
+        m = [statistics.median(v) for v in zip(*raw_phases)]
+        print(f"  the floor (raw_zmq), median ms after the first send: first message whole {m[0]:.1f}, last message "
+              f"whole {m[1]:.1f}, sum sent back {m[2]:.1f}, last dealer holds it {m[3]:.1f}")
     hb_p50 = hb_p99 = float("nan")
     if "heartbeat" not in skip:
         rtts = run_heartbeats(ctx, args.hb_workers, args.hb_clients, args.hb_interval, args.hb_seconds)
@@ -1221,7 +1419,8 @@ def main(argv: list[str] | None = None) -> int:
     auth_ratio = med["diloco_auth"] / med["diloco"]
     print(f"RESULT bench_transport outer_step_s={med['diloco']:.3f} raw_zmq_s={med['raw_zmq']:.3f} "
           f"gloo_s={med['gloo']:.3f} ratio_vs_raw={ratio_raw:.2f} ratio_vs_gloo={ratio_gloo:.2f} "
-          f"heartbeat_p99_ms={hb_p99:.2f} auth_s={med['diloco_auth']:.3f} auth_ratio={auth_ratio:.2f}")
+          f"heartbeat_p99_ms={hb_p99:.2f} auth_s={med['diloco_auth']:.3f} auth_ratio={auth_ratio:.2f} "
+          f"coord_peak_mb={peak_mb:.0f} coord_peak_copies={copies:.2f}")
     return 0
 
 
