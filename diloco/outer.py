@@ -19,6 +19,7 @@ on the collective plane (``diloco.collective.replica``). So it lives below both.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass
 from typing import Iterable
 
@@ -131,3 +132,73 @@ def all_finite(t: torch.Tensor) -> bool:
     if bool(torch.isfinite(t.sum())):
         return True
     return bool(torch.isfinite(t).all())
+
+
+class OptimizerBackup:
+    """One optimizer's state copied into buffers kept from step to step, to undo a step exactly.
+
+    ``torch.optim`` state is, per param, a dict of tensors (momentum, Adam's moments) and
+    scalars; ``load_state_dict`` would make the live state alias what it loads, so the
+    restore copies back in place instead. Kept buffers, not fresh copies (``deepcopy``): a
+    model-sized tensor allocated and freed every step page-faults its memory in again (glibc
+    hands large freed blocks back, or cannot reuse them for the next aligned request).
+    """
+
+    def __init__(self) -> None:
+        self._state: dict[int, dict] = {}  # param position -> key -> buffer or value
+        self._groups: list[dict] = []
+
+    def take(self, opt: torch.optim.Optimizer) -> None:
+        kept: dict[int, dict] = {}
+        for i, p in enumerate(_params_of(opt)):
+            live = opt.state.get(p)
+            if not live:
+                continue
+            old = self._state.get(i, {})
+            entry = {}
+            for k, v in live.items():
+                if isinstance(v, torch.Tensor):
+                    buf = old.get(k)
+                    if not isinstance(buf, torch.Tensor) or buf.shape != v.shape or buf.dtype != v.dtype:
+                        buf = torch.empty_like(v)
+                    entry[k] = buf.copy_(v)
+                else:
+                    entry[k] = copy.deepcopy(v)
+            kept[i] = entry
+        self._state = kept
+        self._groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+    def restore(self, opt: torch.optim.Optimizer) -> None:
+        with torch.no_grad():
+            for i, p in enumerate(_params_of(opt)):
+                saved = self._state.get(i)
+                if saved is None:
+                    opt.state.pop(p, None)
+                    continue
+                live = opt.state[p]
+                for k in [k for k in live if k not in saved]:
+                    del live[k]
+                for k, v in saved.items():
+                    if isinstance(v, torch.Tensor):
+                        cur = live.get(k)
+                        if isinstance(cur, torch.Tensor) and cur.shape == v.shape and cur.dtype == v.dtype:
+                            cur.copy_(v)
+                        else:
+                            live[k] = v.clone()
+                    else:
+                        live[k] = copy.deepcopy(v)
+        for g, saved in zip(opt.param_groups, self._groups):
+            g.update(copy.deepcopy(saved))
+
+    def state_dict(self, opt: torch.optim.Optimizer) -> dict:
+        """What ``opt.state_dict()`` returned when the backup was taken (copies)."""
+        groups = opt.state_dict()["param_groups"]
+        for g, saved in zip(groups, self._groups):
+            g.update(copy.deepcopy(saved))
+        state = {i: {k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in e.items()}
+                 for i, e in self._state.items()}
+        return {"state": state, "param_groups": groups}
+
+
+def _params_of(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in opt.param_groups for p in g["params"]]

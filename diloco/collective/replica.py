@@ -35,7 +35,7 @@ from typing import Mapping
 
 import torch
 
-from diloco.outer import OuterConfig, all_finite, build_outer_optimizer
+from diloco.outer import OptimizerBackup, OuterConfig, all_finite, build_outer_optimizer
 from diloco.wire import compression
 
 Tensors = dict[str, torch.Tensor]
@@ -59,79 +59,11 @@ def digest(params: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-class _OptimizerBackup:
-    """One optimizer's state copied into buffers kept from round to round.
-
-    ``torch.optim`` state is, per param, a dict of tensors (momentum, Adam's moments) and
-    scalars; ``load_state_dict`` would make the live state alias what it loads, so the
-    restore copies back in place instead.
-    """
-
-    def __init__(self) -> None:
-        self._state: dict[int, dict] = {}  # param position -> key -> buffer or value
-        self._groups: list[dict] = []
-
-    def take(self, opt: torch.optim.Optimizer) -> None:
-        kept: dict[int, dict] = {}
-        for i, p in enumerate(_params_of(opt)):
-            live = opt.state.get(p)
-            if not live:
-                continue
-            old = self._state.get(i, {})
-            entry = {}
-            for k, v in live.items():
-                if isinstance(v, torch.Tensor):
-                    buf = old.get(k)
-                    if not isinstance(buf, torch.Tensor) or buf.shape != v.shape or buf.dtype != v.dtype:
-                        buf = torch.empty_like(v)
-                    entry[k] = buf.copy_(v)
-                else:
-                    entry[k] = copy.deepcopy(v)
-            kept[i] = entry
-        self._state = kept
-        self._groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
-
-    def restore(self, opt: torch.optim.Optimizer) -> None:
-        with torch.no_grad():
-            for i, p in enumerate(_params_of(opt)):
-                saved = self._state.get(i)
-                if saved is None:
-                    opt.state.pop(p, None)
-                    continue
-                live = opt.state[p]
-                for k in [k for k in live if k not in saved]:
-                    del live[k]
-                for k, v in saved.items():
-                    if isinstance(v, torch.Tensor):
-                        cur = live.get(k)
-                        if isinstance(cur, torch.Tensor) and cur.shape == v.shape and cur.dtype == v.dtype:
-                            cur.copy_(v)
-                        else:
-                            live[k] = v.clone()
-                    else:
-                        live[k] = copy.deepcopy(v)
-        for g, saved in zip(opt.param_groups, self._groups):
-            g.update(copy.deepcopy(saved))
-
-    def state_dict(self, opt: torch.optim.Optimizer) -> dict:
-        """What ``opt.state_dict()`` returned when the backup was taken (copies)."""
-        groups = opt.state_dict()["param_groups"]
-        for g, saved in zip(groups, self._groups):
-            g.update(copy.deepcopy(saved))
-        state = {i: {k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in e.items()}
-                 for i, e in self._state.items()}
-        return {"state": state, "param_groups": groups}
-
-
-def _params_of(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for g in opt.param_groups for p in g["params"]]
-
-
 @dataclass
 class _Backup:
     round_id: int
     params: Tensors  # the fragment's buffers (``Replica._buffers``), valid while the proposal is open
-    optimizer: _OptimizerBackup
+    optimizer: OptimizerBackup
     digest: str
 
 
@@ -155,7 +87,7 @@ class Replica:
         self._proposals: dict[int, _Backup] = {}
         #: Per fragment: the backup buffers a proposal copies the committed state into.
         self._buffers: list[Tensors] = [{} for _ in fragments]
-        self._optimizer_backups = [_OptimizerBackup() for _ in fragments]
+        self._optimizer_backups = [OptimizerBackup() for _ in fragments]
         #: Guards proposals against a checkpoint read from the training thread.
         self._lock = threading.Lock()
 
@@ -269,7 +201,7 @@ class Replica:
             return [self._proposals[fid].optimizer.state_dict(opt) if fid in self._proposals
                     else copy.deepcopy(opt.state_dict()) for fid, opt in enumerate(self.optimizers)]
 
-    def _restore(self, fid: int, params: Tensors, optimizer: _OptimizerBackup) -> None:
+    def _restore(self, fid: int, params: Tensors, optimizer: OptimizerBackup) -> None:
         with torch.no_grad():
             for n, p in self.fragment(fid).items():
                 p.copy_(params[n])

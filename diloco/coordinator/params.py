@@ -129,6 +129,34 @@ class ParamStore:
     def fragment_params(self, fragment_id: int) -> Tensors:
         return {n: self.params[n] for n in self.fragments[fragment_id]}
 
+    # -- outer steps: the params' memory is never written once it was handed out
+    def begin_step(self, fragment_id: int) -> Tensors:
+        """Move fragment ``fragment_id``'s params to fresh memory holding the same values, for an
+        outer step to change in place; return the old values (the memory they leave).
+
+        Params are never changed in place otherwise, so tensors handed out as views of them (the
+        Results of a round, which a transport may still be sending from that memory, or a
+        simulator holding them) keep what they held without a copy, and the old values are the
+        exact undo of a refused step (``undo_step``). The tensor objects stay the same (the outer
+        optimizer's state is keyed by them): only their memory moves.
+        """
+        old = {}
+        for n in self.fragments[fragment_id]:
+            p = self.params[n]
+            old[n] = p.detach()
+            p.data = p.detach().clone()
+        return old
+
+    def undo_step(self, fragment_id: int, old: Tensors) -> None:
+        """Put back the values ``begin_step`` returned (bit for bit: the same memory)."""
+        for n in self.fragments[fragment_id]:
+            self.params[n].data = old[n]
+
+    def released(self, fragment_id: int) -> Tensors:
+        """Views of fragment ``fragment_id``'s params for a Result: nothing writes that memory again
+        (the next outer step moves the params first, ``begin_step``), so no copy is needed."""
+        return {n: self.params[n].detach() for n in self.fragments[fragment_id]}
+
     def fragment_spec(self, fragment_id: int) -> tuple[TensorSpec, ...]:
         return self.fragment_specs[fragment_id]
 

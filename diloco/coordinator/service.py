@@ -25,7 +25,6 @@ audit log and the runner.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -70,7 +69,7 @@ from diloco.coordinator.dylu import SpeedTable
 from diloco.coordinator.metrics import MetricsHistory
 from diloco.core import trace
 from diloco.coordinator.outliers import OutlierGuard, fast_norm
-from diloco.outer import build_outer_optimizer
+from diloco.outer import OptimizerBackup, build_outer_optimizer
 from diloco.coordinator.params import (
     describe_mismatch,
     NonFinite,
@@ -170,6 +169,8 @@ class Coordinator:
         self.fsm = fsm if fsm is not None else RoundFSM(config.fsm, now_s)
         self.store: ParamStore | None = None
         self._optimizers: list[torch.optim.Optimizer] = []
+        #: Per fragment: where ``outer_step`` backs its optimizer's state up (buffers kept from step to step).
+        self._optimizer_backups: list[OptimizerBackup] = []
         self._peers: dict[str, str] = {}
         self._held: dict[tuple[int, str], _Held] = {}
         self._stop_kind: ShutdownKind | None = None
@@ -239,6 +240,7 @@ class Coordinator:
         """Set the global params (first joiner, or a checkpoint) and build the outer optimizers."""
         self.store = ParamStore(params, self.config.fsm.num_fragments)
         self._optimizers = []
+        self._optimizer_backups = [OptimizerBackup() for _ in range(self.config.fsm.num_fragments)]
         for fid in range(self.config.fsm.num_fragments):
             tensors = list(self.store.fragment_params(fid).values())
             self._optimizers.append(build_outer_optimizer(tensors, self.config.outer, self.fsm.min_workers))
@@ -779,14 +781,16 @@ class Coordinator:
             self.stats.steps_refused += 1
             self._notify("step_refused", now, fragment_id=fid, round_id=effect.round_id,
                          contributors=list(effect.contributors), tensor=bad)
-        params = store.fragment_params(fid)
-        # Snapshot for the Results of this apply (SPEC.md section 5, rule 1: they follow
-        # it). One copy shared by all its contributors; a later apply of the same fragment
-        # in the same step (async, held contributions) takes a new one.
+        # What the Results of this apply carry (SPEC.md section 5, rule 1: they follow it),
+        # shared by all its contributors: views of the params, which no later step writes
+        # (each moves them to fresh memory first, ``ParamStore.begin_step``), so a Result still
+        # queued or held keeps these values; a later apply of the same fragment in the same
+        # step (async, held contributions) releases its own.
         if not self.delta_results:
-            released = compression.Encoded({n: p.detach().clone() for n, p in params.items()}, {})
+            released = compression.Encoded(store.released(fid), {})
         elif bad is not None or delta is None:  # params unchanged: a zero delta
-            released = compression.encode({n: torch.zeros_like(t) for n, t in params.items()}, self.config.wire_dtype)
+            released = compression.encode({n: torch.zeros_like(t) for n, t in store.fragment_params(fid).items()},
+                                          self.config.wire_dtype)
         else:
             released = delta
         self._released[fid] = (effect.round_id + 1, released)
@@ -807,8 +811,12 @@ class Coordinator:
         opt = self._optimizers[fid]
         # Finite contributions can still step to an infinity (a huge mean times lr and
         # momentum): keep what to restore, step, and check before anything is released.
-        before = {n: p.detach().clone() for n, p in params.items()}
-        opt_before = copy.deepcopy(opt.state_dict())
+        # The step changes a fresh copy of the params (``begin_step``: the old memory, which
+        # the last Results may still be sent from, is left as it is and is the undo) and the
+        # optimizer's state is backed up into buffers kept from step to step.
+        before = self.store.begin_step(fid)
+        opt_before = self._optimizer_backups[fid]
+        opt_before.take(opt)
         for name, p in params.items():
             p.grad = grad[name]
         opt.step()
@@ -827,10 +835,8 @@ class Coordinator:
             # SPEC.md section 12, "Non-finite steps": undo the step exactly; the round still
             # counts as applied (the core emitted ApplyRound) and its contributions are
             # discarded; the Results carry the unchanged params.
-            with torch.no_grad():
-                for n, p in params.items():
-                    p.copy_(before[n])
-            opt.load_state_dict(opt_before)
+            self.store.undo_step(fid, before)
+            opt_before.restore(opt)
         return bad, delta
 
     def _release(self, effect: ReleaseWorker, out: Outgoing) -> None:
