@@ -17,6 +17,7 @@ import torch
 
 from diloco.outer import all_finite  # noqa: F401  (re-exported: the coordinator's checks use it)
 
+from diloco.wire import buffers
 from diloco.wire.messages import TensorSpec, Tensors, spec_of
 
 
@@ -144,7 +145,7 @@ class ParamStore:
         for n in self.fragments[fragment_id]:
             p = self.params[n]
             old[n] = p.detach()
-            p.data = p.detach().clone()
+            p.data = buffers.empty_like(p).copy_(p.detach())
         return old
 
     def undo_step(self, fragment_id: int, old: Tensors) -> None:
@@ -181,7 +182,11 @@ class ParamStore:
         # plain fp32 sum does, in one fused pass per contribution (a float64 sum cost 3x).
         s = self._sums[fragment_id]
         if s is None:
-            self._sums[fragment_id] = {n: t.detach().to(torch.float32).mul(SUM_SCALE) for n, t in tensors.items()}
+            # A new sum every round (it is handed out as the step's input, ``take_mean``), on memory
+            # that is reused from round to round (``buffers``).
+            self._sums[fragment_id] = {n: torch.mul(t.detach().to(torch.float32), SUM_SCALE,
+                                                    out=buffers.empty_like(t, torch.float32))
+                                       for n, t in tensors.items()}
         else:
             for n, t in tensors.items():
                 s[n].add_(t.detach(), alpha=SUM_SCALE)

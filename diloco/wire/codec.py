@@ -336,6 +336,8 @@ def decode(frames: Sequence[Any], *, max_message_bytes: int = MAX_MESSAGE_BYTES)
 def _tensor(parts: Sequence[Any], dtype: torch.dtype, shape: list[int], nbytes: int) -> torch.Tensor:
     import torch
 
+    from diloco.wire import buffers
+
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     if len(parts) == 1:
@@ -346,7 +348,9 @@ def _tensor(parts: Sequence[Any], dtype: torch.dtype, shape: list[int], nbytes: 
         if t.data_ptr() % t.element_size():
             t = t.clone()  # a misaligned receive buffer: copy rather than hand out unaligned memory
         return t.reshape(shape)
-    out = torch.empty(nbytes, dtype=torch.uint8)
+    # Reassembled into memory glibc reuses next round (``buffers``): a fresh torch.empty of a tensor's
+    # size faults its pages in every time.
+    out = buffers.empty((nbytes,), torch.uint8)
     pos = 0
     for part in parts:
         buf = _buffer(part)

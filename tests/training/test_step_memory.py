@@ -4,6 +4,7 @@
   fresh memory before it changes them, so a Result still queued (a slow worker, a simulator holding
   messages) keeps the values it was released with.
 * A refused step puts back the very memory the params had (the undo is exact without a copy).
+* A chunked tensor decodes onto memory from ``buffers`` (plain malloc), correctly.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from diloco.testing import joined, make_coordinator
+from diloco.wire import buffers, codec
 from diloco.wire.messages import Result, Submit
 
 P0 = {"w": torch.linspace(-1.0, 1.0, 12).reshape(3, 4), "b": torch.tensor([0.5, -0.5])}
@@ -57,3 +59,18 @@ def test_a_refused_step_puts_back_the_very_memory_of_the_params():
     for _, m in out:
         if isinstance(m, Result):
             assert all(m.params[n].data_ptr() == ptrs[n] for n in P0)
+
+
+def test_buffers_and_a_chunked_decode_on_them():
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.uint8):
+        t = buffers.empty((3, 5), dtype)
+        assert t.shape == (3, 5) and t.dtype == dtype and t.is_contiguous()
+        t.fill_(1)
+        assert int(t.sum()) == 15
+    x = torch.randn(1000)
+    frames = codec.encode(Submit("a", 0, 0, {"x": x}), chunk_bytes=1024)  # 4 frames of 1 KiB
+    assert len(frames) == 1 + 4
+    got = codec.decode([bytes(f) for f in frames]).tensors["x"]
+    assert torch.equal(got, x)
+    got.add_(1.0)  # writable, and its own memory
+    assert torch.equal(got, x + 1.0)
