@@ -13,6 +13,8 @@ tensors of contributions *held* below quorum, bounded by
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from diloco.outer import all_finite  # noqa: F401  (re-exported: the coordinator's checks use it)
@@ -40,6 +42,11 @@ class NonFinite(ParamMismatch):
     def __init__(self, message: str, tensor: str) -> None:
         super().__init__(message)
         self.tensor = tensor
+
+
+def _non_finite(fragment_id: int, name: str) -> NonFinite:
+    return NonFinite(f"fragment {fragment_id} submission: tensor {name!r} has non-finite values (NaN or infinity)",
+                     name)
 
 
 def partition(spec: tuple[TensorSpec, ...], num_fragments: int) -> tuple[tuple[str, ...], ...]:
@@ -161,17 +168,33 @@ class ParamStore:
     def fragment_spec(self, fragment_id: int) -> tuple[TensorSpec, ...]:
         return self.fragment_specs[fragment_id]
 
-    def check_submission(self, fragment_id: int, tensors: Tensors) -> None:
-        """Names, shapes, dtypes and finiteness (checked before the core sees it).
+    def check_submission(self, fragment_id: int, tensors: Tensors, *, norm: bool = False) -> float | None:
+        """Names, shapes, dtypes and finiteness (checked before the core sees it); with ``norm``,
+        also return the L2 norm of ``tensors`` (the value ``outliers.fast_norm`` gives).
 
         Raises ``ParamMismatch`` for a wrong name, shape or dtype, and its subclass
         ``NonFinite`` for a NaN or an infinity.
+
+        With ``norm`` one pass over each tensor does both: a finite norm proves every element
+        finite (as a finite sum does, ``all_finite``), and only a tensor whose norm is not finite
+        (a bad element, or squares that overflow) gets the exact check. A second pass of its own,
+        at 100M parameters, was 30 ms a submission.
         """
         check_tensors(tensors, self.fragment_specs[fragment_id], f"fragment {fragment_id} submission")
-        bad = first_non_finite(tensors)
-        if bad is not None:
-            raise NonFinite(f"fragment {fragment_id} submission: tensor {bad!r} has non-finite values "
-                            f"(NaN or infinity)", bad)
+        if not norm:
+            bad = first_non_finite(tensors)
+            if bad is not None:
+                raise _non_finite(fragment_id, bad)
+            return None
+        total = 0.0
+        for name, t in tensors.items():
+            if not t.numel():
+                continue
+            square = float(torch.linalg.vector_norm(t.detach().float())) ** 2
+            if not math.isfinite(square) and not all_finite(t):
+                raise _non_finite(fragment_id, name)
+            total += square
+        return total ** 0.5
 
     # -- sync rounds: running sums (float64, see the module docstring)
     def accumulate(self, fragment_id: int, tensors: Tensors) -> None:

@@ -68,7 +68,7 @@ from diloco.coordinator.collective import CollectivePlane
 from diloco.coordinator.dylu import SpeedTable
 from diloco.coordinator.metrics import MetricsHistory
 from diloco.core import trace
-from diloco.coordinator.outliers import OutlierGuard, fast_norm
+from diloco.coordinator.outliers import OutlierGuard
 from diloco.outer import OptimizerBackup, build_outer_optimizer
 from diloco.coordinator.params import (
     describe_mismatch,
@@ -488,7 +488,8 @@ class Coordinator:
             if tensors is None:
                 return
             try:
-                self.store.check_submission(fid, tensors)
+                # The outlier bound needs the norm: the same pass proves the tensors finite.
+                checked_norm = self.store.check_submission(fid, tensors, norm=self.outliers.factor > 0)
             except NonFinite as exc:
                 self._refuse(peer, out, ErrorCode.NON_FINITE, str(exc), msg)
                 return
@@ -505,7 +506,7 @@ class Coordinator:
                                  f"--max-update-norm {limit:g}", msg)
                     return
             if self.outliers.factor > 0:
-                norm = fast_norm(tensors) if norm is None else norm
+                norm = checked_norm if norm is None else norm
                 why = self.outliers.check(fid, norm, self.store.fragment_params(fid))
                 if why is not None:
                     self._refuse(peer, out, ErrorCode.UPDATE_TOO_LARGE, f"fragment {fid} submission: {why}", msg)

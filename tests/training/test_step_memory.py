@@ -4,13 +4,17 @@
   fresh memory before it changes them, so a Result still queued (a slow worker, a simulator holding
   messages) keeps the values it was released with.
 * A refused step puts back the very memory the params had (the undo is exact without a copy).
+* The norm the outlier bound needs is computed in the same pass that proves a submission finite.
 * A chunked tensor decodes onto memory from ``buffers`` (plain malloc), correctly.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from diloco.coordinator.outliers import fast_norm
+from diloco.coordinator.params import NonFinite, ParamStore
 from diloco.testing import joined, make_coordinator
 from diloco.wire import buffers, codec
 from diloco.wire.messages import Result, Submit
@@ -59,6 +63,21 @@ def test_a_refused_step_puts_back_the_very_memory_of_the_params():
     for _, m in out:
         if isinstance(m, Result):
             assert all(m.params[n].data_ptr() == ptrs[n] for n in P0)
+
+
+def test_the_norm_for_the_outlier_bound_comes_with_the_finiteness_check():
+    store = ParamStore(P0, 1)
+    g = grads(3)
+    assert store.check_submission(0, g, norm=True) == fast_norm(g)  # the very value, bit for bit
+    assert store.check_submission(0, g) is None
+    nan_in_b = {"w": g["w"], "b": torch.tensor([1.0, float("nan")])}
+    for norm in (True, False):
+        with pytest.raises(NonFinite) as err:
+            store.check_submission(0, nan_in_b, norm=norm)
+        assert err.value.tensor == "b"
+    # Finite values whose squares overflow: a norm of inf (the outlier bound refuses it), not non-finite.
+    big = {n: torch.full_like(t, 3e38) for n, t in P0.items()}
+    assert store.check_submission(0, big, norm=True) == float("inf") == fast_norm(big)
 
 
 def test_buffers_and_a_chunked_decode_on_them():
