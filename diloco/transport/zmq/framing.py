@@ -15,12 +15,15 @@ The receiver assembles a peer's parts in order (one ZeroMQ connection keeps
 order) and checks the running size against ``max_message_bytes`` as each
 part arrives: past it, the parts held are freed at once, the rest of that
 message is skipped as it arrives, and the sender is answered ``too_large``.
-So a peer holds at most one message being assembled (at most
-``max_message_bytes``) plus what libzmq queues for it (``RCVHWM`` parts of
-at most ``ZMQ_MAXMSGSIZE`` each). A sender that gives up half-way through a
-message leaves an incomplete message, which the receiver drops when that
-peer's next message starts, or once no part of it has come for
-``partial_timeout_s``.
+A part counts its payload plus ``PART_COST_BYTES`` (what holding it costs:
+empty parts are not free). So a peer holds at most one message being
+assembled (at most ``max_message_bytes``). A sender that gives up half-way
+leaves an incomplete message, which the receiver drops when that peer's next
+message starts, or once no part of it has come for ``partial_timeout_s``.
+All incomplete messages together are bounded in number (``max_partials``)
+and bytes (``max_partial_bytes``), one *owner*'s (the sender's key, when
+known) in number (``owner_limit``): to make room, the owner's own message
+silent longest goes first, then, across owners, the one silent longest.
 
 An *aside* is a one-part message sent between another message's parts, so
 that it does not wait behind the whole of that message (a worker's heartbeat
@@ -54,6 +57,11 @@ _TAG = struct.Struct("<4sIII")
 TAG_BYTES = _TAG.size
 #: Most parts one message may have (a header plus tensor frames; the codec's own limit is far above real models).
 MAX_PARTS = 1 << 20
+#: What holding one part costs beyond its payload, counted against every limit: a part's
+#: ``zmq.Frame``, its libzmq message and its list slot measured 270-280 bytes whatever the
+#: payload (pyzmq 27.3, CPython 3.11, 200,000 parts held), so an empty part is not free.
+#: Rounded up for the allocator's slack.
+PART_COST_BYTES = 512
 
 
 def tag(seq: int, index: int, count: int) -> bytes:
@@ -100,13 +108,21 @@ def total_nbytes(frames: Iterator[Any] | Sequence[Any]) -> int:
     return sum(nbytes(f) for f in frames)
 
 
+def part_cost(payload: Any) -> int:
+    """What a part counts against the limits: its payload's bytes plus ``PART_COST_BYTES``."""
+    return nbytes(payload) + PART_COST_BYTES
+
+
 @dataclass
 class _Partial:
     seq: int
     count: int
     #: When its latest part arrived: a message that keeps arriving is never dropped for its age.
     last_part_s: float
+    #: Whose it is: the sender's key when known, else the peer.
+    owner: str = ""
     frames: list = field(default_factory=list)
+    #: What its parts held cost (``part_cost``); 0 once it is being skipped.
     size: int = 0
     #: True once the message went over the limit: its remaining parts are skipped.
     dropping: bool = False
@@ -134,19 +150,39 @@ class Assembler:
     ``add(peer, zmq_frames, now_s)`` takes one received ZeroMQ message and
     returns ``Complete`` (a whole message), ``Refused`` (answer the peer) or
     None (more parts to come, or a part skipped). Memory: at most one partial
-    message per peer, at most ``max_partials`` peers at once (the oldest is
-    dropped beyond that), none whose last part came more than ``partial_timeout_s``
-    ago: the limit is on silence, not on the transfer's total time, so a 1 GB message
-    crossing a slow link for minutes is kept as long as its parts keep coming.
+    message per peer (at most ``max_message_bytes``, each part counted at
+    ``part_cost``), none whose last part came more than ``partial_timeout_s``
+    ago: the limit is on silence, not on the transfer's total time, so a 1 GB
+    message crossing a slow link for minutes is kept as long as its parts keep
+    coming. All partial messages together: at most ``max_partials`` of them and
+    ``max_partial_bytes`` (never less than one whole message), and at most
+    ``owner_limit`` of one owner (``add``'s ``owner``, the sender's key).
+
+    What goes to make room is what has been silent longest: a message start
+    over its owner's limit displaces that owner's own partial message silent
+    longest; one over ``max_partials``, and a part over ``max_partial_bytes``,
+    the one silent longest of all. So a flood of message starts that then fall
+    silent displaces only itself, and a message still arriving is never the
+    first to go. Nobody is answered for a message dropped to make room
+    (``evicted``); the rest of it is skipped. ``now_s`` must not go backwards.
     """
 
-    def __init__(self, max_message_bytes: int, *, max_partials: int = 1024, partial_timeout_s: float = 120.0) -> None:
+    def __init__(self, max_message_bytes: int, *, max_partials: int = 1024, max_partial_bytes: int | None = None,
+                 partial_timeout_s: float = 120.0) -> None:
         self.max_message_bytes = max_message_bytes
         self.max_partials = max_partials
+        self.max_partial_bytes = max(max_message_bytes, max_partials * max_message_bytes
+                                     if max_partial_bytes is None else max_partial_bytes)
         self.partial_timeout_s = partial_timeout_s
+        #: peer -> its partial message, the one silent longest first (moved to the end on every part).
         self._partials: dict[str, _Partial] = {}
-        #: Incomplete messages dropped (the sender gave up half-way, timed out, or too many at once).
+        #: owner -> its peers with a partial message, in the same order.
+        self._owned: dict[str, dict[str, None]] = {}
+        self._bytes = 0
+        #: Incomplete messages dropped (the sender gave up half-way, timed out, or to make room).
         self.incomplete_dropped = 0
+        #: Of those, the ones dropped to keep within ``owner_limit``, ``max_partials`` or ``max_partial_bytes``.
+        self.evicted = 0
 
     @property
     def partial_count(self) -> int:
@@ -154,9 +190,12 @@ class Assembler:
 
     @property
     def partial_bytes(self) -> int:
-        return sum(p.size for p in self._partials.values())
+        """What the partial messages held cost (``part_cost`` of each part held)."""
+        return self._bytes
 
-    def add(self, peer: str, zmq_frames: Sequence[Any], now_s: float) -> Complete | Refused | None:
+    def add(self, peer: str, zmq_frames: Sequence[Any], now_s: float, *, owner: str | None = None,
+            owner_limit: int = 1) -> Complete | Refused | None:
+        """One received ZeroMQ message from ``peer``; ``owner`` (default: the peer) holds at most ``owner_limit``."""
         if len(zmq_frames) != 2 or (t := _unpack(zmq_frames[0])) is None:
             # Not a part: an old peer's whole message (or garbage), for the decoder to judge.
             self._drop(peer)
@@ -166,40 +205,57 @@ class Assembler:
         partial = self._partials.get(peer)
         if magic == ASIDE_MAGIC:
             return self._aside(peer, partial, index, count, payload, now_s)
+        cost = part_cost(payload)
         if index == 0:
             if partial is not None:
                 self._drop(peer)
             if not 1 <= count <= MAX_PARTS:
                 return Refused("bad_message", f"part tag: a message of {count} parts; expected 1..{MAX_PARTS}")
-            partial = _Partial(seq, count, now_s)
-            if count > 1:
-                self._make_room(now_s)
-                self._partials[peer] = partial
+            if count == 1:
+                if cost > self.max_message_bytes:
+                    return self._too_large(seq, index, count)
+                return Complete([payload])
+            self._expire(now_s)
+            partial = self._admit(peer, _Partial(seq, count, now_s, owner or peer), max(1, owner_limit))
         elif partial is None or partial.seq != seq or (index != len(partial.frames) and not partial.dropping):
-            # A part of a message whose start we never kept (refused at its first part), or out of
-            # order (impossible on one connection): skip it, and drop any other message it interrupts.
+            # A part of a message whose start we never kept (refused at its first part, or dropped to
+            # make room), or out of order (impossible on one connection): skip it, and drop any other
+            # message it interrupts.
             if partial is not None:
                 self._drop(peer)
             return None
         if partial.dropping:
             if index == partial.count - 1:
-                del self._partials[peer]
+                self._remove(peer)
             return None
         partial.last_part_s = now_s
-        partial.size += nbytes(payload)
-        if partial.size > self.max_message_bytes:
+        self._touch(peer, partial)
+        if partial.size + cost > self.max_message_bytes:
+            self._bytes -= partial.size
+            partial.size = 0
             partial.frames.clear()  # free what was held at once
             if index == partial.count - 1:
-                self._partials.pop(peer, None)
+                self._remove(peer)
             else:
                 partial.dropping = True
-            return Refused("too_large", f"message {seq} grew past max_message_bytes={self.max_message_bytes} at "
-                                        f"part {index} of {partial.count}; it was dropped as it arrived")
+            return self._too_large(seq, index, partial.count)
+        if self._bytes + cost > self.max_partial_bytes:
+            self._make_room_for(cost, keep=peer)
+            if self._bytes + cost > self.max_partial_bytes:  # nothing else left to drop
+                self._evict(peer)
+                return None
+        partial.size += cost
+        self._bytes += cost
         partial.frames.append(payload)
         if len(partial.frames) < partial.count:
             return None
-        self._partials.pop(peer, None)
+        self._remove(peer)
         return Complete(partial.frames)
+
+    def _too_large(self, seq: int, index: int, count: int) -> Refused:
+        return Refused("too_large", f"message {seq} grew past max_message_bytes={self.max_message_bytes} at "
+                                    f"part {index} of {count} (each part counts {PART_COST_BYTES} bytes more than "
+                                    f"its payload); it was dropped as it arrived")
 
     def _aside(self, peer: str, partial: _Partial | None, index: int, count: int, payload: Any,
                now_s: float) -> Complete | Refused:
@@ -212,29 +268,72 @@ class Assembler:
             self._drop(peer)
         if index != 0 or count != 1:
             return Refused("bad_message", f"aside tag: part {index} of {count}; an aside is one part (0 of 1)")
-        if nbytes(payload) > self.max_message_bytes:
-            return Refused("too_large", f"an aside of {nbytes(payload)} bytes is over max_message_bytes="
-                                        f"{self.max_message_bytes}")
+        if part_cost(payload) > self.max_message_bytes:
+            return Refused("too_large", f"an aside of {nbytes(payload)} bytes (+{PART_COST_BYTES}) is over "
+                                        f"max_message_bytes={self.max_message_bytes}")
         return Complete([payload])
 
     def forget(self, peer: str) -> None:
-        self._partials.pop(peer, None)
+        self._remove(peer)
 
     def arriving(self, peer: str, now_s: float) -> bool:
         """True while ``peer`` has a message partly arrived whose latest part came within ``partial_timeout_s``."""
         partial = self._partials.get(peer)
         return partial is not None and not partial.dropping and now_s - partial.last_part_s <= self.partial_timeout_s
 
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _admit(self, peer: str, partial: _Partial, owner_limit: int) -> _Partial:
+        """Keep a new partial message, dropping what must go to keep within the owner's limit and ``max_partials``."""
+        mine = self._owned.get(partial.owner)
+        while mine and len(mine) >= owner_limit:
+            self._evict(next(iter(mine)))
+        while self._partials and len(self._partials) >= self.max_partials:
+            self._evict(next(iter(self._partials)))
+        self._partials[peer] = partial
+        self._owned.setdefault(partial.owner, {})[peer] = None
+        return partial
+
+    def _make_room_for(self, cost: int, keep: str) -> None:
+        """Drop the partial messages silent longest (never ``keep``'s) until ``cost`` more bytes fit."""
+        while self._bytes + cost > self.max_partial_bytes:
+            victim = next(iter(self._partials))
+            if victim == keep:
+                return
+            self._evict(victim)
+
+    def _touch(self, peer: str, partial: _Partial) -> None:
+        """``peer``'s partial message just got a part: it is now the one silent shortest."""
+        self._partials[peer] = self._partials.pop(peer)
+        mine = self._owned[partial.owner]
+        mine[peer] = mine.pop(peer)
+
+    def _expire(self, now_s: float) -> None:
+        """Drop the partial messages silent for more than ``partial_timeout_s`` (they come first)."""
+        while self._partials:
+            peer, partial = next(iter(self._partials.items()))
+            if now_s - partial.last_part_s <= self.partial_timeout_s:
+                return
+            self._drop(peer)
+
+    def _remove(self, peer: str) -> _Partial | None:
+        partial = self._partials.pop(peer, None)
+        if partial is not None:
+            self._bytes -= partial.size
+            mine = self._owned[partial.owner]
+            del mine[peer]
+            if not mine:
+                del self._owned[partial.owner]
+        return partial
+
     def _drop(self, peer: str) -> None:
-        if self._partials.pop(peer, None) is not None:
+        if self._remove(peer) is not None:
             self.incomplete_dropped += 1
 
-    def _make_room(self, now_s: float) -> None:
-        stale = [p for p, part in self._partials.items() if now_s - part.last_part_s > self.partial_timeout_s]
-        for p in stale:
-            self._drop(p)
-        while len(self._partials) >= self.max_partials:
-            self._drop(next(iter(self._partials)))
+    def _evict(self, peer: str) -> None:
+        if self._remove(peer) is not None:
+            self.incomplete_dropped += 1
+            self.evicted += 1
 
 
 @dataclass(slots=True)
@@ -318,4 +417,4 @@ class Outbox:
 
 
 __all__ = ["Assembler", "Complete", "Outbox", "Queued", "Refused", "ASIDE_MAGIC", "MAGIC", "TAG_BYTES", "MAX_PARTS",
-           "aside_tag", "parts", "read_tag", "tag"]
+           "PART_COST_BYTES", "aside_tag", "part_cost", "parts", "read_tag", "tag"]

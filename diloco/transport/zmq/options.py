@@ -24,6 +24,37 @@ DEFAULT_PARTIAL_TIMEOUT_S = 120.0
 PARTIAL_TIMEOUT_ENV = "DILOCO_PARTIAL_TIMEOUT_S"
 
 
+#: Environment variable that sets ``max_partial_bytes`` (MiB) for every endpoint of the process.
+MAX_PARTIAL_ENV = "DILOCO_MAX_PARTIAL_MB"
+
+
+def memory_bytes() -> int:
+    """The memory this process may use: the machine's, or its cgroup's limit when lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < total:
+            total = int(text)
+    return total
+
+
+def _max_partial_bytes_from_env() -> int:
+    text = os.environ.get(MAX_PARTIAL_ENV)
+    if text is None or not text.strip():
+        return memory_bytes() // 2
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise ValueError(f"{MAX_PARTIAL_ENV}={text!r} is invalid: expected MiB > 0")
+    return int(value * (1 << 20))
+
+
 def _partial_timeout_from_env() -> float:
     text = os.environ.get(PARTIAL_TIMEOUT_ENV)
     if text is None or not text.strip():
@@ -87,6 +118,20 @@ class ZmqOptions:
     #: silence, not on the transfer's age (``framing.Assembler``). Default 120 s, or
     #: ``$DILOCO_PARTIAL_TIMEOUT_S``.
     partial_timeout_s: float = field(default_factory=_partial_timeout_from_env)
+    #: Coordinator: most bytes all incomplete messages together may hold (each part counted at
+    #: ``framing.part_cost``), never less than ``max_message_bytes``; beyond it the ones silent
+    #: longest are dropped (``framing.Assembler``). Default half of the memory this process may
+    #: use (the machine's, or its cgroup's limit), or ``$DILOCO_MAX_PARTIAL_MB``.
+    max_partial_bytes: int = field(default_factory=_max_partial_bytes_from_env)
+    #: Coordinator: most incomplete messages at once, all peers together (each peer has at most
+    #: one). ``max_partial_bytes`` is the bound on memory; this one bounds the bookkeeping, and is
+    #: high enough that a flood of connections that start messages displaces nobody else's: 1,100
+    #: such peers pushed every worker's Submit out of a limit of 1,024 until the flood ended.
+    max_partials: int = 65_536
+    #: Coordinator, with keys: incomplete messages one key may hold at once, per worker id it may
+    #: hold (``workers/NAME.max_ids``). One worker has one at a time; two cover a restarted
+    #: worker whose old connection is not yet found gone.
+    partials_per_key_id: int = 2
 
     @property
     def max_frame_bytes(self) -> int:
@@ -96,7 +141,8 @@ class ZmqOptions:
     def __post_init__(self) -> None:
         for name in ("max_message_bytes", "chunk_bytes", "router_sndhwm", "router_rcvhwm", "dealer_sndhwm",
                      "dealer_pipe_parts", "dealer_rcvhwm", "reconnect_ivl_ms", "reconnect_ivl_max_ms", "zmtp_heartbeat_ivl_ms",
-                     "zmtp_heartbeat_timeout_ms", "io_threads"):
+                     "zmtp_heartbeat_timeout_ms", "io_threads", "max_partial_bytes", "max_partials",
+                     "partials_per_key_id"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"ZmqOptions.{name}={v!r} is invalid: expected an integer >= 1")

@@ -108,7 +108,9 @@ class FrameRouter:
             self._poller.register(self._monitor, zmq.POLLIN)
         self._closed = False
         self._seq = 0
-        self._assembler = framing.Assembler(o.max_message_bytes, partial_timeout_s=o.partial_timeout_s)
+        self._assembler = framing.Assembler(o.max_message_bytes, max_partials=o.max_partials,
+                                            max_partial_bytes=o.max_partial_bytes,
+                                            partial_timeout_s=o.partial_timeout_s)
         #: routing id -> the parts libzmq had no room for yet (only peers with some waiting).
         self._outboxes: dict[bytes, framing.Outbox] = {}
         self.counters: Counter[str] = Counter()
@@ -122,7 +124,9 @@ class FrameRouter:
                 "messages_in", "messages_out", "bytes_in", "bytes_out", "dropped_unroutable", "dropped_queue_full",
                 "connections_accepted", "disconnects", "handshake_failures", "auth_failures", "peers_lost")},
             "incomplete_dropped": self._assembler.incomplete_dropped,
+            "incomplete_evicted": self._assembler.evicted,
             "partial_messages": self._assembler.partial_count,
+            "partial_bytes": self._assembler.partial_bytes,
             "send_backlog_parts": sum(box.parts for box in self._outboxes.values()),
         }
 
@@ -166,7 +170,11 @@ class FrameRouter:
                 if identity is None:  # the authenticator let it in, so this cannot happen; never trust it
                     self.counters["auth_failures"] += 1
                     continue
-            got = self._assembler.add(peer, frames[1:], time.monotonic())
+            if identity is None:
+                got = self._assembler.add(peer, frames[1:], time.monotonic())
+            else:  # one key's incomplete messages displace each other, never another key's
+                got = self._assembler.add(peer, frames[1:], time.monotonic(), owner=identity.public_key,
+                                          owner_limit=self.options.partials_per_key_id * identity.max_ids)
             if got is None:
                 continue
             if isinstance(got, framing.Complete):
