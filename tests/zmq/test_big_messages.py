@@ -131,9 +131,11 @@ def _recv(ep, timeout_s=10.0):
 
 
 def test_a_heartbeat_passes_a_big_submit_queued_before_it_and_a_leave_does_not():
-    # 64 MiB in 1 MiB parts, sent while the coordinator reads nothing: far more than the
-    # kernel's buffers and libzmq's queues hold, so most of it still waits in the worker's
-    # outbox when the heartbeat is sent; the Leave sent after it must stay behind it.
+    # 64 MiB in 1 MiB parts: the worker hands libzmq one part at a time, so most of it still
+    # waits in the worker's outbox when the heartbeat is sent as soon as the first part went
+    # (the coordinator's libzmq reads as fast as the link delivers, so on loopback the outbox
+    # empties within tens of milliseconds; on a slow link it is the link that holds the rest
+    # back). The Leave sent after the heartbeat must stay behind the Submit.
     opts = ZmqOptions(chunk_bytes=1 << 20, max_message_bytes=1 << 28)
     tensor = torch.arange(16 << 20, dtype=torch.float32)
     with ZmqCoordinatorEndpoint(LOOPBACK, options=opts) as server, \
@@ -141,8 +143,11 @@ def test_a_heartbeat_passes_a_big_submit_queued_before_it_and_a_leave_does_not()
         worker.send(Heartbeat("w"))
         assert _recv(server)[1] == Heartbeat("w")
         worker.send(Submit("w", 0, 0, {"x": tensor}))
-        time.sleep(0.3)
-        assert worker.sending()
+        box = worker.frames._outbox
+        deadline = time.monotonic() + 10
+        while not box.mid_message and time.monotonic() < deadline:
+            time.sleep(0.0002)
+        assert box.mid_message and worker.sending()
         worker.send(Heartbeat("w"))
         worker.send(Leave("w"))
         order = [type(_recv(server)[1]).__name__ for _ in range(3)]

@@ -1,15 +1,36 @@
-"""No flood of incomplete messages makes the coordinator hold more than its bounds (SPEC.md section 11, "Limits").
+"""No flood takes the coordinator down (SPEC.md section 11, "Limits").
 
-Every part counts against the limits (its bytes plus ``PART_COST_BYTES``), all incomplete
-messages together are bounded in bytes and number, one key's in number, and what goes to
-make room is what has been silent longest (``framing.Assembler``).
+* Every part counts against the limits (its bytes plus ``PART_COST_BYTES``), all incomplete
+  messages together are bounded in bytes and number, one key's in number, and what goes to
+  make room is what has been silent longest (``framing.Assembler``).
+* libzmq 4.3.5 aborts a process whose connection it paused (input queue at ``RCVHWM``) when
+  the peer hangs up: the coordinator's ROUTER has no receive limit, so it never pauses one.
+* libzmq's I/O thread blocks on a full socket-monitor queue: the coordinator's has no limit
+  and is read between parts.
+* A live server with two real workers, flooded by 1,100 connections with and without
+  ``--auth``: it lives, the workers stay members, rounds keep applying.
 """
 
 from __future__ import annotations
 
 import random
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import zmq
 
 from diloco.transport.zmq.framing import PART_COST_BYTES, Assembler, Complete, Refused, aside_tag, tag
+from diloco.wire import codec
+from diloco.wire.messages import Heartbeat
+from diloco.wire.zmq import ZmqCoordinatorEndpoint
+
+FLOOD = str(Path(__file__).with_name("flood_entry.py"))
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _start(seq: int, count: int, size: int = 0) -> list:
@@ -104,3 +125,141 @@ def test_the_bounds_hold_whatever_arrives():
             per_owner[p.owner] = per_owner.get(p.owner, 0) + 1
         assert max(per_owner.values(), default=0) <= 3
     assert a.evicted > 0 and a.incomplete_dropped >= a.evicted
+
+
+# --------------------------------------------------------------------------- libzmq, in a separate process
+
+_PAUSED_PEER_HANGS_UP = textwrap.dedent("""
+    import sys, time, zmq
+    sys.path.insert(0, {repo!r})
+    from diloco.transport.zmq.framing import tag
+    from diloco.wire.zmq import ZmqCoordinatorEndpoint
+    with ZmqCoordinatorEndpoint("tcp://127.0.0.1:0") as ep:
+        ctx = zmq.Context()
+        for ping_ms in (0, 1):  # the coordinator's ZMTP heartbeat; then also the peer's own PINGs
+            d = ctx.socket(zmq.DEALER)
+            d.linger, d.sndhwm = 0, 0
+            if ping_ms:
+                d.heartbeat_ivl = ping_ms
+            d.connect(ep.address)
+            for i in range(20_000):
+                d.send_multipart([tag(i + 1, 0, 2), b"x" * 100])
+            time.sleep(0.5)
+            d.close(0)
+            time.sleep(2.5)  # the coordinator reads nothing meanwhile (busy with an outer step)
+            read_until = time.monotonic() + 3
+            while time.monotonic() < read_until:  # then reads what waits
+                ep.recv(0.05)
+            assert ep.stats()["bytes_in"] > 0
+        ctx.term()
+    print("alive")
+""")
+
+
+@pytest.mark.slow
+def test_a_peer_that_floods_then_hangs_up_while_the_coordinator_reads_nothing_does_not_abort_it():
+    """With a receive limit, libzmq paused this peer's connection, and its hang-up aborted the process:
+    ``Assertion failed: !_io_error (src/stream_engine_base.cpp:310)``, exit -6."""
+    proc = subprocess.run([sys.executable, "-c", _PAUSED_PEER_HANGS_UP.format(repo=str(REPO))],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "alive" in proc.stdout, (proc.returncode, proc.stdout, proc.stderr)
+
+
+def test_a_new_peer_is_heard_while_a_backlog_of_parts_is_read_after_a_thousand_connections_came_and_went():
+    """libzmq's I/O thread stops on a full monitor queue (2,000 events): read only when idle, the monitor
+    of an endpoint still reading the parts 1,100 connections left behind froze every connection (and
+    kept any new one out) until all of them were read."""
+    with ZmqCoordinatorEndpoint("tcp://127.0.0.1:0") as ep:
+        ctx = zmq.Context()
+        ctx.max_sockets = 2000
+        try:
+            socks = []
+            for _ in range(1100):
+                s = ctx.socket(zmq.DEALER)
+                s.linger, s.sndhwm = 0, 0
+                s.connect(ep.address)
+                socks.append(s)
+            for seq in range(1, 301):  # 330,000 message starts: seconds of reading
+                for s in socks:
+                    s.send_multipart(_start(seq, 2, 10), zmq.NOBLOCK)
+            ep.recv(1.5)  # the parts cross meanwhile
+            for s in socks:
+                s.close(0)
+            time.sleep(0.5)
+            ep.recv(0.1)
+            late = ctx.socket(zmq.DEALER)
+            late.linger = 0
+            late.routing_id = b"late"
+            late.connect(ep.address)
+            (frame,) = codec.encode(Heartbeat("late"))
+            sent = time.monotonic()
+            late.send_multipart([tag(1, 0, 1), frame])
+            got = None
+            while got is None and time.monotonic() - sent < 60:
+                got = ep.recv(0.1)
+            took = time.monotonic() - sent
+            assert got is not None and got[0] == "late", got
+            heard_at = ep.stats()["bytes_in"]
+            reading = time.monotonic()
+            while time.monotonic() - reading < 1.0:
+                ep.recv(0.1)
+            left_behind = ep.stats()["bytes_in"] - heard_at
+            assert took < 2.0, f"the late peer waited {took:.1f} s"
+            assert left_behind > 100_000, left_behind  # it was heard while the backlog was still being read
+        finally:
+            ctx.destroy(linger=0)
+
+
+# --------------------------------------------------------------------------- a live server
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("auth", [False, True], ids=["open", "auth"])
+def test_a_connection_flood_neither_kills_the_server_nor_costs_it_its_workers(cluster, auth):
+    """Issue 22, item 2: 1,100 connections each start two-part messages (100 each, every one left
+    unfinished), with libzmq's own ZMTP pings every millisecond, hold them 3 s, then all close.
+    Before: exit -6 (the libzmq assertion) every time, with and without --auth."""
+    extra, keys = [], {}
+    if auth:
+        cluster.make_keys(workers=("k1", "k2", "evil"))
+        extra = ["--auth", str(cluster.auth_dir)]
+        keys = {"w1": cluster.key_args("k1"), "w2": cluster.key_args("k2")}
+    # 10 s: the flood's 1,100 sockets and their pings load a 2-core machine, and a worker starved
+    # of the CPU for 3 s is no sign of the transport (the old server aborted within 2-6 s).
+    server = cluster.server("--min-workers", "2", *extra, heartbeat_timeout_s=10.0)
+    workers = [cluster.worker(w, *keys.get(w, [])) for w in ("w1", "w2")]
+    cluster.wait_status(lambda s: s["rounds_applied"] >= 2 and cluster.members(s) == {"w1", "w2"}, 120,
+                        "two workers applying rounds")
+    cmd = [sys.executable, FLOOD, cluster.address, "--connections", "1100", "--starts", "100", "--hold", "3",
+           "--ping-ms", "1"]
+    if auth:  # one authorized worker key for every connection
+        cmd += ["--key", str(cluster.keys["evil"][1]), "--server-key", str(cluster.server_key)]
+    flood = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: list[set[str]] = []
+    try:
+        deadline = time.monotonic() + 60
+        while flood.poll() is None:
+            assert server.alive(), f"the server died during the flood:\n{server.output()[-2000:]}"
+            assert time.monotonic() < deadline, "the flood did not end"
+            status = cluster.status_or_none()
+            if status is not None:
+                seen.append(cluster.members(status))
+            time.sleep(0.3)
+        out = flood.stdout.read()
+        assert flood.returncode == 0, out
+    finally:
+        if flood.poll() is None:
+            flood.kill()
+            flood.wait(10)
+        flood.stdout.close()
+    assert server.alive(), f"the server died after the flood:\n{server.output()[-2000:]}"
+    after = cluster.status()
+    st = cluster.wait_status(lambda s: s["rounds_applied"] >= after["rounds_applied"] + 3, 20,
+                             "rounds applied after the flood")
+    assert cluster.members(st) == {"w1", "w2"} and all(w.alive() for w in workers)
+    assert seen and all(m == {"w1", "w2"} for m in seen), seen
+    assert not re.search(r"^\S+ (dead|left)\s+w[12]\b", server.output(), re.M), server.output()
+    transport = st["transport"]
+    assert transport["connections_accepted"] >= 1100
+    if auth:  # the flood's key held at most two incomplete messages: each new one displaced its own
+        assert transport["incomplete_evicted"] > 0

@@ -80,9 +80,6 @@ class ZmqOptions:
     #: (a message of more parts, or one for a slow reader), and a message for a peer that has this
     #: many parts waiting behind the one going out (it stopped reading) is dropped.
     router_sndhwm: int = 256
-    #: Coordinator: parts queued per peer before libzmq stops reading that peer's connection.
-    #: With parts of at most ``max_frame_bytes``, this bounds what libzmq holds for one peer.
-    router_rcvhwm: int = 16
     #: Worker: parts queued towards the coordinator behind the message going out, not yet handed to
     #: libzmq (while it is away, they wait here); a message is taken whole while fewer wait, however
     #: many parts it has.
@@ -139,7 +136,7 @@ class ZmqOptions:
         return min(self.max_message_bytes, max(self.chunk_bytes, MAX_HEADER_BYTES) + 64)
 
     def __post_init__(self) -> None:
-        for name in ("max_message_bytes", "chunk_bytes", "router_sndhwm", "router_rcvhwm", "dealer_sndhwm",
+        for name in ("max_message_bytes", "chunk_bytes", "router_sndhwm", "dealer_sndhwm",
                      "dealer_pipe_parts", "dealer_rcvhwm", "reconnect_ivl_ms", "reconnect_ivl_max_ms", "zmtp_heartbeat_ivl_ms",
                      "zmtp_heartbeat_timeout_ms", "io_threads", "max_partial_bytes", "max_partials",
                      "partials_per_key_id"):

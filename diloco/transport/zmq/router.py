@@ -79,7 +79,18 @@ class FrameRouter:
         # reconnects on its own.
         set_option(self._sock, zmq.ROUTER_HANDOVER, 0 if auth is not None else 1)
         set_option(self._sock, zmq.SNDHWM, o.router_sndhwm)
-        set_option(self._sock, zmq.RCVHWM, o.router_rcvhwm)
+        # No receive limit: libzmq must never stop reading a peer's connection. libzmq 4.3.5 (the
+        # newest release, bundled by every pyzmq wheel up to 27.3; its master is the same) aborts
+        # the whole process with "Assertion failed: !_io_error (src/stream_engine_base.cpp:310)"
+        # when a connection whose input it paused (its queue at RCVHWM) is closed by the peer: the
+        # hang-up marks the engine failed without tearing it down, and the next ZMTP heartbeat
+        # (HEARTBEAT_IVL) or a PING still in its read buffer writes to it (libzmq issue 4841).
+        # With RCVHWM 16, one DEALER that sent 17 messages and closed while the ROUTER read nothing
+        # for 3 s was enough (16 were not); so were 1,100 peers flooding parts at a coordinator.
+        # With RCVHWM 0 no connection is ever paused. What the endpoint holds is bounded as parts
+        # arrive (``framing.Assembler``); what a peer sends faster than ``recv`` reads waits in
+        # libzmq (SPEC.md section 11, "Limits").
+        set_option(self._sock, zmq.RCVHWM, 0)
         set_option(self._sock, zmq.MAXMSGSIZE, o.max_frame_bytes)
         set_option(self._sock, zmq.HEARTBEAT_IVL, o.zmtp_heartbeat_ivl_ms)
         set_option(self._sock, zmq.HEARTBEAT_TIMEOUT, o.zmtp_heartbeat_timeout_ms)
@@ -93,9 +104,19 @@ class FrameRouter:
                 self._authenticator = auth.start_authenticator(self._ctx)
                 auth.apply(self._sock)
             if monitor:
-                self._monitor = self._sock.get_monitor_socket(
-                    zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-                    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+                # libzmq's I/O thread sends monitor events *blocking*: once about 2,000 are unread
+                # (the default limits of both ends: 1,000 connections opened and closed) it stops,
+                # and with it every connection's reads, writes and ZMTP heartbeats, and every new
+                # connection, until the events are read. So this end's queue has no limit (events
+                # are small, and ``recv`` reads them between parts too).
+                address = f"inproc://diloco-monitor-{id(self)}"
+                self._sock.monitor(address, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+                                   | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                   | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+                self._monitor = self._ctx.socket(zmq.PAIR)
+                set_option(self._monitor, zmq.RCVHWM, 0)
+                set_option(self._monitor, zmq.LINGER, 0)
+                self._monitor.connect(address)
             self._sock.bind(bind)
         except zmq.ZMQError as exc:
             self._close_sockets()
@@ -138,7 +159,7 @@ class FrameRouter:
         while True:
             if self._outboxes:
                 self._pump_all()
-            arrival = self._recv_ready()
+            arrival = self._recv_ready(deadline)
             if arrival is not None:
                 return arrival
             remaining = deadline - time.monotonic()
@@ -152,9 +173,20 @@ class FrameRouter:
             if self._sock not in events and time.monotonic() >= deadline:
                 return None
 
-    def _recv_ready(self) -> Arrival | None:
-        """Assemble queued parts until a message is whole (or refused as it arrived)."""
+    def _recv_ready(self, deadline: float) -> Arrival | None:
+        """Assemble queued parts until a message is whole (or refused as it arrived), or ``deadline`` passes.
+
+        A flood of parts that never make a message must not keep the owner's loop from its
+        other work (timeouts, lost peers) past the time it asked to wait.
+        """
+        n = 0
         while True:
+            n += 1
+            if n % 256 == 0:
+                if self._monitor is not None:
+                    self._drain_monitor()  # never only when idle: a flood keeps it from being idle
+                if time.monotonic() >= deadline:
+                    return None
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
