@@ -56,6 +56,11 @@ thread pumps the endpoint itself between steps and while it waits; then one
 inner step must take well under the coordinator's heartbeat timeout.
 ``on_state`` may be called from either thread, never two calls at once, and
 always in the order the session moved: its last call is the worker's state.
+The communication thread ticks the session every turn, so a gap of more than
+``STALL_S`` between two of its ticks means the process did not run (stopped by
+SIGSTOP or a debugger, a paused VM, starved): such stretches do not count as
+the coordinator's silence (W11; SPEC.md section 13, "Freezes"), and a worker
+that thaws does not give up on a coordinator whose answer was waiting for it.
 
 Stopping
 --------
@@ -118,6 +123,11 @@ S = WorkerState
 _LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
 
 __all__ = ["DEFAULT_COORDINATOR_TIMEOUT_S", "DilocoWorker", "DilocoWorkerError"]
+
+#: A gap this long between two ticks of the communication thread means the process did not run.
+#: A turn is a poll (``COMM_POLL_S``), what arrived, and sends (each at most the transport's
+#: 0.5 s send timeout): well under a second.
+STALL_S = 2.0
 
 
 class DilocoWorker:
@@ -198,6 +208,10 @@ class DilocoWorker:
         self._stop_request: bool | None = None        # save? (set by request_stop, any thread or a signal)
         self._training_thread: int | None = None
         self._left = False
+        #: Stretches in which the communication thread did not tick (the process was stopped or
+        #: starved), as (end, seconds), newest last; and when it last ticked.
+        self._stalls: collections.deque[tuple[float, float]] = collections.deque(maxlen=64)
+        self._last_tick: float | None = None
 
         if checkpoint_every is not None and (isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int)
                                              or checkpoint_every < 1 or checkpoint_dir is None):
@@ -463,10 +477,33 @@ class DilocoWorker:
                 self._run(actions)
                 msg = self.link.recv(0.0)
         sending, receiving = self.link.transport_activity()
+        silence = self.link.transport_silence()
         with self._lock:
-            actions = self._took(self.session.tick(self._clock(), self.link.transport_silence(), sending=sending,
-                                                   receiving=receiving))
+            now = self._clock()
+            if self.link.on_comm_thread:
+                silence = self._without_stalls(now, silence)
+            actions = self._took(self.session.tick(now, silence, sending=sending, receiving=receiving))
         self._run(actions)
+
+    def _without_stalls(self, now: float, transport_silence: float | None) -> float | None:
+        """The silence cap for the session's tick: time the process did not run is no silence (W11).
+
+        Called by the communication thread, holding the lock, at every tick.
+        """
+        last, self._last_tick = self._last_tick, now
+        if last is not None and now - last > STALL_S:
+            self._stalls.append((now, now - last))
+            log.warning("worker %s: this process did not run for %.1f s (stopped or starved); that time is not "
+                        "the coordinator's silence", self.worker_id, now - last)
+        if not self._stalls:
+            return transport_silence
+        silence = self.session.silence(now)
+        began = now - silence
+        lost = sum(gap for end, gap in self._stalls if end - gap >= began)
+        if not lost:
+            return transport_silence
+        own = max(0.0, silence - lost)
+        return own if transport_silence is None else min(own, transport_silence)
 
     def _comm_failed(self, exc: BaseException) -> None:
         if not isinstance(exc, DilocoWorkerError):
