@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Chaos soak on real processes: kill workers and the coordinator at seeded random moments, then check the run.
+"""Chaos soak on real processes: kill and freeze workers and the coordinator at seeded moments, then check the run.
 
     python scripts/chaos.py --minutes 30 --workers 4 --seed 1     # the long soak (README)
-    python scripts/chaos.py --minutes 1.5 --workers 3 --seed 7    # the CI variant
+    python scripts/chaos.py --minutes 1.5 --workers 3 --seed 7    # the CI variant (tests/zmq/test_chaos.py adds flags)
     python scripts/chaos.py --minutes 30 --workers 4 --data-plane collective --worker-kill-every 8 --coordinator-kill-every 75
 
 A small supervisor starts ``diloco server --checkpoint-dir DIR --resume DIR``
@@ -14,10 +14,32 @@ and N ``diloco worker`` processes (the built-in char transformer) on
 * ``kill -9`` the coordinator, and restart it with ``--resume`` on the same
   address after a short delay (workers ride out the outage);
 * change ``min_workers`` (``diloco set-min-workers``) to a random value in
-  1..N.
+  1..N;
+* freeze a random live worker (``SIGSTOP``) and thaw it (``SIGCONT``) after
+  a while, without restarting it (``--worker-freeze-every``): the durations
+  take turns, longer than the heartbeat timeout (it is declared dead and must
+  re-join when it thaws), shorter (nothing happens), and longer than both
+  its own ``--coordinator-timeout`` and the link timeout (its own freeze is
+  not the coordinator's silence: it must not give up);
+* freeze the coordinator (``--coordinator-freeze-every``), taking turns:
+  longer than the heartbeat timeout but shorter than the workers'
+  ``--coordinator-timeout`` (they wait and carry on; it declares them dead as
+  it thaws and they re-join), shorter than the heartbeat timeout, and longer
+  than the workers' ``--coordinator-timeout`` (they write their checkpoints
+  and exit 3, and are restarted here as a supervisor would).
+
+Worker ``w1`` is never killed nor frozen, and keeps the default
+``--coordinator-timeout`` (600 s): it is the long-lived worker whose memory
+and file descriptors are measured, and the one that rides out every
+coordinator freeze. The others run with ``--coordinator-timeout`` (default
+twice the heartbeat timeout). A worker that exits by itself is restarted
+(same id and checkpoint folder) a second later; its exit is a violation
+unless it is exit 3 after the coordinator was out (killed or frozen) for the
+whole of its ``--coordinator-timeout``.
 
 At the end it drains the run and checks, **from the audit log
-(``DIR/events.jsonl``) and the final checkpoint only**:
+(``DIR/events.jsonl``) and the final checkpoint only** (the liveness and
+growth checks also use what the supervisor did and measured):
 
 1. no round applied with fewer contributors than the ``min_workers`` in force;
 2. no (fragment, round) applied twice, across every coordinator incarnation;
@@ -33,6 +55,38 @@ checkpoint's committed params; in addition
 6. every two workers whose checkpoints hold the same round ids hold
    bit-identical committed params (the replicas never diverge).
 
+And on both planes:
+
+7. liveness: the longest stretch with no applied round while the quorum
+   held -- the clock runs while the audit log's last ``quorum`` line says
+   the run is not below ``min_workers`` (a ``start`` line: below, until its
+   quorum forms) and the coordinator is not out by this script's doing (from
+   a kill to the next ``start`` line, from a freeze to its thaw), stops
+   otherwise and goes on from where it stopped (a quorum that comes and
+   goes does not hide a run that never applies), and an ``apply`` resets
+   it -- must stay under ``2 x heartbeat timeout + 4 x round + 10 s``
+   (round: the median time between applied rounds). A fault costs at most
+   the heartbeat timeout (a frozen member is awaited until it is declared
+   dead) and a round or two (a member that re-joins mid-round trains the
+   round from its Welcome); the bound allows two overlapping ones.
+8. growth: resident memory (``VmRSS``) and open file descriptors of the
+   coordinator and of ``w1``, sampled every 2 s (``DIR/samples.jsonl``),
+   from a 10 s window once the process is warm (10 rounds in by its own
+   log, and at least 10 s after it started: start-up and first-round
+   allocations done) to a 10 s window after the heal at the end (every
+   worker back), must grow by less than 5 %. RSS is the least sample of
+   each window (a transient buffer does not count; a leak raises the
+   floor). The fds figure leaves out established TCP connections, which
+   come and go with the members (a connection left in another state, such
+   as CLOSE_WAIT, still counts), and compares the most of the first window
+   with the least of the last. A restarted coordinator is a new process:
+   the last incarnation is measured from its own warm-up (the heal waits,
+   up to a minute, for a young one's windows; if it is still too young, the
+   longest-lived one is measured, from its warm-up to its last samples, and
+   the line says which).
+9. a worker frozen past the heartbeat timeout re-joins (a ``join`` line)
+   within 60 s of its thaw, as the same process.
+
 Every run ends with trace validation (``diloco check-log``): the audit log's
 inputs, replayed through the pure machine from each incarnation's snapshot,
 must give exactly the effects and decisions the live coordinators logged; a
@@ -42,13 +96,20 @@ It reports how many applied rounds a coordinator kill lost (the rounds the
 log recorded before the kill minus those the restarted coordinator resumed
 with: persist-before-announce makes it 0). Last line::
 
-    RESULT chaos data_plane=P minutes=M worker_kills=N coordinator_kills=N rounds_applied=N violations=N max_lost_rounds=N
-        trace_inputs=N trace_divergences=N
+    RESULT chaos data_plane=P minutes=M worker_kills=N coordinator_kills=N worker_freezes=N coordinator_freezes=N
+        workers_gave_up=N rounds_applied=N violations=N max_lost_rounds=N trace_inputs=N trace_divergences=N
+        max_stall_s=S stall_bound_s=S rss_growth=+P% fd_growth=+P%
+
+(``rss_growth`` and ``fd_growth``: the larger of the coordinator's and
+``w1``'s.) Besides the logs and checkpoints, ``--out DIR`` keeps
+``samples.jsonl`` (the memory and descriptor samples) and ``faults.json``
+(every outage, kill, exit and freeze, with wall-clock times).
 
 A coordinator that exits by itself (for example, refusing to resume) and a
 final ``shutdown --save`` that fails are violations too: a run that cannot
 be resumed has lost the crash-safety it exists for. Exit 1 on any
-violation. Every process it starts is killed by pid at the end.
+violation. Every process it starts is thawed (``SIGCONT``) and killed by pid
+at the end.
 """
 
 from __future__ import annotations
@@ -66,6 +127,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from diloco.transport.zmq.options import DEFAULT_LINK_TIMEOUT_MS
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -80,15 +143,32 @@ class Proc:
         self._log = open(self.log_path, "ab")
         self._log.write(f"===== start {time.strftime('%H:%M:%S')} {' '.join(args)}\n".encode())
         self._log.flush()
+        self.started = time.monotonic()
+        self.frozen = False
         self.popen = subprocess.Popen([sys.executable, "-m", "diloco", *args], stdout=self._log,
                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=log_dir)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
 
     def alive(self) -> bool:
         return self.popen.poll() is None
 
-    def kill9(self) -> None:
+    def freeze(self) -> None:
         if self.alive():
-            os.kill(self.popen.pid, signal.SIGKILL)
+            os.kill(self.pid, signal.SIGSTOP)
+            self.frozen = True
+
+    def thaw(self) -> None:
+        if self.frozen and self.alive():
+            os.kill(self.pid, signal.SIGCONT)
+        self.frozen = False
+
+    def kill9(self) -> None:
+        self.thaw()  # a stopped process dies of SIGKILL too, but is never left stopped
+        if self.alive():
+            os.kill(self.pid, signal.SIGKILL)
         try:
             self.popen.wait(10)
         except subprocess.TimeoutExpired:
@@ -97,6 +177,64 @@ class Proc:
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def listening(self) -> bool:
+        """A server: it printed its address (read from its log until it has)."""
+        if not getattr(self, "_listening", False):
+            self._listening = "listening on tcp://" in self.output()
+        return self._listening
+
+
+def established_inodes(pid: int) -> set[str]:
+    """Socket inodes of the established TCP connections in the process's network namespace."""
+    inodes = set()
+    for name in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{name}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if len(cols) > 9 and cols[3] == "01":  # ESTABLISHED
+                inodes.add(cols[9])
+    return inodes
+
+
+def proc_figures(pid: int) -> tuple[int, int, int] | None:
+    """(VmRSS in kB, open fds, of which established TCP connections) of a process, or None if it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        rss = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
+        fds = os.listdir(f"/proc/{pid}/fd")
+        established = established_inodes(pid)
+        connections = 0
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            connections += target.startswith("socket:[") and target[8:-1] in established
+        return rss, len(fds), connections
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+#: Freeze kinds, taken in turn (the first of each target's is the one that matters most).
+WORKER_FREEZES = ("past the heartbeat timeout", "within the heartbeat timeout",
+                  "past its coordinator timeout and the link timeout")
+COORDINATOR_FREEZES = ("past the heartbeat timeout", "within the heartbeat timeout",
+                       "past the workers' coordinator timeout")
+LINK_TIMEOUT_S = DEFAULT_LINK_TIMEOUT_MS / 1000
+MEASURED = "w1"  # never killed nor frozen; default --coordinator-timeout
+SAMPLE_EVERY_S = 2.0
+#: A measured process is warm (its start window begins) this long after it started and this many rounds in.
+WARM_S = 10.0
+WARM_ROUNDS = 10
+WINDOW_S = 10.0
+#: A worker's exit is seen at most this long after it gave up.
+EXIT_S = 10.0
+#: A thawed worker is not frozen again for this long.
+REJOIN_S = 10.0
 
 
 class Soak:
@@ -111,12 +249,39 @@ class Soak:
         self.workers: dict[str, Proc] = {}
         self.restart_at: dict[str, float] = {}      # worker id -> when to restart it
         self.server_restart_at: float | None = None
+        self.thaw_at: dict[str, float] = {}         # frozen worker id -> when to thaw it
+        self.server_thaw_at: float | None = None
         self.worker_kills = 0
+        self.kill_log: list[tuple[float, str]] = []  # (wall clock, worker id) of each worker kill
         self.coordinator_kills = 0
+        self.worker_freezes = 0
+        self.coordinator_freezes = 0
+        self.workers_gave_up = 0
         self.min_worker_changes = 0
         self.server_starts = 0
         #: Coordinator processes that exited by themselves (not killed here): each is a violation.
         self.server_failures: list[str] = []
+        #: Workers that exited by themselves: (wall clock, worker id, exit code, last line).
+        self.worker_exits: list[tuple[float, str, int, str]] = []
+        #: Coordinator outages this script caused: [kind, wall start, wall end or None (kill: until the
+        #: next incarnation's ``start`` line; freeze: the thaw)].
+        self.outages: list[list] = []
+        #: Worker freezes: (worker id, pid, wall freeze, wall thaw, seconds).
+        self.frozen_workers: list[tuple[str, int, float, float, float]] = []
+        self._freezing: dict[str, tuple[int, float, float]] = {}  # worker id -> (pid, wall, monotonic)
+        self._thawed_at: dict[str, float] = {}  # worker id -> when it last thawed (monotonic)
+        self._server_frozen_at: tuple[float, float] | None = None
+        #: Samples per process name: (monotonic, VmRSS kB, fds); process name -> (pid, monotonic start).
+        self.samples: dict[str, list[tuple[float, int, int]]] = {}
+        self.sampled: dict[str, tuple[int, float]] = {}
+        self.warm_at: dict[str, float] = {}  # process name -> when it was warm (the start window begins)
+        self.heal_at: float | None = None
+        self.heal_wall: float | None = None
+        self.measured_until: float | None = None
+        self._worker_freeze_turn = 0
+        self._coordinator_freeze_turn = 0
+        #: When the coordinator was last back (thawed or restarted): its next fault waits a few seconds.
+        self.coordinator_back_at = 0.0
 
     # ------------------------------------------------------------------ processes
 
@@ -135,9 +300,10 @@ class Soak:
     def start_worker(self, wid: str) -> None:
         if wid in self.workers:
             self.workers[wid].kill9()
+        timeout = 600 if wid == MEASURED else self.args.coordinator_timeout
         self.workers[wid] = Proc(f"worker-{wid}", [
             "worker", "--connect", self.address, "--id", wid, "--checkpoint-dir", str(self.out / f"ckpt-{wid}"),
-            "--sync-every", str(self.args.sync_every), "--coordinator-timeout", "600",
+            "--sync-every", str(self.args.sync_every), "--coordinator-timeout", f"{timeout:g}",
             *(["--checkpoint-every", "1"] if self.args.data_plane == "collective" else [])], self.out, self.env)
 
     def admin(self, *args: str) -> int:
@@ -148,6 +314,126 @@ class Soak:
     def close(self) -> None:
         for p in [*self.workers.values(), *([self.server] if self.server else [])]:
             p.kill9()
+
+    # ------------------------------------------------------------------ freezes
+
+    def worker_freeze_s(self) -> tuple[float, str]:
+        a, hb = self.args, self.args.heartbeat_timeout
+        kind = WORKER_FREEZES[self._worker_freeze_turn % len(WORKER_FREEZES)]
+        self._worker_freeze_turn += 1
+        if kind == WORKER_FREEZES[0]:
+            return self.rng.uniform(1.2 * hb, max(1.3 * hb, min(2.0 * hb, 0.9 * a.coordinator_timeout))), kind
+        if kind == WORKER_FREEZES[1]:
+            return self.rng.uniform(0.2 * hb, 0.8 * hb), kind
+        return self.rng.uniform(1.1, 1.3) * max(a.coordinator_timeout, LINK_TIMEOUT_S), kind
+
+    def coordinator_freeze_s(self) -> tuple[float, str]:
+        a, hb = self.args, self.args.heartbeat_timeout
+        kind = COORDINATOR_FREEZES[self._coordinator_freeze_turn % len(COORDINATOR_FREEZES)]
+        self._coordinator_freeze_turn += 1
+        if kind == COORDINATOR_FREEZES[0]:
+            return self.rng.uniform(1.2 * hb, max(1.3 * hb, 0.9 * a.coordinator_timeout)), kind
+        if kind == COORDINATOR_FREEZES[1]:
+            return self.rng.uniform(0.2 * hb, 0.8 * hb), kind
+        return self.rng.uniform(1.1, 1.4) * a.coordinator_timeout, kind
+
+    def freeze_worker(self, wid: str, now: float) -> None:
+        seconds, kind = self.worker_freeze_s()
+        p = self.workers[wid]
+        p.freeze()
+        self.worker_freezes += 1
+        self.thaw_at[wid] = now + seconds
+        self._freezing[wid] = (p.pid, time.time(), now)
+        self.say(f"freeze worker {wid} (pid {p.pid}) for {seconds:.1f} s, {kind} "
+                 f"(freeze {self.worker_freezes})")
+
+    def thaw_worker(self, wid: str, now: float) -> None:
+        self.thaw_at.pop(wid, None)
+        pid, wall, mono = self._freezing.pop(wid)
+        p = self.workers[wid]
+        p.thaw()
+        self._thawed_at[wid] = now
+        self.frozen_workers.append((wid, pid, wall, time.time(), now - mono))
+        self.say(f"thaw worker {wid} (pid {pid}) after {now - mono:.1f} s")
+
+    def freeze_server(self, now: float) -> None:
+        seconds, kind = self.coordinator_freeze_s()
+        self.server.freeze()
+        self.coordinator_freezes += 1
+        self.server_thaw_at = now + seconds
+        self._server_frozen_at = (time.time(), now)
+        self.outages.append(["freeze", time.time(), None])
+        self.say(f"freeze coordinator (pid {self.server.pid}) for {seconds:.1f} s, {kind} "
+                 f"(freeze {self.coordinator_freezes})")
+
+    def thaw_server(self, now: float) -> None:
+        self.server_thaw_at = None
+        self.coordinator_back_at = now
+        self.server.thaw()
+        self.outages[-1][2] = time.time()
+        self.say(f"thaw coordinator (pid {self.server.pid}) after {now - self._server_frozen_at[1]:.1f} s")
+
+    # ------------------------------------------------------------------ memory and descriptors
+
+    def sample(self, now: float) -> None:
+        """VmRSS and open fds of the coordinator and ``w1`` (also appended to ``samples.jsonl``)."""
+        procs = [self.server] if self.server is not None else []
+        if MEASURED in self.workers:
+            procs.append(self.workers[MEASURED])
+        for p in procs:
+            if not p.alive():
+                continue
+            figures = proc_figures(p.pid)
+            if figures is None:
+                continue
+            rss, fds, connections = figures
+            self.sampled.setdefault(p.name, (p.pid, p.started))
+            # Established connections come and go with the members: the fds figure leaves them out.
+            self.samples.setdefault(p.name, []).append((now, rss, fds - connections))
+            if p.name not in self.warm_at and now - p.started >= WARM_S:
+                # Warm once it has also been through a few rounds (first-round allocations done).
+                text = p.output()
+                if text.count("applied  fragment" if p.name.startswith("server") else "synced: next") >= WARM_ROUNDS:
+                    self.warm_at[p.name] = now
+            with open(self.out / "samples.jsonl", "a") as f:
+                f.write(json.dumps({"t": round(time.time(), 2), "process": p.name, "pid": p.pid, "rss_kb": rss,
+                                    "fds": fds, "connections": connections, "warm": p.name in self.warm_at}) + "\n")
+
+    def growth(self, end: float) -> dict[str, dict]:
+        """The coordinator's and ``w1``'s figures after their warm-up and at the end (check 8).
+
+        The start window is the 10 s from when the process was warm (``WARM_S`` after it
+        started, and ``WARM_ROUNDS`` rounds in); the end window the last 10 s before
+        ``end`` (after the heal: every worker back), or before the process died. RSS: the
+        least sample of each window; open fds (but established TCP connections): the most
+        of the start window against the least of the end window.
+        """
+        spans = {}
+        for name, samples in self.samples.items():
+            pid, started = self.sampled[name]
+            warm = self.warm_at.get(name, math.inf)
+            first = [x for x in samples if warm <= x[0] <= warm + WINDOW_S]
+            last_t = min(end, samples[-1][0])
+            last = [x for x in samples if last_t - WINDOW_S <= x[0] <= last_t]
+            if first and last and last[0][0] > first[-1][0]:
+                spans[name] = {"pid": pid, "from": first[0][0], "to": last[-1][0],
+                               "rss": (min(x[1] for x in first), min(x[1] for x in last)),
+                               "fds": (max(x[2] for x in first), min(x[2] for x in last))}
+        servers = sorted(n for n in self.samples if n.startswith("server-"))
+        out = {}
+        if servers:
+            last = servers[-1]
+            if last in spans:
+                out["coordinator"] = {**spans[last], "name": last}
+            else:
+                measured = [n for n in servers if n in spans]
+                if measured:
+                    best = max(measured, key=lambda n: spans[n]["to"] - spans[n]["from"])
+                    out["coordinator"] = {**spans[best], "name": best,
+                                          "note": f"{last}, the last, was too young to measure"}
+        if f"worker-{MEASURED}" in spans:
+            out[MEASURED] = {**spans[f"worker-{MEASURED}"], "name": f"worker-{MEASURED}"}
+        return out
 
     # ------------------------------------------------------------------ the soak
 
@@ -162,12 +448,27 @@ class Soak:
         t0 = time.monotonic()
         end = t0 + a.minutes * 60
         warmup = min(30.0, a.minutes * 60 / 4)
-        next_worker_kill = t0 + warmup + self.rng.expovariate(1 / a.worker_kill_every)
-        next_coord_kill = t0 + warmup + self.rng.expovariate(1 / a.coordinator_kill_every)
-        next_min_change = t0 + warmup + self.rng.expovariate(1 / a.min_workers_every)
+
+        def first(every: float) -> float:
+            return t0 + warmup + self.rng.expovariate(1 / every) if every > 0 else math.inf
+
+        def after(now: float, every: float) -> float:
+            return now + self.rng.expovariate(1 / every) if every > 0 else math.inf
+
+        next_worker_kill = first(a.worker_kill_every)
+        next_coord_kill = first(a.coordinator_kill_every)
+        next_min_change = first(a.min_workers_every)
+        next_worker_freeze = first(a.worker_freeze_every)
+        next_coord_freeze = first(a.coordinator_freeze_every)
         last_report = t0
+        next_sample = t0
         while time.monotonic() < end:
             now = time.monotonic()
+            for wid, at in list(self.thaw_at.items()):
+                if now >= at:
+                    self.thaw_worker(wid, now)
+            if self.server_thaw_at is not None and now >= self.server_thaw_at:
+                self.thaw_server(now)
             for wid, at in list(self.restart_at.items()):
                 if now >= at:
                     del self.restart_at[wid]
@@ -175,53 +476,108 @@ class Soak:
             if self.server_restart_at is not None and now >= self.server_restart_at:
                 self.server_restart_at = None
                 self.start_server()
+                self.coordinator_back_at = math.inf  # until it listens
                 self.say("coordinator restarted with --resume")
+            server_up = self.server_restart_at is None and self.server is not None
+            server_frozen = self.server_thaw_at is not None
+            if server_up and self.coordinator_back_at == math.inf and self.server.listening():
+                self.coordinator_back_at = now
+            # The coordinator's faults do not follow each other without it serving a while in between.
+            server_steady = server_up and not server_frozen and now >= self.coordinator_back_at + 5.0
+            targets = sorted(w for w, p in self.workers.items()
+                             if p.alive() and w not in self.restart_at and w not in self.thaw_at and w != MEASURED)
             if now >= next_worker_kill:
-                live = [w for w, p in self.workers.items() if p.alive() and w not in self.restart_at]
-                if live:
-                    wid = self.rng.choice(sorted(live))
+                if targets:
+                    wid = self.rng.choice(targets)
                     self.workers[wid].kill9()
                     self.worker_kills += 1
+                    self.kill_log.append((time.time(), wid))
                     self.restart_at[wid] = now + self.rng.uniform(1.0, a.worker_restart_max_s)
                     self.say(f"kill -9 worker {wid} (kill {self.worker_kills})")
-                next_worker_kill = now + self.rng.expovariate(1 / a.worker_kill_every)
-            if now >= next_coord_kill and self.server_restart_at is None and self.server is not None:
+                    targets.remove(wid)
+                next_worker_kill = after(now, a.worker_kill_every)
+            if now >= next_worker_freeze:
+                # Not a worker that thawed moments ago: it re-joins first (check 9).
+                thawed = [w for w in targets if now >= self._thawed_at.get(w, -math.inf) + REJOIN_S]
+                if thawed:
+                    self.freeze_worker(self.rng.choice(thawed), now)
+                next_worker_freeze = after(now, a.worker_freeze_every)
+            if now >= next_coord_kill and server_steady:
                 self.server.kill9()
                 self.coordinator_kills += 1
+                self.outages.append(["kill", time.time(), None])
                 self.server_restart_at = now + self.rng.uniform(0.5, a.coordinator_restart_max_s)
                 self.say(f"kill -9 coordinator (kill {self.coordinator_kills})")
-                next_coord_kill = now + self.rng.expovariate(1 / a.coordinator_kill_every)
-            if now >= next_min_change and self.server_restart_at is None:
+                next_coord_kill = after(now, a.coordinator_kill_every)
+                server_up = server_steady = False
+            if now >= next_coord_freeze and server_steady and self.server.alive():
+                self.freeze_server(now)
+                next_coord_freeze = after(self.server_thaw_at, a.coordinator_freeze_every)
+                server_frozen = True
+            if now >= next_min_change and server_up and not server_frozen:
                 n = self.rng.randint(1, a.workers)
                 rc = self.admin("set-min-workers", str(n))
                 self.min_worker_changes += rc == 0
                 self.say(f"set-min-workers {n} (exit {rc})")
-                next_min_change = now + self.rng.expovariate(1 / a.min_workers_every)
+                next_min_change = after(now, a.min_workers_every)
             if self.server_restart_at is None and self.server is not None and not self.server.alive():
                 # A coordinator must never die on its own, least of all refuse to resume: a
                 # violation; restart it as a supervisor would (and again, if it keeps failing).
-                last = [ln for ln in self.server.output().splitlines() if ln.strip()][-1:]
+                lines = [ln for ln in self.server.output().splitlines() if ln.strip()]
+                aborted = [ln for ln in lines if "Assertion failed" in ln]
                 self.server_failures.append(f"{self.server.name} exited ({self.server.popen.returncode}) "
-                                            f"by itself: {last[0] if last else ''}")
+                                            f"by itself: {(aborted or lines or [''])[-1]}")
                 self.say(f"VIOLATION coordinator exited by itself: {self.server_failures[-1]}")
+                if self.server_thaw_at is not None:
+                    self.server_thaw_at = None
+                    self.outages[-1][2] = time.time()
                 self.server.kill9()
+                self.outages.append(["failure", time.time(), None])
                 self.server_restart_at = now + 2.0
             for wid, p in self.workers.items():
                 if not p.alive() and wid not in self.restart_at:
-                    self.say(f"worker {wid} exited on its own ({p.popen.returncode}); restarting it")
+                    rc = p.popen.returncode
+                    lines = [ln for ln in p.output().splitlines() if ln.strip()]
+                    self.worker_exits.append((time.time(), wid, rc, lines[-1] if lines else ""))
+                    self.workers_gave_up += rc == 3
+                    what = "gave up on the coordinator" if rc == 3 else "exited on its own"
+                    self.say(f"worker {wid} {what} (exit {rc}); restarting it")
+                    self.thaw_at.pop(wid, None)
+                    if self._freezing.pop(wid, None):
+                        p.frozen = False
                     self.restart_at[wid] = now + 1.0
+            if now >= next_sample:
+                next_sample = now + SAMPLE_EVERY_S
+                self.sample(now)
             if now - last_report >= 30:
                 last_report = now
                 self.say(f"{(now - t0) / 60:.1f} min: {self.worker_kills} worker kills, "
-                         f"{self.coordinator_kills} coordinator kills")
+                         f"{self.coordinator_kills} coordinator kills, {self.worker_freezes} worker freezes, "
+                         f"{self.coordinator_freezes} coordinator freezes")
             time.sleep(0.2)
-        # Heal and end: everyone back, the quorum reachable, then a drain.
+        # Heal and end: everyone thawed and back, the quorum reachable, then a drain.
+        self.heal_at = time.monotonic()
+        self.heal_wall = time.time()
+        for wid in list(self.thaw_at):
+            self.thaw_worker(wid, time.monotonic())
+        if self.server_thaw_at is not None:
+            self.thaw_server(time.monotonic())
         if self.server_restart_at is not None or self.server is None or not self.server.alive():
             self.start_server()
         for wid in list(self.restart_at):
             self.start_worker(wid)
         self.restart_at.clear()
-        time.sleep(5)
+        # Every worker back and trained on a while: the end window of the growth figures (for a young
+        # coordinator, long enough for both of its windows, within a minute).
+        settle_from = time.monotonic()
+        while True:
+            now = time.monotonic()
+            warm = self.warm_at.get(self.server.name, math.inf)
+            if now >= settle_from + 60 or (now >= settle_from + 5 + WINDOW_S + 1 and now >= warm + 2 * WINDOW_S + 1):
+                break
+            self.sample(now)
+            time.sleep(SAMPLE_EVERY_S)
+        self.measured_until = time.monotonic()
         self.admin("set-min-workers", "1")
         time.sleep(3)
         rc = self.admin("shutdown", "--save")
@@ -273,6 +629,107 @@ def check_audit_log(path: Path) -> tuple[list[str], dict]:
     lost = [max(0, rounds_by_incarnation[prev] - resumed_with[nxt])
             for prev, nxt in zip(incs, incs[1:]) if prev in rounds_by_incarnation]
     return violations, {"rounds_applied": n_applied, "incarnations": len(incs), "max_lost_rounds": max(lost, default=0)}
+
+
+def read_events(path: Path) -> list[dict]:
+    events = []
+    for raw in (path.read_text().splitlines() if path.exists() else []):
+        try:
+            events.append(json.loads(raw))
+        except ValueError:
+            pass  # a torn line: check_audit_log reports one that is not the last
+    return events
+
+
+def outage_spans(outages: list[list], events: list[dict], end: float) -> list[tuple[float, float]]:
+    """The coordinator's outages this script caused, as merged (wall start, wall end) spans.
+
+    ``outages``: [kind, wall start, wall end or None]; a kill's (and a failure's) lasts
+    until the next ``start`` line of the audit log. Spans less than a second apart are one.
+    """
+    starts = [e["t"] for e in events if e.get("event") == "start"]
+    spans: list[tuple[float, float]] = []
+    for kind, begin, stop in sorted(outages, key=lambda o: o[1]):
+        if kind in ("kill", "failure") or stop is None:
+            stop = next((t for t in starts if t > begin), end)
+        if spans and begin <= spans[-1][1] + 1.0:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], stop))
+        else:
+            spans.append((begin, stop))
+    return spans
+
+
+def liveness(events: list[dict], outages: list[list], end_wall: float, heartbeat_timeout: float) -> dict:
+    """Check 7: the longest stretch with no applied round while the quorum held and the coordinator was up."""
+    spans = outage_spans(outages, events, end_wall)
+    marks = sorted([(b, 1) for b, _ in spans] + [(e, -1) for _, e in spans])
+    applies = [e["t"] for e in events if e.get("event") == "apply"]
+    gaps = sorted(b - a for a, b in zip(applies, applies[1:]))
+    round_s = gaps[len(gaps) // 2] if gaps else 0.0
+    bound = 2 * heartbeat_timeout + 4 * round_s + 10.0
+    # Walk the audit log and the outage marks in time order; the clock runs while both allow it.
+    points = [(e["t"], 0, e) for e in events if e.get("event") in ("start", "quorum", "apply")]
+    points += [(t, 1, d) for t, d in marks]
+    points.sort(key=lambda x: (x[0], x[1]))
+    quorum, out, stall, since, worst, last_t = False, 0, 0.0, None, (0.0, None, None), None
+    for t, is_mark, what in points + [(end_wall, 2, None)]:
+        if last_t is not None and quorum and out == 0:
+            stall += max(0.0, t - last_t)
+            since = since if since is not None else last_t
+        last_t = t
+        if stall > worst[0]:
+            worst = (stall, since, t)
+        if is_mark == 1:
+            out += what
+        elif is_mark == 0:
+            ev = what["event"]
+            if ev == "start":
+                quorum = False
+            elif ev == "quorum":
+                quorum = not what.get("below_min_workers", True)
+            elif ev == "apply":
+                stall, since = 0.0, None
+    return {"max_stall_s": worst[0], "stall_from": worst[1], "stall_to": worst[2], "round_s": round_s,
+            "stall_bound_s": bound}
+
+
+def check_workers(soak: "Soak", events: list[dict]) -> tuple[list[str], list[str]]:
+    """Worker exits (only exit 3 after an outage of the whole coordinator timeout) and check 9 (re-joins)."""
+    violations, notes = [], []
+    spans = outage_spans(soak.outages, events, math.inf)
+    for wall, wid, rc, last in soak.worker_exits:
+        limit = 600 if wid == MEASURED else soak.args.coordinator_timeout
+        # It gave up at some moment g up to EXIT_S before its exit was seen (a checkpoint to write, an
+        # interpreter to end): the coordinator must have been out from g - limit (3 s spare) to g.
+        covered = any(max(b + limit - 3, wall - EXIT_S) <= min(e, wall) for b, e in spans)
+        if rc == 3 and covered:
+            continue
+        why = "gave up (exit 3) on a coordinator that was not out for its --coordinator-timeout" if rc == 3 \
+            else f"exited by itself (exit {rc})"
+        violations.append(f"worker {wid} {why} at {time.strftime('%H:%M:%S', time.localtime(wall))}: {last}")
+    joins = [(e["t"], e.get("worker_id")) for e in events if e.get("event") == "join"]
+    gone = [(e["t"], e.get("worker_id"), e.get("event") + (f" ({e['cause']})" if e.get("cause") else ""))
+            for e in events if e.get("event") in ("dead", "left")]
+    end_t = events[-1]["t"] if events else 0.0
+    restarted = [(t, w) for t, w, _, _ in soak.worker_exits] + soak.kill_log
+    for wid, pid, frozen, thawed, seconds in soak.frozen_workers:
+        if seconds <= soak.args.heartbeat_timeout + 1:
+            continue
+        how = next((what for t, w, what in gone if w == wid and frozen <= t <= thawed + 5), None)
+        if how is None:
+            notes.append(f"worker {wid} (pid {pid}) frozen {seconds:.1f} s was not declared gone (the "
+                         f"coordinator was out too)")
+            continue
+        back = next((t for t, w in joins if w == wid and t >= thawed - 1), None)
+        if any(w == wid and thawed - 1 <= t <= (back or thawed + 60) for t, w in restarted):
+            continue  # killed, or exited (a violation above if it should not have), before it re-joined
+        if back is not None and back - thawed <= 60:
+            notes.append(f"worker {wid} (pid {pid}) frozen {seconds:.1f} s: {how} while frozen, re-joined "
+                         f"{back - thawed:.1f} s after its thaw, same process")
+        elif thawed + 60 <= end_t:
+            violations.append(f"worker {wid} (pid {pid}) frozen {seconds:.1f} s ({how}) did not re-join within "
+                              f"60 s of its thaw")
+    return violations, notes
 
 
 def collective_params(out: Path) -> tuple[list[str], dict | None, str]:
@@ -362,6 +819,10 @@ def held_out_loss(model, corpus, batches: int = 20) -> float:
     return total / batches
 
 
+def pct(rate: float | None) -> str:
+    return "n/a" if rate is None else f"{rate:+.1%}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=30.0, help="how long to inject faults (default 30)")
@@ -374,6 +835,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--coordinator-kill-every", type=float, default=120.0,
                     help="mean seconds between coordinator kills")
     ap.add_argument("--min-workers-every", type=float, default=60.0, help="mean seconds between quorum changes")
+    ap.add_argument("--worker-freeze-every", type=float, default=40.0,
+                    help="mean seconds between worker freezes (SIGSTOP, then SIGCONT; 0: none; default 40)")
+    ap.add_argument("--coordinator-freeze-every", type=float, default=90.0,
+                    help="mean seconds between coordinator freezes (0: none; default 90)")
+    ap.add_argument("--coordinator-timeout", type=float, default=None,
+                    help="the workers' --coordinator-timeout (default twice the heartbeat timeout; w1 keeps 600)")
     ap.add_argument("--worker-restart-max-s", type=float, default=5.0)
     ap.add_argument("--coordinator-restart-max-s", type=float, default=3.0)
     ap.add_argument("--out", default=None, help="folder for logs and checkpoints (default: a new temporary one)")
@@ -382,10 +849,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.workers < 1 or not 1 <= args.min_workers <= args.workers or args.minutes <= 0:
         ap.error("need --workers >= 1, 1 <= --min-workers <= --workers, --minutes > 0")
+    if args.coordinator_timeout is None:
+        args.coordinator_timeout = 2 * args.heartbeat_timeout
+    if min(args.worker_freeze_every, args.coordinator_freeze_every) < 0 or args.coordinator_timeout <= 0:
+        ap.error("need --worker-freeze-every, --coordinator-freeze-every >= 0 and --coordinator-timeout > 0")
     out = Path(args.out or tempfile.mkdtemp(prefix="diloco-chaos-"))
     out.mkdir(parents=True, exist_ok=True)
     print(f"chaos: seed {args.seed}, {args.minutes:g} min, {args.workers} workers, min_workers {args.min_workers}, "
-          f"data plane {args.data_plane}, "
+          f"data plane {args.data_plane}, heartbeat timeout {args.heartbeat_timeout:g} s, workers' coordinator "
+          f"timeout {args.coordinator_timeout:g} s ({MEASURED}: 600 s), link timeout {LINK_TIMEOUT_S:g} s, "
           f"logs and checkpoints in {out}", flush=True)
     soak = Soak(args, out)
     try:
@@ -394,6 +866,43 @@ def main(argv: list[str] | None = None) -> int:
         soak.close()
     violations, log_stats = check_audit_log(out / "ckpt" / "events.jsonl")
     violations += soak.server_failures
+    events = read_events(out / "ckpt" / "events.jsonl")
+    (out / "faults.json").write_text(json.dumps({  # what the supervisor did, for a post-mortem
+        "coordinator_outages": soak.outages, "worker_kills": soak.kill_log, "worker_exits": soak.worker_exits,
+        "worker_freezes": soak.frozen_workers}, indent=1))
+    worker_violations, worker_notes = check_workers(soak, events)
+    violations += worker_violations
+    for note in worker_notes:
+        print(f"freeze: {note}", flush=True)
+    live = liveness(events, soak.outages, soak.heal_wall, args.heartbeat_timeout)
+    span = lambda t: time.strftime("%H:%M:%S", time.localtime(t)) if t else "-"  # noqa: E731
+    print(f"liveness: longest stretch with the quorum held and no round applied {live['max_stall_s']:.1f} s "
+          f"({span(live['stall_from'])} to {span(live['stall_to'])}); bound 2 x {args.heartbeat_timeout:g} s "
+          f"heartbeat timeout + 4 x {live['round_s']:.2f} s median round + 10 s = {live['stall_bound_s']:.1f} s",
+          flush=True)
+    if live["max_stall_s"] > live["stall_bound_s"]:
+        violations.append(f"liveness: no round applied for {live['max_stall_s']:.1f} s with the quorum held "
+                          f"({span(live['stall_from'])} to {span(live['stall_to'])}), over the bound "
+                          f"{live['stall_bound_s']:.1f} s")
+    growth = soak.growth(soak.measured_until)
+    worst = {"rss": None, "fds": None}
+    for who in ("coordinator", MEASURED):
+        g = growth.get(who)
+        if g is None:
+            violations.append(f"growth: {who} was not measured (no sample after its warm-up and before the end)")
+            continue
+        figures = []
+        for key, label in (("rss", "RSS"), ("fds", "open fds (but connections)")):
+            a, b = g[key]
+            rate = b / a - 1 if a else math.inf
+            worst[key] = rate if worst[key] is None else max(worst[key], rate)
+            figures.append(f"{label} {a / 1024:.1f} -> {b / 1024:.1f} MB ({rate:+.1%})" if key == "rss"
+                           else f"{label} {a} -> {b} ({rate:+.1%})")
+            if rate >= 0.05:
+                violations.append(f"growth: {who} ({g['name']}, pid {g['pid']}) {key} grew {rate:+.1%} "
+                                  f"({a} -> {b}) over {(g['to'] - g['from']) / 60:.1f} min")
+        print(f"growth: {who} ({g['name']}, pid {g['pid']}, over {(g['to'] - g['from']) / 60:.1f} min from its "
+              f"warm-up{'; ' + g['note'] if 'note' in g else ''}): {', '.join(figures)}", flush=True)
     ck_violations, ck_stats = check_checkpoint(out / "ckpt", out if args.data_plane == "collective" else None)
     violations += ck_violations
     from diloco.coordinator.tracecheck import check_log
@@ -408,9 +917,13 @@ def main(argv: list[str] | None = None) -> int:
           f"incarnations; checkpoint {ck_stats.get('checkpoint')}: held-out loss {ck_stats.get('loss_start', math.nan):.4f} "
           f"-> {ck_stats.get('loss_end', math.nan):.4f}; {soak.min_worker_changes} min_workers changes", flush=True)
     print(f"RESULT chaos data_plane={args.data_plane} minutes={args.minutes:g} worker_kills={soak.worker_kills} "
-          f"coordinator_kills={soak.coordinator_kills} rounds_applied={log_stats['rounds_applied']} "
+          f"coordinator_kills={soak.coordinator_kills} worker_freezes={soak.worker_freezes} "
+          f"coordinator_freezes={soak.coordinator_freezes} workers_gave_up={soak.workers_gave_up} "
+          f"rounds_applied={log_stats['rounds_applied']} "
           f"violations={len(violations)} max_lost_rounds={log_stats['max_lost_rounds']} "
-          f"trace_inputs={trace.inputs} trace_divergences={0 if trace.divergence is None else 1}", flush=True)
+          f"trace_inputs={trace.inputs} trace_divergences={0 if trace.divergence is None else 1} "
+          f"max_stall_s={live['max_stall_s']:.1f} stall_bound_s={live['stall_bound_s']:.1f} "
+          f"rss_growth={pct(worst['rss'])} fd_growth={pct(worst['fds'])}", flush=True)
     return 1 if violations else 0
 
 

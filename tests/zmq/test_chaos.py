@@ -1,9 +1,12 @@
-"""The chaos soak's CI variant: 90 seconds of seeded kills on real processes, checked from the audit log.
+"""The chaos soak's CI variant: 90 seconds of seeded kills and freezes on real processes, checked from the audit log.
 
 ``scripts/chaos.py`` is the long soak (README, "Chaos soak"); here it runs
 for 90 s with faults close together, so that a few worker kills, at least
-one coordinator kill and a quorum change happen, and must end with no
-violation and no applied round lost.
+one coordinator kill, a quorum change, worker freezes (the first one past
+the heartbeat timeout) and coordinator freezes happen, and must end with no
+violation and no applied round lost, within the liveness bound, and with
+the coordinator's and the long-lived worker's memory and open descriptors
+grown by less than 5 %.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ def test_ninety_seconds_of_chaos_break_no_rule(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "chaos.py"), "--minutes", "1.5", "--workers", "3", "--seed", "7",
          "--worker-kill-every", "10", "--coordinator-kill-every", "35", "--min-workers-every", "30",
+         "--worker-freeze-every", "15", "--coordinator-freeze-every", "25",
          "--out", str(tmp_path / "chaos")],
-        capture_output=True, text=True, timeout=420, cwd=tmp_path)
+        capture_output=True, text=True, timeout=480, cwd=tmp_path)
     out = proc.stdout + proc.stderr
     result = re.search(r"^RESULT chaos (.*)$", out, re.M)
     assert result, out[-4000:]
@@ -35,3 +39,12 @@ def test_ninety_seconds_of_chaos_break_no_rule(tmp_path):
     assert int(fields["rounds_applied"]) >= 5 and fields["max_lost_rounds"] == "0", fields
     # Trace validation: every input the live coordinators logged, replayed through the pure machine.
     assert fields["trace_divergences"] == "0" and int(fields["trace_inputs"]) > 100, fields
+    # Freezes: a worker frozen past the heartbeat timeout (each run's first), and the coordinator.
+    assert int(fields["worker_freezes"]) >= 1 and int(fields["coordinator_freezes"]) >= 1, fields
+    long_freezes = re.findall(r"freeze worker w\d \(pid \d+\) for ([\d.]+) s, past the heartbeat timeout", out)
+    assert long_freezes and all(float(s) > 10 for s in long_freezes), out[-4000:]
+    assert re.search(r"^\S+ thaw worker w\d \(pid \d+\) after ([\d.]+) s$", out, re.M), out[-4000:]
+    # Liveness and growth: figured, and within their bounds.
+    assert 0 < float(fields["max_stall_s"]) <= float(fields["stall_bound_s"]), fields
+    for key in ("rss_growth", "fd_growth"):
+        assert re.fullmatch(r"[+-]\d+\.\d%", fields[key]) and float(fields[key][:-1]) < 5.0, fields
