@@ -25,6 +25,8 @@ class EventPrinter:
         return f"{c.fsm.live_workers} live, min {c.fsm.min_workers}"
 
     def __call__(self, kind: str, now_s: float, info: dict) -> None:
+        if kind == "input":
+            return  # the machine's inputs are for the audit log (trace validation), not for reading
         if kind == "join":
             parked = f", parked on {info['parked']}" if info.get("parked") else ""
             heal = f", heals from {info['heal_source']}" if info.get("heal_source") else ""

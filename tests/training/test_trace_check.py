@@ -154,3 +154,15 @@ def test_an_unreadable_input_record_is_a_divergence(tmp_path, record):
     (tmp_path / "events.jsonl").write_text("\n".join(lines) + "\n")
     report = check_log(tmp_path)
     assert not report.ok and "cannot read" in str(report.divergence)
+
+
+def test_the_servers_printer_shows_no_input_lines():
+    """Inputs are for the audit log: the server's stdout keeps its one line per decision."""
+    import io
+
+    from diloco.deploy.events import EventPrinter
+
+    out = io.StringIO()
+    printer = EventPrinter(out=out)
+    printer("input", 1.0, {"in": {"type": "Ticked", "now_s": 1.0}, "out": []})
+    assert out.getvalue() == ""
