@@ -31,6 +31,7 @@ This layer never decodes a frame: ``diloco.wire.zmq`` does.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -74,6 +75,7 @@ class FrameDealer:
         set_option(self._sock, zmq.HEARTBEAT_TIMEOUT, o.zmtp_heartbeat_timeout_ms)
         self._monitor = None
         self._refused: str | None = None
+        self._failed_handshakes = 0  # in a row, since the last one that succeeded
         try:
             if auth is not None:
                 auth.apply(self._sock)
@@ -135,8 +137,19 @@ class FrameDealer:
             if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH and self.auth is not None:
                 self._refused = (f"the coordinator at {self.address} refused this key ({self.auth.key_file}): "
                                  f"its public key is not in the server's auth directory")
-            elif kind in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
-                          zmq.EVENT_HANDSHAKE_FAILED_AUTH):
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                # The connection broke during the handshake (reset or closed: the value is an errno). That is
+                # what a network fault, a proxy resetting connections or a coordinator going down look like,
+                # so it is no refusal: libzmq reconnects and the worker's --coordinator-timeout bounds the
+                # wait. A CURVE client with the wrong --server-key sees the same (the server just closes),
+                # which the warning names.
+                self._failed_handshakes += 1
+                if self._failed_handshakes in (3, 30, 300, 3000):
+                    log.warning("the handshake with %s failed %d times in a row (%s)%s", self.address,
+                                self._failed_handshakes, os.strerror(event.get("value") or 0) or "closed",
+                                ": a network fault, or a --server-key that is not the coordinator's public key"
+                                if self.auth is not None else ": a network fault; retrying")
+            elif kind in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_AUTH):
                 self._refused = (
                     f"the CURVE handshake with {self.address} failed: is --server-key the coordinator's public "
                     f"key, and does the coordinator run with --auth?" if self.auth is not None else
@@ -144,6 +157,7 @@ class FrameDealer:
                     f"(pass --key and --server-key, or set DILOCO_KEY and DILOCO_SERVER_KEY)")
             elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.counters["handshakes"] += 1
+                self._failed_handshakes = 0
         if self._refused is not None:
             raise AuthRefused(self._refused)
 
