@@ -38,8 +38,12 @@ def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float3
     numel = 1
     for d in shape:
         numel *= int(d)
-    nbytes = numel * dtype.itemsize
     # uint8 then a dtype view: any torch dtype (bfloat16 has no numpy twin). malloc aligns to 16 bytes.
+    return torch.from_numpy(empty_bytes(numel * dtype.itemsize)).view(dtype).reshape(tuple(shape))
+
+
+def empty_bytes(nbytes: int) -> np.ndarray:
+    """``nbytes`` uninitialised bytes (a 1-D uint8 numpy array) from ``malloc``, as ``empty``'s."""
     if _set_madvise_hugepage is None:
         array = np.empty(nbytes, dtype=np.uint8)
     else:
@@ -51,11 +55,11 @@ def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float3
         finally:
             if was:
                 _set_madvise_hugepage(True)
-    return torch.from_numpy(array).view(dtype).reshape(tuple(shape))
+    return array
 
 
 def empty_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     return empty(t.shape, t.dtype if dtype is None else dtype)
 
 
-__all__ = ["empty", "empty_like"]
+__all__ = ["empty", "empty_bytes", "empty_like"]

@@ -333,6 +333,39 @@ def decode(frames: Sequence[Any], *, max_message_bytes: int = MAX_MESSAGE_BYTES)
     return message_class(mtype)(**values)
 
 
+def plan_runs(header_frame: Any) -> list[tuple[int, int, int]] | None:
+    """The chunked tensors of a message, from its header frame alone: ``(first frame index, frames,
+    bytes)`` of each tensor sent in more than one frame, in order; None if the header cannot be read.
+
+    For a receiver that assembles each such tensor's frames into one buffer as they arrive
+    (``diloco.transport.zmq.framing.Coalescer``), so that ``decode`` gets it whole and copies
+    nothing. Only a hint: ``decode`` checks the message as it always does.
+    """
+    try:
+        buf = _buffer(header_frame)
+        if buf.nbytes > MAX_HEADER_BYTES:
+            return None
+        header = msgpack.unpackb(buf, raw=False, strict_map_key=True, ext_hook=_reject_ext)
+        if not isinstance(header, dict) or header.get("v") != PROTOCOL_VERSION:
+            return None
+        table = header.get("tensors", [])
+        if not isinstance(table, list) or len(table) > MAX_TENSORS:
+            return None
+        runs = []
+        frame_i = 1
+        for entry in table:
+            _f, _n, dtype, shape, nframes = entry
+            if not (is_int(nframes) and nframes >= 0 and isinstance(shape, list) and len(shape) <= MAX_NDIM
+                    and all(is_int(d) and 0 <= d <= MAX_DIM for d in shape) and dtype in _ITEMSIZE):
+                return None
+            if nframes > 1:
+                runs.append((frame_i, nframes, math.prod(shape) * _ITEMSIZE[dtype]))
+            frame_i += nframes
+        return runs
+    except Exception:  # a hint only: whatever is wrong, ``decode`` says so
+        return None
+
+
 def _tensor(parts: Sequence[Any], dtype: torch.dtype, shape: list[int], nbytes: int) -> torch.Tensor:
     import torch
 
@@ -340,6 +373,8 @@ def _tensor(parts: Sequence[Any], dtype: torch.dtype, shape: list[int], nbytes: 
 
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
+    if len(parts) > 1 and _nbytes(parts[0]) == nbytes:
+        parts = parts[:1]  # assembled as it arrived (``plan_runs``): the first frame holds it all
     if len(parts) == 1:
         buf = _buffer(parts[0])
         if buf.readonly:  # e.g. bytes: copy rather than hand out a tensor over immutable memory
@@ -368,5 +403,5 @@ def error_for(exc: CodecError) -> Error:
 
 __all__ = [
     "CHUNK_BYTES", "MAX_MESSAGE_BYTES", "MAX_HEADER_BYTES", "WIRE_DTYPES", "SCHEMAS", "CodecError",
-    "encode", "decode", "error_for", "tensor_view",
+    "encode", "decode", "error_for", "plan_runs", "tensor_view",
 ]

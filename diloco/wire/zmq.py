@@ -10,7 +10,9 @@ cannot be decoded with ``Error``, and who may send what when keys are in use.
 Sending is zero-copy: libzmq reads the tensors' memory after ``send``
 returns, so a sender must not change a tensor in place once sent (or set
 ``ZmqOptions.copy_on_send``). Receiving is zero-copy for a tensor that fits
-one frame (the tensor keeps the libzmq message alive).
+one frame (the tensor keeps the libzmq message alive); a tensor of several
+frames is copied into one buffer as its frames arrive (``framing.Coalescer``)
+and handed out without a further copy.
 """
 
 from __future__ import annotations
@@ -71,6 +73,22 @@ class _SendSnapshots:
         return view
 
 
+class _TensorRuns:
+    """The transport's ``framing.Coalescer``: a tensor sent in several frames (chunks) is assembled into
+    one buffer as its frames arrive, so that ``codec.decode`` hands it out without a copy."""
+
+    plan = staticmethod(codec.plan_runs)
+
+    @staticmethod
+    def allocate(nbytes: int):
+        from diloco.wire import buffers  # torch and numpy: not for messages without tensors
+
+        return buffers.empty_bytes(nbytes)
+
+
+_TENSOR_RUNS = _TensorRuns()
+
+
 def _tensor_bytes(options: ZmqOptions):
     return _SendSnapshots() if options.copy_on_send else codec.tensor_view
 
@@ -107,7 +125,7 @@ class ZmqCoordinatorEndpoint:
 
     def __init__(self, bind: str, *, options: ZmqOptions | None = None, monitor: bool = True,
                  auth: ServerAuth | None = None) -> None:
-        self.frames = FrameRouter(bind, options=options, monitor=monitor, auth=auth)
+        self.frames = FrameRouter(bind, options=options, monitor=monitor, auth=auth, coalescer=_TENSOR_RUNS)
         self.options = self.frames.options
         self.auth = auth
         #: The address actually bound (``tcp://127.0.0.1:0`` becomes the real port).
@@ -205,7 +223,7 @@ class ZmqWorkerEndpoint:
     def __init__(self, connect: str, *, routing_id: bytes | None = None, label: str = "worker",
                  options: ZmqOptions | None = None, clock=time.monotonic, auth: ClientAuth | None = None) -> None:
         self.frames = FrameDealer(connect, routing_id=routing_id, label=label, options=options, clock=clock,
-                                  auth=auth)
+                                  auth=auth, coalescer=_TENSOR_RUNS)
         self.options = self.frames.options
         self.address = connect
         self.auth = auth

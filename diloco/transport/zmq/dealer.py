@@ -54,7 +54,8 @@ class FrameDealer:
     _SLICE_S = 0.01
 
     def __init__(self, connect: str, *, routing_id: bytes | None = None, label: str = "worker",
-                 options: ZmqOptions | None = None, clock=time.monotonic, auth: ClientAuth | None = None) -> None:
+                 options: ZmqOptions | None = None, clock=time.monotonic, auth: ClientAuth | None = None,
+                 coalescer: framing.Coalescer | None = None) -> None:
         self.options = o = options or ZmqOptions()
         self.address = connect
         self.auth = auth
@@ -103,7 +104,7 @@ class FrameDealer:
         self._closed = False
         self._seq = 0
         self._assembler = framing.Assembler(o.max_message_bytes, max_partials=1,
-                                            partial_timeout_s=o.partial_timeout_s)
+                                            partial_timeout_s=o.partial_timeout_s, coalescer=coalescer)
         self._outbox = framing.Outbox()
         self._pumper: threading.Thread | None = None
         self._last_heard = clock()

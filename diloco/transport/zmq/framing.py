@@ -37,6 +37,21 @@ assembled; any other message that starts still drops an incomplete one.
 drops the interrupted one: both ends must know them.) ``Outbox`` is the
 sender's side: the parts it has not yet handed to libzmq, asides first.
 
+*Coalescing.* A frame of a message says nothing to this module, but the
+receiver may pass a ``Coalescer`` (the wire layer's: it reads the codec's
+header) that names runs of consecutive parts which together make one
+contiguous buffer (a tensor sent in several chunks). The assembler then
+copies each such part into that buffer as it arrives and lets the part go
+(its libzmq message freed at once), so that the message is delivered with
+the run already contiguous: its first frame holds the run's bytes, the
+others are empty. The copy is made while the rest of the message, and other
+peers' messages, are still arriving, rather than after the whole message is
+in; and a message being assembled holds one copy of its bytes, never its
+parts plus a reassembled copy. The buffer is counted in full (its declared
+bytes) from the run's first part, so the limits hold as before; parts that
+do not fit what the run declared end the coalescing of that run and are
+kept as they came, for the decoder to judge.
+
 Anything that does not carry a tag is handed back whole as a *legacy*
 message (protocol version 1 sent a message as one multipart message), so
 that the decoder can answer an old peer with a ``protocol_version`` error it
@@ -48,7 +63,7 @@ from __future__ import annotations
 import struct
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 MAGIC = b"DLC2"
 #: The tag of an aside: a one-part message sent between another message's parts.
@@ -113,6 +128,27 @@ def part_cost(payload: Any) -> int:
     return nbytes(payload) + PART_COST_BYTES
 
 
+class Coalescer(Protocol):
+    """Which parts of a message to assemble into one contiguous buffer as they arrive (module docstring)."""
+
+    def plan(self, header: Any) -> Sequence[tuple[int, int, int]] | None:
+        """From a message's first part: ``(first part index, number of parts, bytes)`` of each run to
+        coalesce, or None. Only a hint: the decoder still checks every byte; may not raise."""
+
+    def allocate(self, nbytes: int) -> Any:
+        """A writable buffer of ``nbytes`` bytes (format ``B``), for one run."""
+
+
+@dataclass(slots=True)
+class _Run:
+    """A run of parts being copied into one buffer."""
+
+    first: int
+    end: int
+    buffer: memoryview
+    filled: int = 0
+
+
 @dataclass
 class _Partial:
     seq: int
@@ -126,6 +162,10 @@ class _Partial:
     size: int = 0
     #: True once the message went over the limit: its remaining parts are skipped.
     dropping: bool = False
+    #: Runs to coalesce not yet started: first part index -> (parts, bytes) (``Coalescer``).
+    runs: dict = field(default_factory=dict)
+    #: The run being coalesced, if any.
+    run: _Run | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,8 +208,9 @@ class Assembler:
     """
 
     def __init__(self, max_message_bytes: int, *, max_partials: int = 1024, max_partial_bytes: int | None = None,
-                 partial_timeout_s: float = 120.0) -> None:
+                 partial_timeout_s: float = 120.0, coalescer: Coalescer | None = None) -> None:
         self.max_message_bytes = max_message_bytes
+        self.coalescer = coalescer
         self.max_partials = max_partials
         self.max_partial_bytes = max(max_message_bytes, max_partials * max_message_bytes
                                      if max_partial_bytes is None else max_partial_bytes)
@@ -217,6 +258,8 @@ class Assembler:
                 return Complete([payload])
             self._expire(now_s)
             partial = self._admit(peer, _Partial(seq, count, now_s, owner or peer), max(1, owner_limit))
+            if self.coalescer is not None:
+                partial.runs = self._plan(payload, count)
         elif partial is None or partial.seq != seq or (index != len(partial.frames) and not partial.dropping):
             # A part of a message whose start we never kept (refused at its first part, or dropped to
             # make room), or out of order (impossible on one connection): skip it, and drop any other
@@ -230,6 +273,17 @@ class Assembler:
             return None
         partial.last_part_s = now_s
         self._touch(peer, partial)
+        run = partial.run
+        run_bytes = 0
+        if run is not None:
+            # A part of the run being coalesced: its bytes were counted when the run started.
+            cost = PART_COST_BYTES
+        elif index in partial.runs:
+            parts_in_run, run_bytes = partial.runs.pop(index)
+            if run_bytes > nbytes(payload):
+                cost = run_bytes + PART_COST_BYTES  # the whole buffer, counted from now on
+            else:
+                run_bytes = 0  # nothing to coalesce: the run is all in this part, or declared too short
         if partial.size + cost > self.max_message_bytes:
             self._bytes -= partial.size
             partial.size = 0
@@ -246,11 +300,67 @@ class Assembler:
                 return None
         partial.size += cost
         self._bytes += cost
-        partial.frames.append(payload)
+        if run_bytes:  # a run starts here
+            run = partial.run = _Run(index, index + parts_in_run, self._allocate(run_bytes))
+            partial.frames.append(run.buffer)
+        if run is None:
+            partial.frames.append(payload)
+        else:
+            self._coalesce(partial, run, index, payload)
         if len(partial.frames) < partial.count:
             return None
         self._remove(peer)
         return Complete(partial.frames)
+
+    def _plan(self, header: Any, count: int) -> dict:
+        """The runs the coalescer names in a message of ``count`` parts (sane ones only)."""
+        try:
+            plan = self.coalescer.plan(header)
+        except Exception:  # a hint only: the decoder judges the message
+            plan = None
+        runs = {}
+        end = 1
+        for first, parts_in_run, run_bytes in plan or ():
+            if not (type(first) is int and type(parts_in_run) is int and type(run_bytes) is int):
+                return {}
+            if first < end or parts_in_run < 2 or first + parts_in_run > count or run_bytes < 1:
+                return {}
+            runs[first] = (parts_in_run, run_bytes)
+            end = first + parts_in_run
+        return runs
+
+    def _allocate(self, nbytes: int) -> memoryview:
+        buf = memoryview(self.coalescer.allocate(nbytes))
+        if buf.format != "B" or buf.ndim != 1:
+            buf = buf.cast("B")
+        if buf.nbytes != nbytes or buf.readonly:
+            raise ValueError(f"the coalescer allocated {buf.nbytes} bytes (read-only: {buf.readonly}); "
+                             f"asked for {nbytes}, writable")
+        return buf
+
+    @staticmethod
+    def _coalesce(partial: _Partial, run: _Run, index: int, payload: Any) -> None:
+        """Copy a run's part into its buffer (then the part is let go), or end the run when it does not fit."""
+        src = getattr(payload, "buffer", None)
+        if src is None:
+            src = memoryview(payload)
+        if src.format != "B" or src.ndim != 1:
+            src = src.cast("B")
+        n = src.nbytes
+        if run.filled + n <= run.buffer.nbytes:
+            run.buffer[run.filled:run.filled + n] = src
+            run.filled += n
+            if index > run.first:
+                partial.frames.append(b"")
+        else:
+            # More than the run declared: keep what came as it came, for the decoder to judge.
+            partial.run = None
+            partial.frames[run.first] = run.buffer[:run.filled]
+            partial.frames.append(payload)
+            return
+        if index == run.end - 1:
+            partial.run = None
+            partial.frames[run.first] = run.buffer[:run.filled]
 
     def _too_large(self, seq: int, index: int, count: int) -> Refused:
         return Refused("too_large", f"message {seq} grew past max_message_bytes={self.max_message_bytes} at "
@@ -416,5 +526,5 @@ class Outbox:
         return dropped
 
 
-__all__ = ["Assembler", "Complete", "Outbox", "Queued", "Refused", "ASIDE_MAGIC", "MAGIC", "TAG_BYTES", "MAX_PARTS",
+__all__ = ["Assembler", "Coalescer", "Complete", "Outbox", "Queued", "Refused", "ASIDE_MAGIC", "MAGIC", "TAG_BYTES", "MAX_PARTS",
            "PART_COST_BYTES", "aside_tag", "part_cost", "parts", "read_tag", "tag"]

@@ -65,7 +65,7 @@ class FrameRouter:
     _PUMP_SLICE_S = 0.005
 
     def __init__(self, bind: str, *, options: ZmqOptions | None = None, monitor: bool = True,
-                 auth: ServerAuth | None = None) -> None:
+                 auth: ServerAuth | None = None, coalescer: framing.Coalescer | None = None) -> None:
         self.options = o = options or ZmqOptions()
         self.auth = auth
         self._ctx = zmq.Context(io_threads=o.io_threads)
@@ -131,7 +131,7 @@ class FrameRouter:
         self._seq = 0
         self._assembler = framing.Assembler(o.max_message_bytes, max_partials=o.max_partials,
                                             max_partial_bytes=o.max_partial_bytes,
-                                            partial_timeout_s=o.partial_timeout_s)
+                                            partial_timeout_s=o.partial_timeout_s, coalescer=coalescer)
         #: routing id -> the parts libzmq had no room for yet (only peers with some waiting).
         self._outboxes: dict[bytes, framing.Outbox] = {}
         self.counters: Counter[str] = Counter()
