@@ -26,16 +26,27 @@ and N ``diloco worker`` processes (the built-in char transformer) on
   ``--coordinator-timeout`` (they wait and carry on; it declares them dead as
   it thaws and they re-join), shorter than the heartbeat timeout, and longer
   than the workers' ``--coordinator-timeout`` (they write their checkpoints
-  and exit 3, and are restarted here as a supervisor would).
+  and exit 3, and are restarted here as a supervisor would);
+* partition a random live worker's link (``--partition-every``): every
+  worker but ``w1`` reaches the coordinator through its own
+  ``scripts/faultlink.py`` port, which, in turn, black-holes it, drops it
+  (connections reset, new ones refused), cuts what it sends (``cut up``),
+  cuts what it receives (``cut down``, a half-open link) or delays it, for
+  a time that takes turns between past the heartbeat timeout (within the
+  workers' ``--coordinator-timeout``) and within it, then heals it. A
+  worker has one fault at a time (a partitioned one is neither killed nor
+  frozen until healed); the coordinator's faults overlap them.
 
-Worker ``w1`` is never killed nor frozen, and keeps the default
+Worker ``w1`` is never killed, frozen nor partitioned, and keeps the default
 ``--coordinator-timeout`` (600 s): it is the long-lived worker whose memory
 and file descriptors are measured, and the one that rides out every
 coordinator freeze. The others run with ``--coordinator-timeout`` (default
 twice the heartbeat timeout). A worker that exits by itself is restarted
 (same id and checkpoint folder) a second later; its exit is a violation
-unless it is exit 3 after the coordinator was out (killed or frozen) for the
-whole of its ``--coordinator-timeout``.
+unless it is exit 3 after the coordinator was out of its reach for the whole
+of its ``--coordinator-timeout``: killed, frozen, or behind a fault of the
+worker's own link, one after the other (through a delayed link a new
+connection's handshake alone takes several round trips).
 
 At the end it drains the run and checks, **from the audit log
 (``DIR/events.jsonl``) and the final checkpoint only** (the liveness and
@@ -85,7 +96,12 @@ And on both planes:
    longest-lived one is measured, from its warm-up to its last samples, and
    the line says which).
 9. a worker frozen past the heartbeat timeout re-joins (a ``join`` line)
-   within 60 s of its thaw, as the same process.
+   within 60 s of its thaw, as the same process;
+10. partitions (SPEC.md section 13, "Partitions"): a worker black-holed,
+   dropped or cut up past the heartbeat timeout was let go (``dead``, or
+   ``left`` crashed) unless the coordinator was out meanwhile, and re-joins
+   within 60 s of the heal as the same process; one delayed or cut down was
+   not let go unless the coordinator was out meanwhile.
 
 Every run ends with trace validation (``diloco check-log``): the audit log's
 inputs, replayed through the pure machine from each incarnation's snapshot,
@@ -97,13 +113,13 @@ log recorded before the kill minus those the restarted coordinator resumed
 with: persist-before-announce makes it 0). Last line::
 
     RESULT chaos data_plane=P minutes=M worker_kills=N coordinator_kills=N worker_freezes=N coordinator_freezes=N
-        workers_gave_up=N rounds_applied=N violations=N max_lost_rounds=N trace_inputs=N trace_divergences=N
+        partitions=N workers_gave_up=N rounds_applied=N violations=N max_lost_rounds=N trace_inputs=N trace_divergences=N
         max_stall_s=S stall_bound_s=S rss_growth=+P% fd_growth=+P%
 
 (``rss_growth`` and ``fd_growth``: the larger of the coordinator's and
 ``w1``'s.) Besides the logs and checkpoints, ``--out DIR`` keeps
 ``samples.jsonl`` (the memory and descriptor samples) and ``faults.json``
-(every outage, kill, exit and freeze, with wall-clock times).
+(every outage, kill, exit, freeze and partition, with wall-clock times).
 
 A coordinator that exits by itself (for example, refusing to resume) and a
 final ``shutdown --save`` that fails are violations too: a run that cannot
@@ -128,6 +144,9 @@ import time
 from pathlib import Path
 
 from diloco.transport.zmq.options import DEFAULT_LINK_TIMEOUT_MS
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from faultlink import FaultLink  # noqa: E402
 
 
 def free_port() -> int:
@@ -224,6 +243,13 @@ WORKER_FREEZES = ("past the heartbeat timeout", "within the heartbeat timeout",
                   "past its coordinator timeout and the link timeout")
 COORDINATOR_FREEZES = ("past the heartbeat timeout", "within the heartbeat timeout",
                        "past the workers' coordinator timeout")
+#: Partition kinds, in turn (scripts/faultlink.py); their durations take turns too (PARTITION_SPANS), and
+#: five kinds against two spans meet every pairing within ten partitions.
+PARTITIONS = ("blackhole", "drop", "cut up", "cut down", "delay")
+PARTITION_SPANS = ("past the heartbeat timeout", "within the heartbeat timeout")
+#: Kinds after which, past the heartbeat timeout, the coordinator has heard nothing and must have let the
+#: worker go (dead, or lost: a reset connection); the others keep it a member (SPEC.md section 13).
+SEVERING = ("blackhole", "drop", "cut up")
 LINK_TIMEOUT_S = DEFAULT_LINK_TIMEOUT_MS / 1000
 MEASURED = "w1"  # never killed nor frozen; default --coordinator-timeout
 SAMPLE_EVERY_S = 2.0
@@ -282,6 +308,14 @@ class Soak:
         self._coordinator_freeze_turn = 0
         #: When the coordinator was last back (thawed or restarted): its next fault waits a few seconds.
         self.coordinator_back_at = 0.0
+        #: Each worker but ``w1`` reaches the coordinator through its own FaultLink (with partitions on).
+        self.links: dict[str, FaultLink] = {}
+        self.heal_link_at: dict[str, float] = {}  # partitioned worker id -> when to heal its link
+        self._partitioning: dict[str, tuple[int, str, float, float]] = {}  # id -> (pid, kind, wall, monotonic)
+        self._healed_at: dict[str, float] = {}
+        #: Partitions: (worker id, pid, kind, wall start, wall heal, seconds).
+        self.partitions: list[tuple[str, int, str, float, float, float]] = []
+        self._partition_turn = 0
 
     # ------------------------------------------------------------------ processes
 
@@ -297,12 +331,21 @@ class Soak:
             return []
         return ["--data-plane", "collective"]
 
+    def worker_address(self, wid: str) -> str:
+        """The coordinator's address for ``wid``: its own FaultLink's when partitions are on (never w1's)."""
+        if self.args.partition_every <= 0 or wid == MEASURED:
+            return self.address
+        if wid not in self.links:
+            host, port = self.address.removeprefix("tcp://").rsplit(":", 1)
+            self.links[wid] = FaultLink((host, int(port)), name=wid).start()
+        return self.links[wid].address
+
     def start_worker(self, wid: str) -> None:
         if wid in self.workers:
             self.workers[wid].kill9()
         timeout = 600 if wid == MEASURED else self.args.coordinator_timeout
         self.workers[wid] = Proc(f"worker-{wid}", [
-            "worker", "--connect", self.address, "--id", wid, "--checkpoint-dir", str(self.out / f"ckpt-{wid}"),
+            "worker", "--connect", self.worker_address(wid), "--id", wid, "--checkpoint-dir", str(self.out / f"ckpt-{wid}"),
             "--sync-every", str(self.args.sync_every), "--coordinator-timeout", f"{timeout:g}",
             *(["--checkpoint-every", "1"] if self.args.data_plane == "collective" else [])], self.out, self.env)
 
@@ -314,6 +357,37 @@ class Soak:
     def close(self) -> None:
         for p in [*self.workers.values(), *([self.server] if self.server else [])]:
             p.kill9()
+        for link in self.links.values():
+            link.close()
+
+    # ------------------------------------------------------------------ partitions
+
+    def partition(self, wid: str, now: float) -> None:
+        a, hb = self.args, self.args.heartbeat_timeout
+        kind = PARTITIONS[self._partition_turn % len(PARTITIONS)]
+        span = PARTITION_SPANS[self._partition_turn % len(PARTITION_SPANS)]
+        self._partition_turn += 1
+        # Past the heartbeat timeout but within the workers' --coordinator-timeout (they must not give up),
+        # or well within the heartbeat timeout (nothing but time may change).
+        seconds = (self.rng.uniform(1.2 * hb, max(1.3 * hb, 0.8 * a.coordinator_timeout))
+                   if span == PARTITION_SPANS[0] else self.rng.uniform(0.2 * hb, 0.8 * hb))
+        mode = kind
+        if kind == "delay":  # a slow link for a while: each byte late by a fraction of the heartbeat timeout
+            mode = f"delay {self.rng.uniform(0.05, 0.25) * hb:.2f}"
+            seconds *= 2
+        self.links[wid].set(mode)
+        self.heal_link_at[wid] = now + seconds
+        self._partitioning[wid] = (self.workers[wid].pid, mode, time.time(), now)
+        self.say(f"partition worker {wid} (pid {self.workers[wid].pid}): {mode} for {seconds:.1f} s, {span} "
+                 f"(partition {len(self.partitions) + len(self._partitioning)})")
+
+    def heal_link(self, wid: str, now: float) -> None:
+        self.heal_link_at.pop(wid, None)
+        pid, mode, wall, mono = self._partitioning.pop(wid)
+        self.links[wid].set("pass")
+        self._healed_at[wid] = now
+        self.partitions.append((wid, pid, mode, wall, time.time(), now - mono))
+        self.say(f"heal worker {wid}'s link ({mode}) after {now - mono:.1f} s")
 
     # ------------------------------------------------------------------ freezes
 
@@ -460,6 +534,7 @@ class Soak:
         next_min_change = first(a.min_workers_every)
         next_worker_freeze = first(a.worker_freeze_every)
         next_coord_freeze = first(a.coordinator_freeze_every)
+        next_partition = first(a.partition_every)
         last_report = t0
         next_sample = t0
         while time.monotonic() < end:
@@ -467,6 +542,9 @@ class Soak:
             for wid, at in list(self.thaw_at.items()):
                 if now >= at:
                     self.thaw_worker(wid, now)
+            for wid, at in list(self.heal_link_at.items()):
+                if now >= at:
+                    self.heal_link(wid, now)
             if self.server_thaw_at is not None and now >= self.server_thaw_at:
                 self.thaw_server(now)
             for wid, at in list(self.restart_at.items()):
@@ -484,8 +562,10 @@ class Soak:
                 self.coordinator_back_at = now
             # The coordinator's faults do not follow each other without it serving a while in between.
             server_steady = server_up and not server_frozen and now >= self.coordinator_back_at + 5.0
+            # One fault per worker at a time: a partitioned worker is neither killed nor frozen until healed.
             targets = sorted(w for w, p in self.workers.items()
-                             if p.alive() and w not in self.restart_at and w not in self.thaw_at and w != MEASURED)
+                             if p.alive() and w not in self.restart_at and w not in self.thaw_at and w != MEASURED
+                             and w not in self.heal_link_at)
             if now >= next_worker_kill:
                 if targets:
                     wid = self.rng.choice(targets)
@@ -498,10 +578,20 @@ class Soak:
                 next_worker_kill = after(now, a.worker_kill_every)
             if now >= next_worker_freeze:
                 # Not a worker that thawed moments ago: it re-joins first (check 9).
-                thawed = [w for w in targets if now >= self._thawed_at.get(w, -math.inf) + REJOIN_S]
+                thawed = [w for w in targets if now >= max(self._thawed_at.get(w, -math.inf),
+                                                           self._healed_at.get(w, -math.inf)) + REJOIN_S]
                 if thawed:
                     self.freeze_worker(self.rng.choice(thawed), now)
                 next_worker_freeze = after(now, a.worker_freeze_every)
+            if now >= next_partition:
+                # Not one that thawed or healed moments ago: it re-joins first (check 9).
+                settled = [w for w in targets if now >= max(self._thawed_at.get(w, -math.inf),
+                                                            self._healed_at.get(w, -math.inf)) + REJOIN_S]
+                if settled:
+                    wid = self.rng.choice(settled)
+                    self.partition(wid, now)
+                    targets.remove(wid)
+                next_partition = after(now, a.partition_every)
             if now >= next_coord_kill and server_steady:
                 self.server.kill9()
                 self.coordinator_kills += 1
@@ -553,13 +643,15 @@ class Soak:
                 last_report = now
                 self.say(f"{(now - t0) / 60:.1f} min: {self.worker_kills} worker kills, "
                          f"{self.coordinator_kills} coordinator kills, {self.worker_freezes} worker freezes, "
-                         f"{self.coordinator_freezes} coordinator freezes")
+                         f"{self.coordinator_freezes} coordinator freezes, {len(self.partitions)} partitions")
             time.sleep(0.2)
         # Heal and end: everyone thawed and back, the quorum reachable, then a drain.
         self.heal_at = time.monotonic()
         self.heal_wall = time.time()
         for wid in list(self.thaw_at):
             self.thaw_worker(wid, time.monotonic())
+        for wid in list(self.heal_link_at):
+            self.heal_link(wid, time.monotonic())
         if self.server_thaw_at is not None:
             self.thaw_server(time.monotonic())
         if self.server_restart_at is not None or self.server is None or not self.server.alive():
@@ -641,6 +733,17 @@ def read_events(path: Path) -> list[dict]:
     return events
 
 
+def merged(spans: list[tuple[float, float]], gap_s: float = 1.0) -> list[tuple[float, float]]:
+    """Spans that overlap or nearly touch (within ``gap_s``) joined into one."""
+    out: list[tuple[float, float]] = []
+    for b, e in sorted(spans):
+        if out and b <= out[-1][1] + gap_s:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((b, e))
+    return out
+
+
 def outage_spans(outages: list[list], events: list[dict], end: float) -> list[tuple[float, float]]:
     """The coordinator's outages this script caused, as merged (wall start, wall end) spans.
 
@@ -648,15 +751,12 @@ def outage_spans(outages: list[list], events: list[dict], end: float) -> list[tu
     until the next ``start`` line of the audit log. Spans less than a second apart are one.
     """
     starts = [e["t"] for e in events if e.get("event") == "start"]
-    spans: list[tuple[float, float]] = []
-    for kind, begin, stop in sorted(outages, key=lambda o: o[1]):
+    spans = []
+    for kind, begin, stop in outages:
         if kind in ("kill", "failure") or stop is None:
             stop = next((t for t in starts if t > begin), end)
-        if spans and begin <= spans[-1][1] + 1.0:
-            spans[-1] = (spans[-1][0], max(spans[-1][1], stop))
-        else:
-            spans.append((begin, stop))
-    return spans
+        spans.append((begin, stop))
+    return merged(spans)
 
 
 def liveness(events: list[dict], outages: list[list], end_wall: float, heartbeat_timeout: float) -> dict:
@@ -700,8 +800,11 @@ def check_workers(soak: "Soak", events: list[dict]) -> tuple[list[str], list[str
     for wall, wid, rc, last in soak.worker_exits:
         limit = 600 if wid == MEASURED else soak.args.coordinator_timeout
         # It gave up at some moment g up to EXIT_S before its exit was seen (a checkpoint to write, an
-        # interpreter to end): the coordinator must have been out from g - limit (3 s spare) to g.
-        covered = any(max(b + limit - 3, wall - EXIT_S) <= min(e, wall) for b, e in spans)
+        # interpreter to end): the coordinator must have been out of its reach from g - limit (3 s spare) to
+        # g: out by this script's doing, or behind a fault of the worker's own link (any kind: through a
+        # delayed link a new connection's handshake alone takes several round trips), one after the other.
+        reach = merged(spans + [(b, e) for w, _, _, b, e, _ in soak.partitions if w == wid])
+        covered = any(max(b + limit - 3, wall - EXIT_S) <= min(e, wall) for b, e in reach)
         if rc == 3 and covered:
             continue
         why = "gave up (exit 3) on a coordinator that was not out for its --coordinator-timeout" if rc == 3 \
@@ -729,6 +832,36 @@ def check_workers(soak: "Soak", events: list[dict]) -> tuple[list[str], list[str
         elif thawed + 60 <= end_t:
             violations.append(f"worker {wid} (pid {pid}) frozen {seconds:.1f} s ({how}) did not re-join within "
                               f"60 s of its thaw")
+    hb = soak.args.heartbeat_timeout
+    for wid, pid, mode, started, healed, seconds in soak.partitions:
+        back = next((t for t, w in joins if w == wid and t >= healed - 1), None)
+        if any(w == wid and started - 1 <= t <= (back or healed + 60) for t, w in restarted):
+            continue  # killed, or exited (a violation above if it should not have), before it re-joined
+        coordinator_out = any(b <= healed and started <= e for b, e in spans)
+        how = next((what for t, w, what in gone if w == wid and started <= t <= healed + 5), None)
+        kind = mode if mode.startswith("cut") else mode.split()[0]
+        if kind in SEVERING and seconds > hb + 1:
+            # The coordinator heard nothing for longer than the heartbeat timeout (or lost the connection).
+            if how is None:
+                if not coordinator_out:
+                    violations.append(f"worker {wid} (pid {pid}) {mode} for {seconds:.1f} s, past the heartbeat "
+                                      f"timeout, was never let go: the coordinator counted a worker it could "
+                                      f"not hear")
+                continue
+        elif how is None:
+            notes.append(f"worker {wid} (pid {pid}) {mode} for {seconds:.1f} s: stayed a member")
+            continue
+        elif kind in ("delay", "cut down") and not coordinator_out:
+            # A slow link, or a half-open one whose heartbeats still arrive: nothing but time may change.
+            violations.append(f"worker {wid} (pid {pid}) was let go ({how}) during a {mode} partition of "
+                              f"{seconds:.1f} s, which must change nothing but time")
+            continue
+        if back is not None and back - healed <= 60:
+            notes.append(f"worker {wid} (pid {pid}) {mode} for {seconds:.1f} s: {how}, re-joined "
+                         f"{back - healed:.1f} s after the heal, same process")
+        elif healed + 60 <= end_t:
+            violations.append(f"worker {wid} (pid {pid}) {mode} for {seconds:.1f} s ({how}) did not re-join "
+                              f"within 60 s of the heal")
     return violations, notes
 
 
@@ -839,6 +972,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="mean seconds between worker freezes (SIGSTOP, then SIGCONT; 0: none; default 40)")
     ap.add_argument("--coordinator-freeze-every", type=float, default=90.0,
                     help="mean seconds between coordinator freezes (0: none; default 90)")
+    ap.add_argument("--partition-every", type=float, default=45.0,
+                    help="mean seconds between partitions of a random worker's link (scripts/faultlink.py: "
+                         "black-hole, drop, cut up, cut down, delay, in turn; 0: none, and workers connect "
+                         "directly; default 45)")
     ap.add_argument("--coordinator-timeout", type=float, default=None,
                     help="the workers' --coordinator-timeout (default twice the heartbeat timeout; w1 keeps 600)")
     ap.add_argument("--worker-restart-max-s", type=float, default=5.0)
@@ -851,8 +988,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("need --workers >= 1, 1 <= --min-workers <= --workers, --minutes > 0")
     if args.coordinator_timeout is None:
         args.coordinator_timeout = 2 * args.heartbeat_timeout
-    if min(args.worker_freeze_every, args.coordinator_freeze_every) < 0 or args.coordinator_timeout <= 0:
-        ap.error("need --worker-freeze-every, --coordinator-freeze-every >= 0 and --coordinator-timeout > 0")
+    if min(args.worker_freeze_every, args.coordinator_freeze_every, args.partition_every) < 0 \
+            or args.coordinator_timeout <= 0:
+        ap.error("need --worker-freeze-every, --coordinator-freeze-every, --partition-every >= 0 and "
+                 "--coordinator-timeout > 0")
     out = Path(args.out or tempfile.mkdtemp(prefix="diloco-chaos-"))
     out.mkdir(parents=True, exist_ok=True)
     print(f"chaos: seed {args.seed}, {args.minutes:g} min, {args.workers} workers, min_workers {args.min_workers}, "
@@ -869,11 +1008,11 @@ def main(argv: list[str] | None = None) -> int:
     events = read_events(out / "ckpt" / "events.jsonl")
     (out / "faults.json").write_text(json.dumps({  # what the supervisor did, for a post-mortem
         "coordinator_outages": soak.outages, "worker_kills": soak.kill_log, "worker_exits": soak.worker_exits,
-        "worker_freezes": soak.frozen_workers}, indent=1))
+        "worker_freezes": soak.frozen_workers, "partitions": soak.partitions}, indent=1))
     worker_violations, worker_notes = check_workers(soak, events)
     violations += worker_violations
     for note in worker_notes:
-        print(f"freeze: {note}", flush=True)
+        print(f"faults: {note}", flush=True)
     live = liveness(events, soak.outages, soak.heal_wall, args.heartbeat_timeout)
     span = lambda t: time.strftime("%H:%M:%S", time.localtime(t)) if t else "-"  # noqa: E731
     print(f"liveness: longest stretch with the quorum held and no round applied {live['max_stall_s']:.1f} s "
@@ -918,7 +1057,8 @@ def main(argv: list[str] | None = None) -> int:
           f"-> {ck_stats.get('loss_end', math.nan):.4f}; {soak.min_worker_changes} min_workers changes", flush=True)
     print(f"RESULT chaos data_plane={args.data_plane} minutes={args.minutes:g} worker_kills={soak.worker_kills} "
           f"coordinator_kills={soak.coordinator_kills} worker_freezes={soak.worker_freezes} "
-          f"coordinator_freezes={soak.coordinator_freezes} workers_gave_up={soak.workers_gave_up} "
+          f"coordinator_freezes={soak.coordinator_freezes} partitions={len(soak.partitions)} "
+          f"workers_gave_up={soak.workers_gave_up} "
           f"rounds_applied={log_stats['rounds_applied']} "
           f"violations={len(violations)} max_lost_rounds={log_stats['max_lost_rounds']} "
           f"trace_inputs={trace.inputs} trace_divergences={0 if trace.divergence is None else 1} "

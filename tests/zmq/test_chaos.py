@@ -1,10 +1,11 @@
-"""The chaos soak's CI variant: 90 seconds of seeded kills and freezes on real processes, checked from the audit log.
+"""The chaos soak's CI variant: 90 s of seeded kills, freezes and partitions on real processes, checked from the log.
 
 ``scripts/chaos.py`` is the long soak (README, "Chaos soak"); here it runs
 for 90 s with faults close together, so that a few worker kills, at least
 one coordinator kill, a quorum change, worker freezes (the first one past
-the heartbeat timeout) and coordinator freezes happen, and must end with no
-violation and no applied round lost, within the liveness bound, and with
+the heartbeat timeout), coordinator freezes and partitions of a worker's
+link (the first one a black-hole past the heartbeat timeout) happen, and
+must end with no violation and no applied round lost, within the liveness bound, and with
 the coordinator's and the long-lived worker's memory and open descriptors
 grown by less than 5 %.
 """
@@ -27,7 +28,7 @@ def test_ninety_seconds_of_chaos_break_no_rule(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "chaos.py"), "--minutes", "1.5", "--workers", "3", "--seed", "7",
          "--worker-kill-every", "10", "--coordinator-kill-every", "35", "--min-workers-every", "30",
-         "--worker-freeze-every", "15", "--coordinator-freeze-every", "25",
+         "--worker-freeze-every", "15", "--coordinator-freeze-every", "25", "--partition-every", "12",
          "--out", str(tmp_path / "chaos")],
         capture_output=True, text=True, timeout=480, cwd=tmp_path)
     out = proc.stdout + proc.stderr
@@ -44,6 +45,11 @@ def test_ninety_seconds_of_chaos_break_no_rule(tmp_path):
     long_freezes = re.findall(r"freeze worker w\d \(pid \d+\) for ([\d.]+) s, past the heartbeat timeout", out)
     assert long_freezes and all(float(s) > 10 for s in long_freezes), out[-4000:]
     assert re.search(r"^\S+ thaw worker w\d \(pid \d+\) after ([\d.]+) s$", out, re.M), out[-4000:]
+    # Partitions (scripts/faultlink.py): the first one black-holes a worker past the heartbeat timeout.
+    assert int(fields["partitions"]) >= 1, fields
+    assert re.search(r"partition worker w\d \(pid \d+\): blackhole for ([\d.]+) s, past the heartbeat timeout", out), \
+        out[-4000:]
+    assert re.search(r"^\S+ heal worker w\d's link \(blackhole\) after [\d.]+ s$", out, re.M), out[-4000:]
     # Liveness and growth: figured, and within their bounds.
     assert 0 < float(fields["max_stall_s"]) <= float(fields["stall_bound_s"]), fields
     for key in ("rss_growth", "fd_growth"):
