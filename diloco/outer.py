@@ -13,6 +13,15 @@ Training for Language Modeling", Algorithm 3): momentum is updated only once
 every ``delay`` contributions, from their average, while each contribution's
 own gradient term is applied as it arrives.
 
+Momentum schedules (Pier: Fan and Zhang 2025, "Efficient Large Language
+Model pretraining with Relaxed Global Communication"): the momentum may rise
+linearly over the first ``momentum_warmup`` outer steps and fall linearly to
+``momentum_final`` over ``momentum_decay_rounds`` steps from step
+``momentum_decay_start`` (``OuterConfig.momentum_at``). The step count lives in
+the optimizer's own param group (``outer_steps``), so it is saved, restored,
+healed and undone (a refused step) with the rest of the optimizer's state,
+and a replayed or healed replica takes the same momentum at the same step.
+
 Who runs it: the coordinator on the hub plane; every member, on its own replica,
 on the collective plane (``diloco.collective.replica``). So it lives below both.
 """
@@ -43,6 +52,13 @@ class OuterConfig:
     momentum: float = 0.8
     #: Delayed Nesterov: contributions per momentum update (0: use min_workers).
     delay: int = 0
+    #: Momentum warm-up: outer steps over which the momentum rises linearly to ``momentum`` (0: none).
+    momentum_warmup: int = 0
+    #: Momentum decay: from outer step ``momentum_decay_start`` it falls linearly to ``momentum_final``
+    #: over ``momentum_decay_rounds`` steps, then stays there (rounds 0: no decay).
+    momentum_decay_start: int = 0
+    momentum_decay_rounds: int = 0
+    momentum_final: float = 0.0
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -53,9 +69,44 @@ class OuterConfig:
             raise OuterConfigError(f"outer momentum={self.momentum!r} is invalid: expected a number in [0, 1)")
         if isinstance(self.delay, bool) or not isinstance(self.delay, int) or self.delay < 0:
             raise OuterConfigError(f"outer delay={self.delay!r} is invalid: expected an integer >= 0")
+        for name in ("momentum_warmup", "momentum_decay_start", "momentum_decay_rounds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 40:
+                raise OuterConfigError(f"outer {name}={value!r} is invalid: expected an integer >= 0 (outer steps)")
+        if not isinstance(self.momentum_final, (int, float)) or not 0 <= self.momentum_final < 1:
+            raise OuterConfigError(f"outer momentum_final={self.momentum_final!r} is invalid: expected a number "
+                                   f"in [0, 1)")
+        if self.scheduled and self.name not in ("nesterov", "sgd", "delayed_nesterov"):
+            raise OuterConfigError(f"a momentum schedule needs a momentum optimizer (nesterov, sgd, "
+                                   f"delayed_nesterov), not {self.name!r}")
+
+    @property
+    def scheduled(self) -> bool:
+        """True when the momentum changes from step to step (a warm-up or a decay)."""
+        return self.momentum_warmup > 0 or self.momentum_decay_rounds > 0
+
+    def momentum_at(self, step: int) -> float:
+        """The momentum of the fragment's outer step number ``step`` (0 for the first).
+
+        The warm-up gives step ``s`` ``momentum * (s + 1) / warmup`` (never 0: the first step
+        already has some); the decay interpolates from ``momentum`` (before its start) to
+        ``momentum_final`` (from ``start + rounds - 1`` on); where both apply, the smaller wins.
+        """
+        mu = self.momentum
+        if self.momentum_warmup and step < self.momentum_warmup:
+            mu = self.momentum * (step + 1) / self.momentum_warmup
+        if self.momentum_decay_rounds and step >= self.momentum_decay_start:
+            done = min(1.0, (step - self.momentum_decay_start + 1) / self.momentum_decay_rounds)
+            mu = min(mu, self.momentum + (self.momentum_final - self.momentum) * done)
+        return mu
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Every field; the schedule's only when one is set, so a run without one says what it always did."""
+        d = asdict(self)
+        if not self.scheduled:
+            for name in ("momentum_warmup", "momentum_decay_start", "momentum_decay_rounds", "momentum_final"):
+                del d[name]
+        return d
 
 
 class DelayedNesterov(torch.optim.Optimizer):
@@ -107,15 +158,34 @@ class DelayedNesterov(torch.optim.Optimizer):
 
 
 def build_outer_optimizer(params: list[torch.Tensor], config: OuterConfig, default_delay: int) -> torch.optim.Optimizer:
-    """The torch optimizer for one fragment's params."""
+    """The torch optimizer for one fragment's params (with its momentum schedule, if the config has one)."""
     if config.name == "nesterov":
-        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, nesterov=config.momentum > 0)
-    if config.name == "sgd":
-        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum)
-    if config.name == "adam":
+        opt = torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, nesterov=config.momentum > 0)
+    elif config.name == "sgd":
+        opt = torch.optim.SGD(params, lr=config.lr, momentum=config.momentum)
+    elif config.name == "adam":
         return torch.optim.Adam(params, lr=config.lr, betas=(config.momentum, 0.999))
-    return DelayedNesterov(params, lr=config.lr, momentum=config.momentum,
-                           delay=config.delay or max(1, default_delay))
+    else:
+        opt = DelayedNesterov(params, lr=config.lr, momentum=config.momentum,
+                              delay=config.delay or max(1, default_delay))
+    if config.scheduled:
+        opt.register_step_pre_hook(_momentum_schedule(config))
+    return opt
+
+
+def _momentum_schedule(config: OuterConfig):
+    """A step pre-hook: set this step's momentum, and count the step in the param group.
+
+    The count is a param-group entry, not a Python attribute, because ``state_dict`` carries
+    param groups whole: a checkpoint, a heal and ``OptimizerBackup`` (the undo of a refused step)
+    keep it with the momentum buffers it belongs to.
+    """
+    def hook(opt: torch.optim.Optimizer, args, kwargs) -> None:
+        for group in opt.param_groups:
+            step = int(group.get("outer_steps", 0))
+            group["momentum"] = config.momentum_at(step)
+            group["outer_steps"] = step + 1
+    return hook
 
 
 def all_finite(t: torch.Tensor) -> bool:

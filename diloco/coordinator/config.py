@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from dataclasses import dataclass, field
 
@@ -84,8 +86,7 @@ class CoordinatorConfig:
                 raise ConfigError("max_update_norm", self.max_update_norm, "None on the collective plane (the "
                                   "coordinator never sees a pseudo-gradient there to measure it)")
         if self.fsm.mode is Mode.ASYNC and self.outer.name == "nesterov":
-            object.__setattr__(self, "outer", OuterConfig("delayed_nesterov", self.outer.lr,
-                                                          self.outer.momentum, self.outer.delay))
+            object.__setattr__(self, "outer", dataclasses.replace(self.outer, name="delayed_nesterov"))
 
     def to_dict(self) -> dict:
         return {"fsm": self.fsm.to_dict(), "outer": self.outer.to_dict(),

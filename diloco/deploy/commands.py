@@ -28,6 +28,23 @@ WIRE_DTYPES = ("fp32", "bf16", "int8")  # diloco.wire.messages.WIRE_DTYPE_NAMES 
 
 
 _positive_int = flag_value(int, lambda v: v >= 1, ">= 1")
+_nonnegative_int = flag_value(int, lambda v: v >= 0, ">= 0")
+
+
+def momentum_decay(text: str) -> tuple[int, int, float]:
+    """``--outer-momentum-decay START:ROUNDS[:FINAL]`` -> (start, rounds, final)."""
+    parts = text.split(":")
+    try:
+        if len(parts) not in (2, 3):
+            raise ValueError
+        start, rounds = int(parts[0]), int(parts[1])
+        final = float(parts[2]) if len(parts) == 3 else 0.0
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected START:ROUNDS[:FINAL] (outer steps, steps, a momentum), "
+                                         f"got {text!r}") from None
+    if start < 0 or rounds < 0 or not 0 <= final < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: START and ROUNDS must be >= 0 and FINAL in [0, 1)")
+    return start, rounds, final
 
 
 def _full_every(text: str) -> int:
@@ -142,6 +159,12 @@ def register(subparsers) -> None:
     p.add_argument("--outer-momentum", type=float, default=None, metavar="X",
                    help="outer momentum (default 0.8: better than the DiLoCo paper's 0.9 by 1.3-3.2%% in held-out "
                         "loss at H = 10 and 50, two seeds, in that sweep)")
+    p.add_argument("--outer-momentum-warmup", type=_nonnegative_int, default=None, metavar="ROUNDS",
+                   help="momentum warm-up (Pier): the outer momentum rises linearly over the first ROUNDS outer "
+                        "steps of each fragment to --outer-momentum (default 0: none)")
+    p.add_argument("--outer-momentum-decay", type=momentum_decay, default=None, metavar="START:ROUNDS[:FINAL]",
+                   help="momentum decay (Pier): from outer step START the outer momentum falls linearly to FINAL "
+                        "(default 0) over ROUNDS steps, then stays there; 0:0 turns a saved one off")
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="continue the run of the newest valid checkpoint in DIR (same params, outer optimizer "
                         "state and round counters; a corrupt newest file falls back to the previous one with a "
@@ -392,6 +415,7 @@ def cmd_server(args) -> int:
         bind=args.bind, min_workers=args.min_workers, heartbeat_timeout_s=args.heartbeat_timeout,
         checkpoint_dir=args.checkpoint_dir, mode=args.mode, fragments=args.fragments,
         outer_optimizer=args.outer_optimizer, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+        outer_momentum_warmup=args.outer_momentum_warmup, outer_momentum_decay=args.outer_momentum_decay,
         resume=args.resume, keep=args.keep, full_checkpoint_every=args.full_checkpoint_every,
         max_message_bytes=None if args.max_message_mb is None else int(args.max_message_mb * (1 << 20)),
         link_timeout_s=args.link_timeout, max_update_norm=args.max_update_norm, wire_dtype=args.wire_dtype,

@@ -55,6 +55,9 @@ class ServerSettings:
     outer_optimizer: str | None = None
     outer_lr: float | None = None
     outer_momentum: float | None = None
+    #: ``--outer-momentum-warmup`` (outer steps) and ``--outer-momentum-decay`` (start, steps, final).
+    outer_momentum_warmup: int | None = None
+    outer_momentum_decay: tuple[int, int, float] | None = None
     resume: str | None = None
     max_message_bytes: int | None = None
     #: ``--link-timeout``: seconds a connection may deliver no whole frame before it is re-opened
@@ -127,8 +130,12 @@ def build_config(s: ServerSettings, base: CoordinatorConfig | None = None) -> Co
         raise ServerError("--data-plane collective runs in sync mode only: an async contribution is its own "
                           "outer step, applied on the coordinator (use the hub plane for --mode async)")
     outer = base.outer
+    decay = s.outer_momentum_decay or (None, None, None)
     outer_changes = {k: v for k, v in (("name", s.outer_optimizer), ("lr", s.outer_lr),
-                                        ("momentum", s.outer_momentum)) if v is not None}
+                                        ("momentum", s.outer_momentum),
+                                        ("momentum_warmup", s.outer_momentum_warmup),
+                                        ("momentum_decay_start", decay[0]), ("momentum_decay_rounds", decay[1]),
+                                        ("momentum_final", decay[2])) if v is not None}
     try:
         if changes:
             fsm = dataclasses.replace(fsm, **changes)
@@ -162,6 +169,17 @@ def build_config(s: ServerSettings, base: CoordinatorConfig | None = None) -> Co
                                  collective_timeout_s=collective_timeout)
     except (ConfigError, ValueError) as exc:
         raise ServerError(str(exc)) from None
+
+
+def momentum_schedule(outer) -> str:
+    """The start-up line's words for a momentum warm-up or decay (empty without one)."""
+    words = []
+    if outer.momentum_warmup:
+        words.append(f"warm-up over {outer.momentum_warmup} steps")
+    if outer.momentum_decay_rounds:
+        words.append(f"decay to {outer.momentum_final:g} over steps {outer.momentum_decay_start}.."
+                     f"{outer.momentum_decay_start + outer.momentum_decay_rounds - 1}")
+    return f" ({', '.join(words)})" if words else ""
 
 
 def wire_line(cfg: CoordinatorConfig) -> str:
@@ -327,7 +345,7 @@ def run_server(s: ServerSettings, out: TextIO = sys.stdout, stop_event: threadin
     print(f"diloco server listening on {endpoint.address}", file=out, flush=True)
     print(f"  mode {cfg.fsm.mode.value}, {cfg.fsm.num_fragments} fragment(s), min_workers {coordinator.fsm.min_workers}, "
           f"heartbeat timeout {cfg.fsm.heartbeat_timeout_s:g} s (workers beat every {cfg.heartbeat_interval_s:g} s), "
-          f"outer {cfg.outer.name} lr {cfg.outer.lr:g} momentum {cfg.outer.momentum:g}", file=out, flush=True)
+          f"outer {cfg.outer.name} lr {cfg.outer.lr:g} momentum {cfg.outer.momentum:g}{momentum_schedule(cfg.outer)}", file=out, flush=True)
     print(f"  {wire_line(cfg)}", file=out, flush=True)
     if store_host is not None:
         print(f"  data plane collective: workers all-reduce among themselves (gloo) on the store at "
