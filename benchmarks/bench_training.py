@@ -859,6 +859,44 @@ def outer_sweep_main(args) -> int:
     return 0
 
 
+def schedule_for(rounds: int, momentum: float) -> tuple:
+    """The schedule the bench tries: warm-up over the first tenth of the rounds, decay to half the momentum
+    over the last fifth (Pier's shape; the run's length is known here, as it is to an operator who sets it)."""
+    tail = max(1, rounds // 5)
+    return (max(1, rounds // 10), rounds - tail, tail, momentum / 2)
+
+
+def momentum_schedule_main(args) -> int:
+    """Outer momentum constant vs warmed up and decayed (Pier), at H = 10 and 50, on two seeds."""
+    from sweep import Cell, ints, print_table, run_grid
+
+    from diloco.outer import OuterConfig
+
+    steps = args.steps or (300 if args.quick else 1200)
+    hs, seeds = ints(args.sweep_h), ints(args.schedule_seeds)
+    outer = OuterConfig()  # the system's defaults (the demo's): lr 0.7, momentum 0.8
+    cells = []
+    for h in hs:
+        plain = Cell(steps, 8, 64, 1e-3, 50, h, outer.lr, outer.momentum)
+        cells += [plain, Cell(steps, 8, 64, 1e-3, 50, h, outer.lr, outer.momentum,
+                              schedule=schedule_for(-(-steps // h), outer.momentum))]
+    print(f"bench_training --momentum-schedule: k={args.k}, {steps} inner steps, batch 8 x 64, inner lr 1e-3; "
+          f"H {hs}, outer lr {outer.lr}, momentum {outer.momentum} constant vs scheduled (warm-up, decay): "
+          f"{[c.schedule for c in cells if c.schedule]}; seeds {seeds}", flush=True)
+    ratios: dict[int, list[float]] = {h: [] for h in hs}
+    for seed in seeds:
+        rows = run_grid(cells, args.k, seed, 2, label=f"bench_training --momentum-schedule seed {seed}")
+        print(f"seed {seed}:")
+        print_table(rows, mark=lambda r: "scheduled" if r.cell.schedule else "constant")
+        for h in hs:
+            on = next(r for r in rows if r.cell.H == h and r.cell.schedule)
+            off = next(r for r in rows if r.cell.H == h and not r.cell.schedule)
+            ratios[h].append(on.diloco / off.diloco)
+    print("RESULT bench_training_momentum " + " ".join(
+        f"h{h}_scheduled_vs_constant=" + ",".join(f"{x:.4f}" for x in ratios[h]) for h in hs))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: 200 inner steps")
@@ -890,6 +928,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overlap-h", type=int, default=10, help="--overlap: H (default %(default)s)")
     parser.add_argument("--overlap-batch-size", type=int, default=8,
                         help="--overlap: sequences per worker per inner step (default %(default)s)")
+    parser.add_argument("--momentum-schedule", action="store_true",
+                        help="outer momentum constant vs a warm-up and a decay (Pier) at H 10 and 50 "
+                             "(--sweep-h), seeds --schedule-seeds; held-out loss")
+    parser.add_argument("--schedule-seeds", default="0,1", help="--momentum-schedule: seeds (default %(default)s)")
     parser.add_argument("--outer-sweep", action="store_true",
                         help="sweep the outer lr and momentum at H = 10 and 50 instead (the grid below; "
                              "~10 minutes on 2 cores)")
@@ -913,6 +955,8 @@ def main(argv: list[str] | None = None) -> int:
                      "--overlap, --dylu and --outer-sweep run on the hub (use --data-plane both to compare planes)")
     if args.outer_sweep:
         return outer_sweep_main(args)
+    if args.momentum_schedule:
+        return momentum_schedule_main(args)
     if args.overlap:
         return overlap_main(args)
     if args.dylu:

@@ -30,10 +30,24 @@ class Cell:
     H: int
     outer_lr: float
     outer_momentum: float
+    #: An outer-momentum schedule (``OuterConfig`` fields: momentum_warmup, momentum_decay_start,
+    #: momentum_decay_rounds, momentum_final); empty: constant momentum.
+    schedule: tuple = ()
 
     def label(self) -> str:
+        sched = f" schedule={':'.join(f'{x:g}' for x in self.schedule)}" if self.schedule else ""
         return (f"steps={self.steps} batch={self.batch} seq={self.seq_len} lr={self.lr:g} warm={self.warmup} "
-                f"H={self.H} olr={self.outer_lr:g} mom={self.outer_momentum:g}")
+                f"H={self.H} olr={self.outer_lr:g} mom={self.outer_momentum:g}{sched}")
+
+    def momentum_at(self):
+        """The schedule as ``OuterConfig.momentum_at`` (None without one)."""
+        if not self.schedule:
+            return None
+        from diloco.outer import OuterConfig
+
+        warm, start, rounds, final = self.schedule
+        return OuterConfig("nesterov", self.outer_lr, self.outer_momentum, momentum_warmup=warm,
+                           momentum_decay_start=start, momentum_decay_rounds=rounds, momentum_final=final).momentum_at
 
     def train_key(self) -> tuple:
         return (self.steps, self.batch, self.seq_len, self.lr, self.warmup)
@@ -64,12 +78,14 @@ def _job(args: tuple) -> tuple[tuple, float, float]:
         r = train_sync_data_parallel(k, cell.steps, settings=s, corpus=corpus, seed=seed)
     else:
         r = simulate_diloco_reference(k, cell.H, cell.steps, cell.outer_lr, cell.outer_momentum,
-                                      settings=s, corpus=corpus, seed=seed)
+                                      settings=s, corpus=corpus, seed=seed, momentum_at=cell.momentum_at())
     return (method, key_of(method, cell)), r.final_eval_loss, time.process_time() - t0
 
 
 def key_of(method: str, cell: Cell) -> tuple:
-    return cell.train_key() if method != "diloco" else (cell.train_key(), cell.H, cell.outer_lr, cell.outer_momentum)
+    if method != "diloco":
+        return cell.train_key()
+    return (cell.train_key(), cell.H, cell.outer_lr, cell.outer_momentum, cell.schedule)
 
 
 def floats(text: str) -> list[float]:

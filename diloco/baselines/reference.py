@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+from typing import Callable
 
 import torch
 
@@ -29,6 +30,7 @@ def simulate_diloco_reference(
     corpus: Corpus | None = None,
     seed: int = 0,
     progress: ProgressFn | None = None,
+    momentum_at: Callable[[int], float] | None = None,
 ) -> BaselineResult:
     """DiLoCo in one process (Douillard et al. 2023, Algorithm 1), no networking.
 
@@ -41,7 +43,8 @@ def simulate_diloco_reference(
     Each replica keeps its own AdamW state and lr schedule across rounds.
     Nesterov is silently off when ``outer_momentum == 0`` (torch requires
     momentum > 0 for it), so ``outer_lr=1, outer_momentum=0`` is plain
-    parameter averaging.
+    parameter averaging. ``momentum_at(r)``, if given, is the outer momentum of
+    outer step ``r`` (0 for the first): a schedule (``OuterConfig.momentum_at``).
     """
     check_int("k", k, 1)
     check_int("H", H, 1)
@@ -68,6 +71,8 @@ def simulate_diloco_reference(
             total += inner_step(replica, opt, sched, sampler, s)
         tracker.record(step, total / k, progress)
         if step % H == 0 or step == steps:
+            if momentum_at is not None:
+                outer_opt.param_groups[0]["momentum"] = momentum_at(syncs)
             _outer_step(global_params, replica_params, outer_opt)
             syncs += 1
             if step >= next_eval or step == steps:
