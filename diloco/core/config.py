@@ -60,6 +60,9 @@ class FSMConfig:
     data_plane: DataPlane = DataPlane.HUB
     #: Collective: an attempt whose group has not all reported this long after the order aborts (C5).
     reduce_timeout_s: float = 120.0
+    #: Async: contributions accepted within this many seconds of the first pending one are merged into
+    #: one outer step (SPEC.md P5); 0: one outer step per contribution. Async mode only.
+    grace_window_s: float = 0.0
 
     def __post_init__(self) -> None:
         try:
@@ -90,6 +93,14 @@ class FSMConfig:
                 or not reduce_timeout > 0 or reduce_timeout == float("inf")):
             raise ConfigError("reduce_timeout_s", reduce_timeout, "a finite number of seconds > 0")
         object.__setattr__(self, "reduce_timeout_s", float(reduce_timeout))
+        window = self.grace_window_s
+        if (isinstance(window, bool) or not isinstance(window, (int, float)) or not window >= 0
+                or window == float("inf")):
+            raise ConfigError("grace_window_s", window, "a finite number of seconds >= 0 (0: no window)")
+        if window > 0 and mode is not Mode.ASYNC:
+            raise ConfigError("grace_window_s", window, "0 in sync mode (a sync round already merges every "
+                              "member's contribution; the grace window is for --mode async)")
+        object.__setattr__(self, "grace_window_s", float(window))
 
     def to_dict(self) -> dict:
         """Plain, msgpack-serialisable form (used by snapshots)."""

@@ -52,11 +52,20 @@ class SyncBarrier:
 
 @dataclass(slots=True)
 class AsyncLane:
-    """One fragment in async mode: a version counter and the contributions held below quorum."""
+    """One fragment in async mode: a version counter and the contributions held below quorum
+    (or, with a grace window, in the open window: SPEC.md P5)."""
 
-    #: Number of contributions applied to this fragment so far.
+    #: Number of outer steps applied to this fragment so far (one per contribution without a window).
     version: int = 0
-    #: worker_id -> base version, held while below quorum, in arrival order (FIFO on release).
+    #: worker_id -> base version, held while below quorum or in the open window, in arrival order
+    #: (FIFO on release).
     held: dict[str, int] = field(default_factory=dict)
     #: worker_id -> base version of its last accepted contribution (the duplicate check, SPEC.md R4).
     last_base: dict[str, int] = field(default_factory=dict)
+    #: Grace window (P5): the clock at which the open window closes (the first held contribution's
+    #: acceptance plus ``grace_window_s``; moved to the clock of a member's departure, which releases
+    #: it); None while nothing is held. Unused without a window.
+    deadline_s: float | None = None
+    #: Grace window (P5): how many of ``held`` are live members (the early close compares it with the
+    #: live members: a counter, not a scan, R13).
+    live_held: int = 0

@@ -113,6 +113,8 @@ class RoundFSM:
         self._sync = config.mode is Mode.SYNC
         #: Collective plane (SPEC.md C1): rounds are reduced by their group and committed on a vote.
         self._collective = config.data_plane is DataPlane.COLLECTIVE
+        #: Async grace window (SPEC.md P5): contributions within it merge into one outer step.
+        self._window_s = config.grace_window_s
         self._timeout_s = config.heartbeat_timeout_s
         self._min_workers = config.min_workers
         self._now_s = float(now_s)
@@ -323,6 +325,12 @@ class RoundFSM:
                        if b.reducing is not None and now > b.reducing.deadline_s]
             if expired:
                 self._apply_ready(effects, expired)
+        elif self._window_s and self._phase.state is not Phase.STOPPED:
+            # P5: a window whose deadline passed closes (if the quorum holds); O(F) per tick.
+            expired = [fid for fid, lane in enumerate(self._lanes)
+                       if lane.held and now >= lane.deadline_s]
+            if expired:
+                self._apply_ready(effects, expired)
 
     def _on_join(self, event: WorkerJoined, effects: list[Effect]) -> None:
         wid = event.worker_id
@@ -366,6 +374,8 @@ class RoundFSM:
                     # P3: it waits on its held contribution, and bases up to the version
                     # before the one it joined at belong to earlier incarnations.
                     lane.last_base[wid] = max(base, lane.version - 1)
+                    if self._window_s:
+                        lane.live_held += 1
                     parked.append((fid, base))
                 else:
                     # P3/R4: the joiner was given version ``lane.version``; a base older
@@ -461,6 +471,11 @@ class RoundFSM:
             ))
             return
         lane.last_base[wid] = base
+        if self._window_s:
+            if not lane.held:
+                # P5: the first pending contribution opens the window.
+                lane.deadline_s = self._now_s + self._window_s
+            lane.live_held += 1
         lane.held[wid] = base
         members[wid] = self._now_s
         members.move_to_end(wid)
@@ -535,6 +550,15 @@ class RoundFSM:
                 # P4: let the round in flight finish; _apply_ready stops the run after it.
                 self._move_phase("drain_requested", effects)
                 return
+            if self._window_s and not self._quorum.below_min_workers and any(lane.held for lane in self._lanes):
+                # P4/P5: the open windows are what is in flight: they close now, as the drain's
+                # final steps (applied_final), and _apply_ready stops the run after them.
+                self._move_phase("drain_requested", effects)
+                for lane in self._lanes:
+                    if lane.held:
+                        lane.deadline_s = self._now_s
+                self._apply_ready(effects, range(self.config.num_fragments))
+                return
         # P4: async drain, a drain below quorum, save-and-stop and abort all stop now.
         self._stop(kind, effects)
 
@@ -569,8 +593,16 @@ class RoundFSM:
                         # C2: a ready member's pseudo-gradient lived on that worker and left with it.
                         del barrier.contributed[wid]
         else:
+            now = self._now_s
             for lane in self._lanes:
                 lane.last_base.pop(wid, None)
+                if self._window_s and lane.held:
+                    if wid in lane.held:
+                        lane.live_held -= 1
+                    if lane.deadline_s > now:
+                        # P5: a departure inside the window releases it (it closes with what it has,
+                        # once the quorum allows).
+                        lane.deadline_s = now
 
     def _after_membership_change(self, effects: list[Effect], announce: bool = False) -> None:
         """Recompute the quorum, move the phase, then apply whatever became ready.
@@ -655,6 +687,26 @@ class RoundFSM:
                 barrier.contributed = {}
                 barrier.live_contributed = 0
                 applied = True
+        elif self._window_s:
+            members = self._members
+            now, live = self._now_s, len(members)
+            for fid in fragment_ids:
+                lane = self._lanes[fid]
+                # P5: the window closes -- everything held merges into one outer step -- when its
+                # deadline passed (or a departure or a drain released it), or every live member
+                # has a contribution in it.
+                if not lane.held or (now < lane.deadline_s and lane.live_held != live):
+                    continue
+                contributors = tuple(lane.held)
+                effects.append(ApplyRound(fid, lane.version, contributors))
+                for wid in contributors:
+                    if wid in members:
+                        effects.append(ReleaseWorker(wid, fid, lane.held[wid], outcome))
+                lane.version += 1
+                lane.held = {}
+                lane.live_held = 0
+                lane.deadline_s = None
+                applied = True
         else:
             for fid in fragment_ids:
                 lane = self._lanes[fid]
@@ -723,6 +775,8 @@ class RoundFSM:
                     if wid in members:
                         effects.append(ReleaseWorker(wid, fid, base, ReleaseOutcome.STOP))
                 lane.held = {}
+                lane.live_held = 0
+                lane.deadline_s = None
         self._move_phase("stopped", effects)
         effects.append(StopRun(kind))
 

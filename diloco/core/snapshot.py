@@ -36,6 +36,10 @@ def dump(*, config: dict, phase: Phase, min_workers: int, now_s: float,
              "last_base": [[w, base] for w, base in lane.last_base.items()]}
             for lane in lanes
         ]
+        if config.get("grace_window_s"):
+            # P5: the open window's deadline (None while nothing is held).
+            for f, lane in zip(fragments, lanes):
+                f["deadline_s"] = lane.deadline_s
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -159,7 +163,24 @@ def load(snap: object) -> Parsed:
                 # P3: every member has a last base (from its join on); without it old work could count twice.
                 if wid not in last_base:
                     raise SnapshotError(f"{path}.last_base: member {wid!r} has none (P3)")
-            lanes.append(AsyncLane(version, held, last_base))
+            deadline = f.get("deadline_s")
+            window = config.grace_window_s
+            if not window:
+                if deadline is not None:
+                    raise SnapshotError(f"{path}.deadline_s={deadline!r}: a grace window deadline in a run "
+                                        f"without one (grace_window_s=0)")
+            elif not held:
+                if deadline is not None:
+                    raise SnapshotError(f"{path}.deadline_s={deadline!r}: expected None (nothing is held, P5)")
+            else:
+                deadline = _num(deadline, f"{path}.deadline_s")
+                # P5: set at the first held contribution's acceptance (<= now) plus the window, or
+                # moved back to a departure's clock.
+                if deadline > now_s + window:
+                    raise SnapshotError(f"{path}.deadline_s={deadline!r}: later than now_s + grace_window_s "
+                                        f"({now_s} + {window})")
+            live_held = sum(1 for wid in held if wid in members) if window else 0
+            lanes.append(AsyncLane(version, held, last_base, deadline, live_held))
     below = len(members) < min_workers
     # I12: RUNNING and DRAINING imply quorum (a drain that loses it stops, P4); FORMING and PAUSED imply none.
     if (phase in (Phase.RUNNING, Phase.DRAINING) and below
@@ -178,7 +199,11 @@ def load(snap: object) -> Parsed:
             raise SnapshotError(f"snapshot.fragments[{fid}]: round {b.round_id} is complete with quorum "
                                 f"but did not apply (I7)")
     for fid, lane in enumerate(lanes):
-        if lane.held and (phase is Phase.STOPPED or not below):
+        # P5: above quorum only an open window holds contributions: its deadline has not passed and
+        # some live member has none in it (else it would have closed).
+        window_open = (config.grace_window_s and lane.deadline_s is not None and now_s < lane.deadline_s
+                       and lane.live_held < len(members))
+        if lane.held and (phase is Phase.STOPPED or not (below or window_open)):
             raise SnapshotError(f"snapshot.fragments[{fid}]: contributions held in a stopped run or "
                                 f"although quorum holds (I5, I7)")
     return Parsed(config, phase, min_workers, now_s, members, barriers, lanes)
