@@ -316,10 +316,12 @@ def _replayed_grad(c: Coordinator, step_input: journal.StepInput, seq: int) -> d
         values, scales = chunk.load()
         decoded.append(compression.decode(values, scales, chunk.header["wire"], [(s.name, s.shape) for s in spec],
                                           f"{what}, worker {chunk.header['worker']!r}"))
-    if c.config.fsm.mode is not Mode.SYNC:
+    if c.config.fsm.mode is not Mode.SYNC and len(decoded) == 1:
         (tensors,) = decoded
         return held_tensors(tensors)
-    for tensors in decoded:  # summed in the order the live coordinator summed them
+    # Summed in the order the live coordinator summed them (a sync round, or an async grace
+    # window's merged step, SPEC.md P5: its held fp32 copies hold the decoded values).
+    for tensors in decoded:
         c.store.accumulate(fid, tensors)
     return c.store.take_mean(fid, len(decoded))
 

@@ -779,10 +779,19 @@ class Coordinator:
         if self._sync:
             grad = store.take_mean(fid, len(effect.contributors))
             inputs = self._summed.pop(fid, [])
-        else:
+        elif len(effect.contributors) == 1:
             (wid,) = effect.contributors
             held = self._held.pop((fid, wid))
             grad, inputs = held.tensors, [(held.base, wid)]
+        else:
+            # A grace window's merged step (SPEC.md P5): the mean of its contributions, summed in
+            # the order the core lists them through the sync rounds' running sum (the same bits).
+            inputs = []
+            for wid in effect.contributors:
+                held = self._held.pop((fid, wid))
+                store.accumulate(fid, held.tensors)
+                inputs.append((held.base, wid))
+            grad = store.take_mean(fid, len(inputs))
         if self.recorder is not None:
             self.recorder.step(fid, inputs, grad)
         bad, delta = self.outer_step(fid, grad)
