@@ -70,6 +70,7 @@ from diloco.coordinator.metrics import MetricsHistory
 from diloco.core import trace
 from diloco.coordinator.outliers import OutlierGuard
 from diloco.outer import OptimizerBackup, build_outer_optimizer
+from diloco.coordinator.outer import step_in_blocks
 from diloco.coordinator.params import (
     describe_mismatch,
     NonFinite,
@@ -841,10 +842,12 @@ class Coordinator:
     def _step_key(self, fid: int) -> tuple:
         """What identifies fragment ``fid``'s params and optimizer state as they are now: each tensor's
         memory and version counter (an in-place change bumps it)."""
+        opt = self._optimizers[fid]
         params = [(p.data_ptr(), p._version) for p in self.store.fragment_params(fid).values()]
-        state = [(k, v.data_ptr(), v._version) for st in self._optimizers[fid].state.values()
-                 for k, v in st.items() if isinstance(v, torch.Tensor)]
-        return tuple(params), tuple(state)
+        state = [(k, v.data_ptr(), v._version) if isinstance(v, torch.Tensor) else (k, repr(v))
+                 for st in opt.state.values() for k, v in st.items()]
+        groups = [repr(sorted((k, v) for k, v in g.items() if k != "params")) for g in opt.param_groups]
+        return tuple(params), tuple(state), tuple(groups)
 
     def outer_step(self, fid: int, grad: Tensors) -> tuple[str | None, compression.Encoded | None]:
         """Step fragment ``fid``'s outer optimizer on ``grad``: (the first non-finite tensor or None, the
@@ -867,12 +870,15 @@ class Coordinator:
         else:
             before = self.store.begin_step(fid)
             opt_before.take(opt)
-        for name, p in params.items():
-            p.grad = grad[name]
-        opt.step()
-        for p in params.values():
-            p.grad = None
-        bad = next((n for n, p in params.items() if not all_finite(p)), None)
+        # A plain Nesterov step is made block by block, to the same bits (``outer.step_in_blocks``).
+        stepped, bad = step_in_blocks(opt, params, grad)
+        if not stepped:
+            for name, p in params.items():
+                p.grad = grad[name]
+            opt.step()
+            for p in params.values():
+                p.grad = None
+            bad = next((n for n, p in params.items() if not all_finite(p)), None)
         delta = None
         if self.delta_results and bad is None:
             # The params every worker will hold: old + decode(encode(delta)), bit for bit.

@@ -38,6 +38,8 @@ def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float3
     numel = 1
     for d in shape:
         numel *= int(d)
+    if numel == 0:  # numpy's empty array has a 0 stride, which torch will not view as another dtype
+        return torch.empty(tuple(shape), dtype=dtype)
     # uint8 then a dtype view: any torch dtype (bfloat16 has no numpy twin). malloc aligns to 16 bytes.
     return torch.from_numpy(empty_bytes(numel * dtype.itemsize)).view(dtype).reshape(tuple(shape))
 

@@ -1,0 +1,99 @@
+"""The hub's Nesterov step and mean made block by block give the very bits of the whole-tensor ones.
+
+``diloco.coordinator.outer.step_in_blocks`` makes ``torch.optim.SGD``'s Nesterov step one cache-sized
+block at a time, and ``ParamStore.take_mean`` divides and unscales block by block: both elementwise,
+with the same kernels and scalars, so nothing may change by a bit (a journal written before replays
+to the same params). Odd sizes put elements on the kernels' scalar tails; one and two threads split
+the work differently.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diloco.coordinator.outer import BLOCK, OuterConfig, build_outer_optimizer, step_in_blocks
+from diloco.coordinator.params import SUM_SCALE, ParamStore
+
+SHAPES = {"big": (3 * BLOCK + 17,), "odd": (7, 1001), "one": (1,), "empty": (0, 3), "edge": (BLOCK,)}
+
+
+def _state(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    params = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+    return params, [{n: torch.randn(s, generator=g) * 0.01 for n, s in SHAPES.items()} for _ in range(4)]
+
+
+def _run(params, grads, blocked: bool, config: OuterConfig):
+    params = {n: t.clone() for n, t in params.items()}
+    opt = build_outer_optimizer(list(params.values()), config, 2)
+    used = []
+    for grad in grads:
+        done, bad = step_in_blocks(opt, params, grad) if blocked else (False, None)
+        used.append(done)
+        if not done:
+            for n, p in params.items():
+                p.grad = grad[n]
+            opt.step()
+            for p in params.values():
+                p.grad = None
+        assert bad is None
+    return params, opt, used
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("config", [OuterConfig(), OuterConfig(lr=0.3, momentum=0.95)])
+def test_the_blocked_nesterov_step_gives_the_bits_of_torch_optim(threads, config):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        params, grads = _state(threads)
+        a, opt_a, used = _run(params, grads, True, config)
+        b, opt_b, _ = _run(params, grads, False, config)
+    finally:
+        torch.set_num_threads(before)
+    assert used == [False, True, True, True]  # the first step makes the momentum: torch's own
+    for n in SHAPES:
+        assert torch.equal(a[n], b[n]), n
+        assert torch.equal(opt_a.state[a[n]]["momentum_buffer"], opt_b.state[b[n]]["momentum_buffer"]), n
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd", "delayed_nesterov"])
+def test_other_optimizers_are_left_to_torch(name):
+    params, grads = _state(0)
+    _, _, used = _run(params, grads, True, OuterConfig(name=name, lr=0.1))
+    assert not any(used)
+
+
+def test_a_step_to_a_non_finite_value_names_the_first_such_tensor():
+    params, grads = _state(1)
+    p = {n: t.clone() for n, t in params.items()}
+    opt = build_outer_optimizer(list(p.values()), OuterConfig(), 2)
+    assert step_in_blocks(opt, p, grads[0]) == (False, None)  # no momentum yet
+    for n, t in p.items():
+        t.grad = grads[0][n]
+    opt.step()
+    huge = {n: g.clone() for n, g in grads[1].items()}
+    huge["odd"][3, 5] = float("inf")
+    huge["big"][-1] = 3e38  # finite, but the step overflows
+    assert step_in_blocks(opt, p, huge) == (True, "big")
+    assert not bool(torch.isfinite(p["big"]).all()) and not bool(torch.isfinite(p["odd"]).all())
+    # Finite values whose block sums overflow are still finite.
+    q = {n: t.clone() for n, t in params.items()}
+    opt = build_outer_optimizer(list(q.values()), OuterConfig(lr=1e-3, momentum=0.5), 2)
+    for n, t in q.items():
+        t.grad = torch.zeros_like(t)
+    opt.step()
+    q["big"].fill_(3e38)
+    assert step_in_blocks(opt, q, {n: torch.zeros_like(t) for n, t in q.items()}) == (True, None)
+
+
+def test_the_mean_made_block_by_block_gives_the_same_bits():
+    params, grads = _state(2)
+    store = ParamStore(params, 1)
+    for g in grads[:3]:
+        store.accumulate(0, g)
+    expected = {n: t.clone().div_(3).mul_(1.0 / SUM_SCALE) for n, t in store._sums[0].items()}
+    mean = store.take_mean(0, 3)
+    for n in SHAPES:
+        assert torch.equal(mean[n], expected[n]), n
