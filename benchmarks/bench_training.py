@@ -148,6 +148,8 @@ DEFAULT_OUTER_LR = {10: 0.7, 50: 0.7}
 OUTER_MOMENTUM = 0.9
 
 METHODS = ("sync", "h10", "h50", "single")
+#: ``--wire`` rows: a wire dtype, with its default error feedback (on for int8), or ``-noef``: without.
+WIRE_ROWS = ("fp32", "bf16", "int8", "int8-noef")
 
 #: Data planes of the real system (README "Scaling out: the collective data plane"); ``both`` compares them.
 PLANES = ("hub", "collective")
@@ -268,13 +270,15 @@ class DilocoRun:
 
 class _RealDiloco:
     def __init__(self, k: int, H: int, steps: int, outer_lr: float, s: TrainSettings, corpus: Corpus,
-                 seed: int, wire_dtype: str = "fp32", overlap_steps: int = 0, data_plane: str = "hub") -> None:
+                 seed: int, wire_dtype: str = "fp32", overlap_steps: int = 0, data_plane: str = "hub",
+                 error_feedback: bool | None = None) -> None:
         if steps % H:
             raise SystemExit(f"--steps {steps} is not a multiple of H={H}")
         if data_plane not in PLANES:
             raise ValueError(f"data_plane={data_plane!r}: expected one of {PLANES}")
         self.T = overlap_steps
         self.data_plane = data_plane
+        self.error_feedback = error_feedback
         #: Per worker: [(state, perf_counter())] from the on_state hook; and (first Welcome, last step) times.
         self.state_log: dict[str, list[tuple[str, float]]] = defaultdict(list)
         self.span: dict[str, tuple[float, float]] = {}
@@ -320,7 +324,7 @@ class _RealDiloco:
         opt, sched = inner_optimizer(model, self.s, self.steps)
         log = self.state_log[worker_id]
         w = DilocoWorker(model, opt, self.net.connect(worker_id), worker_id=worker_id, sync_every=self.H,
-                         coordinator_timeout_s=120.0, overlap_steps=self.T,
+                         coordinator_timeout_s=120.0, overlap_steps=self.T, error_feedback=self.error_feedback,
                          on_state=lambda _w, state, _t: log.append((state, time.perf_counter())))
         self.workers[worker_id] = w
         w.join()
@@ -717,7 +721,9 @@ def wire_comparison(dtypes: list[str], k: int, steps: int, outer_lr: float, s: T
     rows = {}
     for dt in dtypes:
         note(f"phase DiLoCo H=10 wire dtype {dt}, {steps // 10} rounds")
-        run = _RealDiloco(k, 10, steps, outer_lr, s, corpus, seed, wire_dtype=dt).run()
+        wire, _, ef = dt.partition("-")  # "int8-noef": int8 without error feedback
+        run = _RealDiloco(k, 10, steps, outer_lr, s, corpus, seed, wire_dtype=wire,
+                          error_feedback=False if ef == "noef" else None).run()
         st = run.status
         up = st["bytes_received"] / run.rounds
         down = (st["bytes_sent"] - run.probe.joins * pbytes) / run.rounds
@@ -916,8 +922,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated subset of {','.join(METHODS)} (missing ratios print nan)")
     parser.add_argument("--json", help="write all results here")
     parser.add_argument("--wire", default=None, metavar="DTYPES",
-                        help="compare wire dtypes instead (comma-separated subset of fp32,bf16,int8): DiLoCo H=10 "
-                             "per dtype, bytes per round and final loss (defaults then: --k 2, --steps 300)")
+                        help="compare wire dtypes instead (comma-separated subset of fp32,bf16,int8,int8-noef; "
+                             "int8 has error feedback, int8-noef not): DiLoCo H=10 per row, bytes per round and "
+                             "final loss (defaults then: --k 2, --steps 300)")
     parser.add_argument("--overlap", action="store_true",
                         help="measure overlap_steps T = 0, 1, 2 instead (idle share, final loss; about 5 minutes)")
     parser.add_argument("--dylu", action="store_true",
@@ -963,8 +970,8 @@ def main(argv: list[str] | None = None) -> int:
         return dylu_main(args)
     if args.wire is not None:
         dtypes = [d.strip() for d in args.wire.split(",") if d.strip()]
-        if not dtypes or any(d not in ("fp32", "bf16", "int8") for d in dtypes):
-            parser.error(f"--wire {args.wire!r}: expected a comma-separated subset of fp32,bf16,int8")
+        if not dtypes or any(d not in WIRE_ROWS for d in dtypes):
+            parser.error(f"--wire {args.wire!r}: expected a comma-separated subset of {','.join(WIRE_ROWS)}")
         steps = args.steps or 300
         k = args.k if "--k" in (argv if argv is not None else sys.argv) else 2
         s = TrainSettings(batch_size=args.batch_size, lr=args.lr, eval_every=steps)  # the final loss only

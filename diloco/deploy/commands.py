@@ -28,7 +28,6 @@ WIRE_DTYPES = ("fp32", "bf16", "int8")  # diloco.wire.messages.WIRE_DTYPE_NAMES 
 
 
 _positive_int = flag_value(int, lambda v: v >= 1, ">= 1")
-_nonnegative_int = flag_value(int, lambda v: v >= 0, ">= 0")
 
 
 def momentum_decay(text: str) -> tuple[int, int, float]:
@@ -159,7 +158,7 @@ def register(subparsers) -> None:
     p.add_argument("--outer-momentum", type=float, default=None, metavar="X",
                    help="outer momentum (default 0.8: better than the DiLoCo paper's 0.9 by 1.3-3.2%% in held-out "
                         "loss at H = 10 and 50, two seeds, in that sweep)")
-    p.add_argument("--outer-momentum-warmup", type=_nonnegative_int, default=None, metavar="ROUNDS",
+    p.add_argument("--outer-momentum-warmup", type=_non_negative_int, default=None, metavar="ROUNDS",
                    help="momentum warm-up (Pier): the outer momentum rises linearly over the first ROUNDS outer "
                         "steps of each fragment to --outer-momentum (default 0: none)")
     p.add_argument("--outer-momentum-decay", type=momentum_decay, default=None, metavar="START:ROUNDS[:FINAL]",
@@ -303,6 +302,10 @@ def register(subparsers) -> None:
     p.add_argument("--overlap-alpha", type=_overlap_alpha, default=None, metavar="A",
                    help="with --overlap-steps: the merge keeps A of the local params, local <- A*local + "
                         "(1-A)*global, for that fragment only; 0 <= A < 1 (default 0.5, as in Streaming DiLoCo)")
+    p.add_argument("--error-feedback", choices=("auto", "on", "off"), default="auto",
+                   help="keep what quantizing a pseudo-gradient for the wire left out and add it to the next one "
+                        "(MuLoCo, SparseLoCo), so nothing is lost for good; auto (default): on when the run's "
+                        "--wire-dtype is int8, off for fp32 and bf16. The residual is part of the checkpoint")
     _add_client_keys(p, "worker")
     p.set_defaults(handler=cmd_worker)
 

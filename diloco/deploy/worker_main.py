@@ -238,7 +238,9 @@ def _run_leader(args, setup, worker_id: str, sync_every: int, info, device, over
         worker = DilocoWorker(setup.model, setup.optimizer, endpoint, worker_id=worker_id, sync_every=sync_every,
                               checkpoint_dir=args.checkpoint_dir, on_state=printer.on_state,
                               coordinator_timeout_s=coordinator_timeout, on_outage=printer.on_outage,
-                              checkpoint_every=args.checkpoint_every, **overlap)
+                              checkpoint_every=args.checkpoint_every,
+                              error_feedback={"on": True, "off": False}.get(getattr(args, "error_feedback", "auto")),
+                              **overlap)
     except DilocoWorkerError as exc:
         endpoint.close()
         raise UsageError(str(exc)) from None

@@ -55,6 +55,8 @@ BLOCK = 256
 #: The largest value a symmetric int8 element holds.
 QMAX = 127
 
+#: Wire dtypes that lose more than rounding does (quantization): error feedback is on by default there.
+LOSSY = frozenset({"int8"})
 _VALUE_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
 
 
@@ -197,6 +199,11 @@ def quantized_update(before: Tensors, after: Tensors, wire_dtype: str) -> tuple[
     enc = encode({n: after[n] - before[n] for n in before}, wire_dtype)
     new = {n: apply_delta(before[n], _decode_trusted(enc, n, wire_dtype)) for n in before}
     return enc, new
+
+
+def decoded(enc: Encoded, wire_dtype: str) -> Tensors:
+    """What the receiver of ``enc`` decodes (fp32), with no checks: the sender's own view (error feedback)."""
+    return {n: _decode_trusted(enc, n, wire_dtype) for n in enc.values}
 
 
 def _decode_trusted(enc: Encoded, name: str, wire_dtype: str) -> torch.Tensor:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import pathlib
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -72,6 +72,9 @@ class WorkerCheckpoint:
     #: Collective plane: the outer optimizers' committed state per fragment (the worker holds the run's,
     #: SPEC.md C6); None on the hub, where the coordinator's checkpoint holds it.
     outer_states: list[dict] | None = None
+    #: Error feedback: what quantization left out of the pseudo-gradients sent so far, per param (added
+    #: to the next one); empty without error feedback.
+    residual: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def save_worker_checkpoint(path: pathlib.Path, ckpt: WorkerCheckpoint) -> None:
@@ -82,6 +85,8 @@ def save_worker_checkpoint(path: pathlib.Path, ckpt: WorkerCheckpoint) -> None:
         tensors[f"model/{name}"] = t
     for name, t in ckpt.global_params.items():
         tensors[f"global/{name}"] = t
+    for name, t in ckpt.residual.items():
+        tensors[f"residual/{name}"] = t
     optimizer = flatten_named(ckpt.optimizer_state, "optim", tensors)
     outer = None if ckpt.outer_states is None else [
         flatten_named(state, f"outer/{fid}", tensors) for fid, state in enumerate(ckpt.outer_states)]
@@ -99,6 +104,7 @@ def save_worker_checkpoint(path: pathlib.Path, ckpt: WorkerCheckpoint) -> None:
         "fragments": [list(f) for f in ckpt.fragments],
         "model_keys": list(ckpt.model_state),
         "global_names": list(ckpt.global_params),
+        "residual_names": list(ckpt.residual),
         "optimizer": optimizer,
         "outer": outer,
     }
@@ -134,6 +140,7 @@ def load_worker_checkpoint(path: pathlib.Path) -> WorkerCheckpoint:
             global_params={n: tensors[f"global/{n}"] for n in meta["global_names"]},
             outer_states=(None if meta.get("outer") is None
                           else [unflatten_named(state, tensors) for state in meta["outer"]]),
+            residual={n: tensors[f"residual/{n}"] for n in meta.get("residual_names", [])},
         )
     except CheckpointError:
         raise
@@ -183,6 +190,11 @@ def restore_worker(path: pathlib.Path, worker_id: str, sync_every: int, model: t
         p = params.get(n)
         if p is None or tuple(p.shape) != tuple(t.shape):
             raise DilocoWorkerError(f"{path}: global copy of {n!r} does not fit this model", "bad_checkpoint")
+    for n, t in ckpt.residual.items():
+        p = params.get(n)
+        if p is None or tuple(p.shape) != tuple(t.shape) or not t.is_floating_point():
+            raise DilocoWorkerError(f"{path}: the error-feedback residual {n!r} ({list(t.shape)}, {t.dtype}) "
+                                    f"does not fit this model", "bad_checkpoint")
     try:
         model.load_state_dict(ckpt.model_state)
     except (RuntimeError, KeyError, ValueError) as exc:

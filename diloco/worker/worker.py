@@ -145,7 +145,8 @@ class DilocoWorker:
                  join_timeout_s: float | None = None,
                  overlap_steps: int = 0,
                  overlap_alpha: float = DEFAULT_OVERLAP_ALPHA,
-                 checkpoint_every: int | None = None) -> None:
+                 checkpoint_every: int | None = None,
+                 error_feedback: bool | None = None) -> None:
         if join_timeout_s is not None:
             warnings.warn("DilocoWorker(join_timeout_s=...) is deprecated: coordinator_timeout_s governs every "
                           "wait for the coordinator, joining included", DeprecationWarning, stacklevel=2)
@@ -156,6 +157,12 @@ class DilocoWorker:
         if isinstance(poll_interval_s, bool) or not isinstance(poll_interval_s, (int, float)) \
                 or not 0 < poll_interval_s < math.inf:
             raise ValueError(f"poll_interval_s={poll_interval_s!r}: expected a finite number of seconds > 0")
+        if error_feedback is not None and not isinstance(error_feedback, bool):
+            raise ValueError(f"error_feedback={error_feedback!r}: expected True, False or None (on for int8)")
+        #: Error feedback (SPEC.md section 14, "Error feedback"): None follows the run's wire dtype.
+        self.error_feedback = error_feedback
+        #: What quantization left out of the pseudo-gradients sent so far, added to the next (per param).
+        self._residual: dict[str, torch.Tensor] = {}
         self._params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
         spec = tuple(TensorSpec(n, tuple(p.shape), "float32") for n, p in self._params.items())
         self.session = WorkerSession(worker_id, sync_every, spec, coordinator_timeout_s=coordinator_timeout_s,
@@ -412,6 +419,7 @@ class DilocoWorker:
             rounds_synced=s.rounds_synced, mode=s.mode, fragments=s.fragments,
             model_state=self.model.state_dict(), optimizer_state=self.inner_optimizer.state_dict(),
             global_params=self._global, outer_states=self.data_plane.committed_outer_states(),
+            residual=self._residual,
         ))
         log.info("worker %s: checkpoint written to %s (inner step %d)", self.worker_id, self.checkpoint_path,
                  s.inner_step)
@@ -617,11 +625,26 @@ class DilocoWorker:
         # global - local, on the model's device when it has one, copied to the CPU for the wire.
         tensors = self._global_on_device.pseudo_gradients(self.session.fragments[action.fragment_id], self._params,
                                                           self._global)
+        feedback = self.error_feedback_on
+        if feedback:
+            for n, t in tensors.items():
+                r = self._residual.get(n)
+                if r is not None:
+                    t.add_(r)
         self.last_update_norm = math.sqrt(sum(float(torch.linalg.vector_norm(t)) ** 2 for t in tensors.values()))
         enc = compression.encode(tensors, self.wire_dtype)  # the run's wire dtype, from the Welcome
+        if feedback:
+            sent = compression.decoded(enc, self.wire_dtype)
+            for n, t in tensors.items():
+                self._residual[n] = t.sub_(sent[n])  # t is this Submit's own buffer, encoded already
         self.link.post(Submit(self.worker_id, action.fragment_id, action.round_id, enc.values, self.wire_dtype,
                               enc.scales))
         self.bytes_sent += enc.nbytes
+
+    @property
+    def error_feedback_on(self) -> bool:
+        """Whether this worker's Submits carry error feedback: as set, or by default for lossy int8."""
+        return self.wire_dtype in compression.LOSSY if self.error_feedback is None else self.error_feedback
 
     def _stop(self, action: Stop) -> None:
         try:
@@ -713,6 +736,7 @@ class DilocoWorker:
         self._global = {}
         for n, t in ckpt.global_params.items():
             self._set_global(n, t)
+        self._residual = {n: t.to(torch.float32).clone() for n, t in ckpt.residual.items()}
         # Collective plane: if this worker starts the run again, it continues its outer momentum (C6).
         self.data_plane.restored_outer = ckpt.outer_states
         if ckpt.outer_states is not None:  # a collective run's checkpoint: it holds a committed state
