@@ -87,7 +87,7 @@ class OutageReport:
 class Stop:
     """Stop training; write the worker's checkpoint first when ``save`` (and it has a directory).
 
-    The driver calls ``WorkerSession.stopped()`` when done.
+    The driver calls ``WorkerSession.stopped_done()`` when done.
     """
 
     reason: str

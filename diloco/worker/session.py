@@ -1,7 +1,7 @@
 """``WorkerSession``: the worker's side of the protocol, pure and deterministic.
 
 (One state machine in one file, as ``diloco/core/round_fsm.py`` is: its rules
-W1-W18 share one small state, and splitting them across files would make a
+W1-W19 share one small state, and splitting them across files would make a
 reader chase that state; hence over 400 lines, about 850.)
 
 The coordinator has ``RoundFSM``; a worker has this. Events come in as data --
@@ -11,7 +11,7 @@ the driver must carry out, in order. No torch, sockets, clocks or threads
 (import-linter contracts in pyproject.toml): tensors only pass through, as
 opaque values inside messages and ``InstallParams``. The same session runs in
 ``DilocoWorker`` (real time, real model) and in the simulator (simulated time,
-seeded tensors). SPEC.md section 14 is its contract: states, events, rules W1-W18.
+seeded tensors). SPEC.md section 14 is its contract: states, events, rules W1-W19.
 
 Overlap (``overlap_steps`` T >= 1, Streaming DiLoCo's tau; W15-W18): a fragment
 submitted at schedule step s does not stop training; its Result is merged at

@@ -23,7 +23,7 @@ What lives where
 The protocol -- joining, heartbeats, the sync schedule, pausing below quorum,
 held-limit retries, resync after a lost Result, re-joins, outages, stops --
 is ``diloco.worker.session.WorkerSession``, pure and specified in SPEC.md
-section 14 (rules W1-W18). This driver only carries out what the session
+section 14 (rules W1-W19). This driver only carries out what the session
 asks: tensor copies (``InstallParams``), overlap merges (``MergeParams``),
 pseudo-gradients (``SubmitFragment``:
 ``global - local``, fp32, of one fragment), the worker's checkpoint (``Stop``
