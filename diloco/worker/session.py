@@ -437,12 +437,12 @@ class WorkerSession:
         return self._flush()
 
     def fail(self, code: str, detail: str, now: float) -> list[Action]:
-        """The driver hit an error it cannot go on from (transport, bad params): STOPPED."""
+        """The driver hit an error it cannot go on from (transport, bad params): STOPPED (W14).
+
+        No ``Fail`` action: the driver knows. The same path as the session's own failures (``_fail``).
+        """
         if self.state is not S.STOPPED:
-            self._end_pause(now)
-            self.stop_reason = self.stop_reason or f"error: {code}"
-            self._drop_merges()
-            self._go(S.STOPPED)
+            self._fail(code, detail, now, tell_driver=False)
         return self._flush()
 
     # ------------------------------------------------------------------ joining
@@ -806,10 +806,14 @@ class WorkerSession:
         self._merge_all()  # W17: the checkpoint holds every Result received
         self._out.append(Stop(self.stop_reason, save))
 
-    def _fail(self, code: str, detail: str, now: float | None) -> None:
-        if now is not None:
-            self._end_pause(now)
-        self._out.append(Fail(code, f"worker {self.worker_id!r}: {detail}"))
+    def _fail(self, code: str, detail: str, now: float, *, tell_driver: bool = True) -> None:
+        """W14, the one failure path: ``Fail(code)`` (unless the driver reported the error), then STOPPED.
+
+        Held Results are dropped (W17): nothing is merged into a model the run refused.
+        """
+        self._end_pause(now)
+        if tell_driver:
+            self._out.append(Fail(code, f"worker {self.worker_id!r}: {detail}"))
         self.stop_reason = self.stop_reason or f"error: {code}"
         self._ask_deadline = None
         self._drop_merges()
