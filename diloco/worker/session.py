@@ -306,7 +306,7 @@ class WorkerSession:
         """Join the run (W1)."""
         if self.state is not None:
             raise SessionError(f"start() in state {self.state.value}")
-        self._go(S.JOINING)
+        self._go(S.JOINING, now)
         self._send_join(now)
         return self._flush()
 
@@ -318,7 +318,7 @@ class WorkerSession:
         if self.state is S.JOINING:
             self._on_message_joining(msg, now)
         elif isinstance(msg, HeartbeatReply):
-            self._on_heartbeat_reply(msg)
+            self._on_heartbeat_reply(msg, now)
         elif isinstance(msg, Result):
             self._on_result(msg, now)
         elif isinstance(msg, Accepted):
@@ -355,7 +355,7 @@ class WorkerSession:
         if state is S.STOPPING:
             if self._ask_deadline is not None and now >= self._ask_deadline:
                 reason = self._stop_cmd[0] if self._stop_cmd else "stop"
-                self._finish(reason, save=False)
+                self._finish(reason, save=False, now=now)
             return self._flush()
         silence = self.silence(now, transport_silence_s)
         if state is S.JOINING:
@@ -407,8 +407,8 @@ class WorkerSession:
     def request_stop(self, now: float, save: bool = False) -> list[Action]:
         """Stop at once, from any state, breaking a pause (W12); save the checkpoint if ``save``."""
         if self.state is None:
-            self._go(S.STOPPING)
-            self._finish("stop_requested", save=save)
+            self._go(S.STOPPING, now)
+            self._finish("stop_requested", save=save, now=now)
         elif not self.stopped or (self.state is S.STOPPING and self._ask_deadline is not None):
             self._finish("stop_requested", save=save, now=now)
         return self._flush()
@@ -424,16 +424,15 @@ class WorkerSession:
             # Told nothing by the coordinator (local stop, end of data, an error): say so at
             # once rather than let the heartbeat timeout find out.
             self._out.append(Send(Leave(self.worker_id)))
-        self._end_pause(now)
         self.stop_reason = self.stop_reason or "left"
         self._ask_deadline = None
-        self._go(S.STOPPED)
+        self._go(S.STOPPED, now)
         return self._flush()
 
     def stopped_done(self, now: float) -> list[Action]:
         """The driver carried out ``Stop`` (checkpoint written if asked): STOPPED."""
         if self.state is S.STOPPING and self._ask_deadline is None:
-            self._go(S.STOPPED)
+            self._go(S.STOPPED, now)
         return self._flush()
 
     def fail(self, code: str, detail: str, now: float) -> list[Action]:
@@ -515,7 +514,7 @@ class WorkerSession:
         self.welcomed = True
         self._note("info", f"joined: mode={self.mode} round_ids={self.round_ids} parked={sorted(self.waiting.items())}")
         # (With overlap a due fragment is submitted from TRAINING: W15.)
-        self._go(S.WAITING if self.waiting or (self.due(now) and not self.overlap_steps) else S.TRAINING)
+        self._go(S.WAITING if self.waiting or (self.due(now) and not self.overlap_steps) else S.TRAINING, now)
 
     def _place_on_schedule(self, ids_same: bool, same_layout: bool) -> None:
         F = len(self.fragments)
@@ -567,7 +566,7 @@ class WorkerSession:
 
     # ------------------------------------------------------------------ messages
 
-    def _on_heartbeat_reply(self, msg: HeartbeatReply) -> None:
+    def _on_heartbeat_reply(self, msg: HeartbeatReply, now: float) -> None:
         self._hb_outstanding = max(0, self._hb_outstanding - 1)
         if self._stale_replies:
             self._stale_replies -= 1
@@ -584,9 +583,9 @@ class WorkerSession:
             # The reply to the heartbeat that asked what kind of stop this is (W12).
             reason = self._stop_cmd[0] if self._stop_cmd else "stop"
             if command is Command.SAVE_AND_STOP:
-                self._finish("save_and_stop", save=True)
+                self._finish("save_and_stop", save=True, now=now)
             else:
-                self._finish(reason, save=False)
+                self._finish(reason, save=False, now=now)
             return
         if command is Command.REJOIN:
             self._rejoin_needed = True
@@ -694,19 +693,16 @@ class WorkerSession:
         if self.state is S.TRAINING:
             if not blocked:
                 return
-            self._go(S.WAITING)  # W16: the window ended before the Result came
+            self._go(S.WAITING, now)  # W16: the window ended before the Result came
         if not blocked:
-            self._end_pause(now)
-            self._go(S.TRAINING)
+            self._go(S.TRAINING, now)  # W7: nothing outstanding (a pause ends here too)
             return
         paused = self.below_min_workers and self._quorum_fresh
         if paused and self.state is S.WAITING:
-            self._paused_since = now
-            self._waiting_since = None
-            self._go(S.PAUSED)
+            self._waiting_since = None  # W9: a pause restarts the wait's clock
+            self._go(S.PAUSED, now)
         elif not paused and self.state is S.PAUSED:
-            self._end_pause(now)
-            self._go(S.WAITING)
+            self._go(S.WAITING, now)
 
     def _submit(self, fid: int, now: float) -> None:
         rid = self.round_ids[fid]
@@ -714,7 +710,7 @@ class WorkerSession:
         if self.overlap_steps:
             self.merge_at[fid] = self.sched_step + self.overlap_steps  # W15: train on until then
         elif self.state is S.TRAINING:
-            self._go(S.WAITING)
+            self._go(S.WAITING, now)
         self._out.append(SubmitFragment(fid, rid))
         if fid == len(self.fragments) - 1:
             self._boundary_step = self.sched_step  # W19: the period's last close
@@ -759,8 +755,7 @@ class WorkerSession:
 
     def _rejoin(self, now: float) -> None:
         self._merge_all()  # W17: then a Welcome of the same params keeps the local model
-        self._end_pause(now)
-        self._go(S.JOINING)
+        self._go(S.JOINING, now)
         self._send_join(now)
 
     # ------------------------------------------------------------------ outages and stopping
@@ -791,18 +786,15 @@ class WorkerSession:
 
     def _ask_save(self, reason: str, now: float) -> None:
         """A stop arrived without its kind: one heartbeat asks whether it is save-and-stop (W12)."""
-        self._end_pause(now)
-        self._go(S.STOPPING)
+        self._go(S.STOPPING, now)
         self._heartbeat(now)
         self._ask_deadline = now + min(ASK_SAVE_MAX_S, 4 * self.heartbeat_interval_s)
 
-    def _finish(self, reason: str, *, save: bool, now: float | None = None) -> None:
-        if now is not None:
-            self._end_pause(now)
+    def _finish(self, reason: str, *, save: bool, now: float) -> None:
         self._ask_deadline = None
         self.stop_reason = self.stop_reason or reason
         if self.state is not S.STOPPING:
-            self._go(S.STOPPING)
+            self._go(S.STOPPING, now)
         self._merge_all()  # W17: the checkpoint holds every Result received
         self._out.append(Stop(self.stop_reason, save))
 
@@ -811,13 +803,12 @@ class WorkerSession:
 
         Held Results are dropped (W17): nothing is merged into a model the run refused.
         """
-        self._end_pause(now)
         if tell_driver:
             self._out.append(Fail(code, f"worker {self.worker_id!r}: {detail}"))
         self.stop_reason = self.stop_reason or f"error: {code}"
         self._ask_deadline = None
         self._drop_merges()
-        self._go(S.STOPPED)
+        self._go(S.STOPPED, now)
 
     # ------------------------------------------------------------------ overlap (W15-W18)
 
@@ -847,15 +838,16 @@ class WorkerSession:
         self._hb_outstanding += 1
         self._last_hb_sent = now
 
-    def _end_pause(self, now: float) -> None:
-        if self._paused_since is not None:
-            self.seconds_paused += max(0.0, now - self._paused_since)
-            self._paused_since = None
-
-    def _go(self, state: WorkerState) -> None:
+    def _go(self, state: WorkerState, now: float) -> None:
+        """Move to ``state`` (``StateChanged``). The one place a pause begins and ends (W6: ``seconds_paused``)."""
         if state is self.state:
             return
         previous, self.state = self.state, state
+        if previous is S.PAUSED:
+            self.seconds_paused += max(0.0, now - self._paused_since)
+            self._paused_since = None
+        elif state is S.PAUSED:
+            self._paused_since = now
         if state is S.STOPPING:
             self._stopping_from_training = previous is S.TRAINING
         self._out.append(StateChanged(state, previous))
