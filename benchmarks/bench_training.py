@@ -149,7 +149,7 @@ OUTER_MOMENTUM = 0.9
 
 METHODS = ("sync", "h10", "h50", "single")
 #: ``--wire`` rows: a wire dtype, with its default error feedback (on for int8), or ``-noef``: without.
-WIRE_ROWS = ("fp32", "bf16", "int8", "int8-noef")
+WIRE_ROWS = ("fp32", "bf16", "int8", "int8-noef", "int4", "int4-noef")
 
 #: Data planes of the real system (README "Scaling out: the collective data plane"); ``both`` compares them.
 PLANES = ("hub", "collective")
@@ -922,8 +922,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated subset of {','.join(METHODS)} (missing ratios print nan)")
     parser.add_argument("--json", help="write all results here")
     parser.add_argument("--wire", default=None, metavar="DTYPES",
-                        help="compare wire dtypes instead (comma-separated subset of fp32,bf16,int8,int8-noef; "
-                             "int8 has error feedback, int8-noef not): DiLoCo H=10 per row, bytes per round and "
+                        help="compare wire dtypes instead (comma-separated subset of fp32,bf16,int8,int8-noef,int4,"
+                             "int4-noef; int8 and int4 have error feedback, -noef rows not): DiLoCo H=10 per row, bytes per round and "
                              "final loss (defaults then: --k 2, --steps 300)")
     parser.add_argument("--overlap", action="store_true",
                         help="measure overlap_steps T = 0, 1, 2 instead (idle share, final loss; about 5 minutes)")

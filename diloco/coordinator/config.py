@@ -85,6 +85,9 @@ class CoordinatorConfig:
             if self.max_update_norm is not None:
                 raise ConfigError("max_update_norm", self.max_update_norm, "None on the collective plane (the "
                                   "coordinator never sees a pseudo-gradient there to measure it)")
+            if self.wire_dtype == "int4":
+                raise ConfigError("wire_dtype", self.wire_dtype, "fp32, bf16 or int8 on the collective plane "
+                                  "(its all-gather of encoded pseudo-gradients knows no int4 yet: use the hub)")
         if self.fsm.mode is Mode.ASYNC and self.outer.name == "nesterov":
             object.__setattr__(self, "outer", dataclasses.replace(self.outer, name="delayed_nesterov"))
 

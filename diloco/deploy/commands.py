@@ -24,7 +24,7 @@ DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 #: ``diloco server --wire-dtype``: how pseudo-gradients and Results travel in a fresh run.
 #: Chosen from benchmarks/bench_training.py --wire (benchmarks/README.md).
 DEFAULT_WIRE_DTYPE = "int8"
-WIRE_DTYPES = ("fp32", "bf16", "int8")  # diloco.wire.messages.WIRE_DTYPE_NAMES (a test checks they agree)
+WIRE_DTYPES = ("fp32", "bf16", "int8", "int4")  # diloco.wire.messages.WIRE_DTYPE_NAMES (a test checks they agree)
 
 
 _positive_int = flag_value(int, lambda v: v >= 1, ">= 1")
@@ -174,9 +174,10 @@ def register(subparsers) -> None:
     p.add_argument("--link-timeout", type=_positive_float, default=None, metavar="S", help=LINK_TIMEOUT_HELP)
     p.add_argument("--wire-dtype", choices=WIRE_DTYPES, default=None,
                    help=f"how workers upload pseudo-gradients and the coordinator broadcasts each sync round's "
-                        f"update: fp32 (4 bytes per parameter), bf16 (2) or int8 (1, plus one fp32 scale per "
-                        f"256 values); the outer step is fp32 whatever it is, and coordinator and workers hold "
-                        f"bit-identical params. Workers adopt it from the coordinator (default "
+                        f"update: fp32 (4 bytes per parameter), bf16 (2), int8 (1, plus one fp32 scale per "
+                        f"256 values) or int4 (0.5, plus one fp32 scale per 64; the hub plane only; use it with "
+                        f"the workers' default error feedback); the outer step is fp32 whatever it is, and "
+                        f"coordinator and workers hold bit-identical params. Workers adopt it from the coordinator (default "
                         f"{DEFAULT_WIRE_DTYPE}; on --resume: the saved one)")
     p.add_argument("--dylu", action="store_true", default=None,
                    help="DyLU (dynamic local updates): each worker takes H_w = max(1, floor(v_w / v_max * H)) inner "
@@ -305,7 +306,8 @@ def register(subparsers) -> None:
     p.add_argument("--error-feedback", choices=("auto", "on", "off"), default="auto",
                    help="keep what quantizing a pseudo-gradient for the wire left out and add it to the next one "
                         "(MuLoCo, SparseLoCo), so nothing is lost for good; auto (default): on when the run's "
-                        "--wire-dtype is int8, off for fp32 and bf16. The residual is part of the checkpoint")
+                        "--wire-dtype is int8 or int4, off for fp32 and bf16. The residual is part of the "
+                        "checkpoint")
     _add_client_keys(p, "worker")
     p.set_defaults(handler=cmd_worker)
 

@@ -41,6 +41,7 @@ its subclass, for names and shapes: the coordinator answers that
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
@@ -55,9 +56,17 @@ BLOCK = 256
 #: The largest value a symmetric int8 element holds.
 QMAX = 127
 
-#: Wire dtypes that lose more than rounding does (quantization): error feedback is on by default there.
-LOSSY = frozenset({"int8"})
-_VALUE_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+#: int4: elements per block (one fp32 scale each: 0.5 bit per element on top of the 4), and the largest
+#: value a symmetric int4 element holds. Elements are packed two per byte as ``q + 8`` (1..15), the even
+#: element in the low nibble; an odd count pads the last high nibble with 8 (zero).
+BLOCK4 = 64
+QMAX4 = 7
+
+#: Wire dtypes that quantize (a scale per block): error feedback is on by default there.
+LOSSY = frozenset({"int8", "int4"})
+_VALUE_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}
+#: Elements per scale, by quantized wire dtype.
+_BLOCKS = {"int8": BLOCK, "int4": BLOCK4}
 
 
 class EncodingError(ValueError):
@@ -86,9 +95,16 @@ def check_wire_dtype(wire_dtype: Any) -> str:
     return wire_dtype
 
 
-def scale_count(numel: int) -> int:
-    """Scales of an int8 tensor of ``numel`` elements: one per started block."""
-    return -(-numel // BLOCK)
+def scale_count(numel: int, wire_dtype: str = "int8") -> int:
+    """Scales of a quantized tensor of ``numel`` elements: one per started block."""
+    return -(-numel // _BLOCKS[wire_dtype])
+
+
+def packed_shape(shape: tuple[int, ...], wire_dtype: str) -> tuple[int, ...]:
+    """The shape a tensor of ``shape`` has on the wire: its own, or int4's bytes (two elements each)."""
+    if wire_dtype != "int4":
+        return tuple(shape)
+    return (-(-math.prod(shape) // 2),)
 
 
 # ------------------------------------------------------------------ encode
@@ -107,6 +123,33 @@ def quantize_int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(-1)[:n].reshape(t.shape), scales
 
 
+def quantize_int4(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(packed, scales)``: uint8 of ``ceil(numel / 2)`` bytes (two nibbles ``q + 8``, q in [-7, 7]),
+    fp32 scales of ``scale_count(numel, "int4")`` (``max |x| / 7`` per block of ``BLOCK4``)."""
+    x = t.detach().to("cpu", torch.float32).reshape(-1)
+    n = x.numel()
+    if n == 0:
+        return torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.float32)
+    blocks = _blocks(x, BLOCK4)
+    scales = blocks.abs().amax(dim=1) / QMAX4
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(blocks / safe[:, None]).clamp_(-QMAX4, QMAX4).reshape(-1)[:n].to(torch.int16) + 8
+    if n % 2:
+        q = torch.cat([q, q.new_full((1,), 8)])
+    pairs = q.view(-1, 2)
+    return (pairs[:, 0] | (pairs[:, 1] << 4)).to(torch.uint8), scales
+
+
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """fp32 values of ``shape`` from ``quantize_int4``'s bytes and scales (no checks: see ``decode``)."""
+    n = math.prod(shape)
+    if n == 0:
+        return torch.empty(shape, dtype=torch.float32)
+    b = packed.to(torch.int16)
+    q = torch.stack([b & 0xF, b >> 4], dim=1).reshape(-1)[:n].to(torch.float32) - 8
+    return (_blocks(q, BLOCK4) * scales[:, None]).reshape(-1)[:n].reshape(shape)
+
+
 def encode(tensors: Mapping[str, torch.Tensor], wire_dtype: str) -> Encoded:
     """``tensors`` (fp32) in ``wire_dtype``. fp32 sends the tensors themselves (no copy)."""
     check_wire_dtype(wire_dtype)
@@ -114,9 +157,10 @@ def encode(tensors: Mapping[str, torch.Tensor], wire_dtype: str) -> Encoded:
         return Encoded(dict(tensors), {})
     if wire_dtype == "bf16":
         return Encoded({n: t.detach().to("cpu", torch.bfloat16) for n, t in tensors.items()}, {})
+    quantize = quantize_int4 if wire_dtype == "int4" else quantize_int8
     values, scales = {}, {}
     for n, t in tensors.items():
-        values[n], scales[n] = quantize_int8(t)
+        values[n], scales[n] = quantize(t)
     return Encoded(values, scales)
 
 
@@ -143,18 +187,19 @@ def decode(values: Mapping[str, torch.Tensor], scales: Mapping[str, torch.Tensor
         raise EncodingError(f"{what}: wire dtype {wire_dtype!r} is unknown: expected one of {list(WIRE_DTYPES)}")
     expected = [(name, tuple(shape)) for name, shape in expected]
     _check_names(list(values), [n for n, _ in expected], what, "tensors")
-    if wire_dtype != "int8" and scales:
+    if wire_dtype not in LOSSY and scales:
         raise EncodingError(f"{what}: carries {len(scales)} scale tensors (first {next(iter(scales))!r}); "
-                            f"wire dtype {wire_dtype} has none (only int8 does)")
-    if wire_dtype == "int8":
+                            f"wire dtype {wire_dtype} has none (only int8 and int4 do)")
+    if wire_dtype in LOSSY:
         _check_names(list(scales), [n for n, _ in expected], what, "scales", EncodingError)
     out: Tensors = {}
     want = _VALUE_DTYPE[wire_dtype]
     for name, shape in expected:
         t = values[name]
-        if tuple(t.shape) != shape:
+        if tuple(t.shape) != packed_shape(shape, wire_dtype):
             raise EncodedMismatch(f"{what}: tensor {name!r} has shape {list(t.shape)}; the run's parameter has "
-                                  f"shape {list(shape)}")
+                                  f"shape {list(shape)}" + (f", so {list(packed_shape(shape, wire_dtype))} bytes "
+                                                            f"in int4" if wire_dtype == "int4" else ""))
         if wire_dtype == "fp32":
             out[name] = t
             continue
@@ -165,21 +210,40 @@ def decode(values: Mapping[str, torch.Tensor], scales: Mapping[str, torch.Tensor
             out[name] = t.to(torch.float32)
             continue
         s = scales[name]
-        count = scale_count(t.numel())
+        numel = math.prod(shape)
+        count = scale_count(numel, wire_dtype)
         if s.dtype != torch.float32 or s.dim() != 1 or s.numel() != count:
             raise EncodingError(f"{what}: scales of tensor {name!r} are {_dtype(s)} of shape {list(s.shape)}; "
-                                f"expected float32 of shape [{count}] (one per {BLOCK} elements of "
-                                f"{t.numel()})")
-        bad = ~(torch.isfinite(s * QMAX) & (s >= 0))
+                                f"expected float32 of shape [{count}] (one per {_BLOCKS[wire_dtype]} elements "
+                                f"of {numel})")
+        qmax = QMAX4 if wire_dtype == "int4" else QMAX
+        bad = ~(torch.isfinite(s * qmax) & (s >= 0))
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
             raise EncodingError(f"{what}: scale {i} of tensor {name!r} is {float(s[i]):g}; scales must be finite, "
-                                f">= 0 and at most float32's largest value / {QMAX}")
+                                f">= 0 and at most float32's largest value / {qmax}")
+        if wire_dtype == "int4":
+            _check_int4(t, numel, name, what)
+            out[name] = dequantize_int4(t, s, shape)
+            continue
         if t.numel() and bool((t == -QMAX - 1).any()):
             raise EncodingError(f"{what}: tensor {name!r} holds -128, outside the symmetric int8 range "
                                 f"[-{QMAX}, {QMAX}]")
         out[name] = dequantize_int8(t, s)
     return out
+
+
+def _check_int4(packed: torch.Tensor, numel: int, name: str, what: str) -> None:
+    """Refuse nibble 0 (-8, outside [-7, 7]) and an odd count's padding nibble other than 8."""
+    if not numel:
+        return
+    low, high = packed & 0xF, packed >> 4
+    if bool((low == 0).any()) or bool((high[: numel // 2] == 0).any()):
+        raise EncodingError(f"{what}: tensor {name!r} holds -8, outside the symmetric int4 range "
+                            f"[-{QMAX4}, {QMAX4}]")
+    if numel % 2 and int(high[-1]) != 8:
+        raise EncodingError(f"{what}: tensor {name!r} has {numel} elements, so its last byte's high nibble "
+                            f"is padding and must be 8 (zero), not {int(high[-1])}")
 
 
 # ------------------------------------------------------------------ deltas (SPEC.md section 11, "Result")
@@ -197,18 +261,22 @@ def quantized_update(before: Tensors, after: Tensors, wire_dtype: str) -> tuple[
     checks the new params (and refuses the step) as it checks any outer step.
     """
     enc = encode({n: after[n] - before[n] for n in before}, wire_dtype)
-    new = {n: apply_delta(before[n], _decode_trusted(enc, n, wire_dtype)) for n in before}
+    new = {n: apply_delta(before[n], _decode_trusted(enc, n, wire_dtype, tuple(before[n].shape))) for n in before}
     return enc, new
 
 
-def decoded(enc: Encoded, wire_dtype: str) -> Tensors:
-    """What the receiver of ``enc`` decodes (fp32), with no checks: the sender's own view (error feedback)."""
-    return {n: _decode_trusted(enc, n, wire_dtype) for n in enc.values}
+def decoded(enc: Encoded, wire_dtype: str, like: Mapping[str, torch.Tensor]) -> Tensors:
+    """What the receiver of ``enc`` decodes (fp32, shaped as ``like``'s tensors), with no checks: the
+    sender's own view of what it sent (error feedback)."""
+    return {n: _decode_trusted(enc, n, wire_dtype, tuple(like[n].shape)) for n in enc.values}
 
 
-def _decode_trusted(enc: Encoded, name: str, wire_dtype: str) -> torch.Tensor:
+def _decode_trusted(enc: Encoded, name: str, wire_dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Decode one tensor of the element ``shape`` (int4's bytes do not say it)."""
     if wire_dtype == "int8":
         return dequantize_int8(enc.values[name], enc.scales[name])
+    if wire_dtype == "int4":
+        return dequantize_int4(enc.values[name], enc.scales[name], shape)
     return enc.values[name].to(torch.float32)
 
 
@@ -251,12 +319,12 @@ def mark_delta(message: Any) -> Any:
 
 # ------------------------------------------------------------------ helpers
 
-def _blocks(x: torch.Tensor) -> torch.Tensor:
-    """A flat tensor as rows of ``BLOCK``, zero-padded at the end."""
-    pad = (-x.numel()) % BLOCK
+def _blocks(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """A flat tensor as rows of ``block``, zero-padded at the end."""
+    pad = (-x.numel()) % block
     if pad:
         x = torch.cat([x, x.new_zeros(pad)])
-    return x.view(-1, BLOCK)
+    return x.view(-1, block)
 
 
 def _check_names(got: list[str], want: list[str], what: str, field: str,
@@ -281,6 +349,7 @@ def tensor_nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
 
 __all__ = [
     "BLOCK", "WIRE_DTYPES", "DeltaParams", "Encoded", "EncodedMismatch", "EncodingError", "apply_delta",
-    "check_wire_dtype", "decode", "dequantize_int8", "encode", "mark_delta", "quantize_int8",
+    "check_wire_dtype", "decode", "decoded", "dequantize_int4", "dequantize_int8", "encode", "mark_delta",
+    "packed_shape", "quantize_int4", "quantize_int8",
     "quantized_update", "scale_count", "tensor_nbytes",
 ]

@@ -27,7 +27,7 @@ PROTOCOL_VERSION = 5
 
 #: How tensors of ``Submit`` and ``Result`` travel (``diloco.wire.compression``, SPEC.md
 #: section 11, "Wire dtypes"). Plain names here so that decoding a header needs no torch.
-WIRE_DTYPE_NAMES = ("fp32", "bf16", "int8")
+WIRE_DTYPE_NAMES = ("fp32", "bf16", "int8", "int4")
 
 Tensors = dict[str, "torch.Tensor"]
 

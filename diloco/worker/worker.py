@@ -634,7 +634,7 @@ class DilocoWorker:
         self.last_update_norm = math.sqrt(sum(float(torch.linalg.vector_norm(t)) ** 2 for t in tensors.values()))
         enc = compression.encode(tensors, self.wire_dtype)  # the run's wire dtype, from the Welcome
         if feedback:
-            sent = compression.decoded(enc, self.wire_dtype)
+            sent = compression.decoded(enc, self.wire_dtype, tensors)
             for n, t in tensors.items():
                 self._residual[n] = t.sub_(sent[n])  # t is this Submit's own buffer, encoded already
         self.link.post(Submit(self.worker_id, action.fragment_id, action.round_id, enc.values, self.wire_dtype,

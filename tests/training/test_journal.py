@@ -145,7 +145,7 @@ def run(ck, items, c: Coordinator, full_every: int, **kw) -> ScriptedEndpoint:
 
 
 @pytest.mark.parametrize("wire,outer,fragments", [("fp32", "nesterov", 1), ("int8", "nesterov", 2),
-                                                  ("bf16", "adam", 1)])
+                                                  ("bf16", "adam", 1), ("int4", "nesterov", 1)])
 def test_resume_replays_the_journal_bit_for_bit(tmp_path, wire, outer, fragments):
     ck = tmp_path / "ck"
     c = make(wire=wire, outer=outer, fragments=fragments)

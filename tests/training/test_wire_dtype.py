@@ -66,7 +66,7 @@ def _run(wire_dtype: str, workers: int, steps: int, num_fragments: int = 1):
     return logs, applied, final, sent
 
 
-@pytest.mark.parametrize("wire_dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("wire_dtype", ["bf16", "int8", "int4"])
 def test_every_worker_holds_the_coordinators_params_bit_for_bit_after_each_round(wire_dtype):
     logs, applied, final, _ = _run(wire_dtype, workers=3, steps=4 * H)
     after_round = {r: params for fid, r, params in applied}
@@ -218,4 +218,4 @@ def test_server_wire_dtype_bogus_is_a_usage_error_and_help_explains_the_flag(cap
         cli.main(["server", "--help"])
     assert info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert "--wire-dtype {fp32,bf16,int8}" in text and f"(default {commands.DEFAULT_WIRE_DTYPE};" in text
+    assert "--wire-dtype {fp32,bf16,int8,int4}" in text and f"(default {commands.DEFAULT_WIRE_DTYPE};" in text

@@ -177,7 +177,12 @@ def test_int8_submit_bf16_result_and_welcome_round_trip_through_the_codec():
     assert res.scales == {}
     wel = decode(encode(Welcome("w", (0,), (), "sync", (("a",),), 1, False, 0.25, {}, "int8")))
     assert wel.wire_dtype == "int8"
-    assert set(WIRE_DTYPE_NAMES) == {"fp32", "bf16", "int8"}
+    assert set(WIRE_DTYPE_NAMES) == {"fp32", "bf16", "int8", "int4"}
+    # int4: packed bytes (uint8, half the elements) and a scale per 64 travel as they are.
+    four = compression.encode({"w": torch.randn(5, 3)}, "int4")
+    sub = decode(encode(Submit("w1", 0, 5, four.values, "int4", four.scales)))
+    assert sub.wire_dtype == "int4" and sub.tensors["w"].dtype == torch.uint8
+    assert torch.equal(sub.tensors["w"], four.values["w"]) and torch.equal(sub.scales["w"], four.scales["w"])
 
 
 def test_a_header_with_an_unknown_wire_dtype_is_refused_naming_the_choices():
