@@ -306,8 +306,7 @@ class WorkerSession:
         """Join the run (W1)."""
         if self.state is not None:
             raise SessionError(f"start() in state {self.state.value}")
-        self._go(S.JOINING, now)
-        self._send_join(now)
+        self._join(now)
         return self._flush()
 
     def on_message(self, msg: Message, now: float) -> list[Action]:
@@ -371,8 +370,7 @@ class WorkerSession:
                     now - max(self._last_join, self._unanswered_since) >= self._join_resend_s:
                 # A Join can be lost with a connection that died under it (a duplicate is
                 # answered already_member after the Welcome, and ignored).
-                self._send(Join(self.worker_id, PROTOCOL_VERSION, self.spec), now)
-                self._last_join = now
+                self._send_join(now)
                 self._join_resend_s = min(2 * self._join_resend_s, JOIN_RESEND_MAX_S)
             return self._flush()
         if now - self._last_hb_sent >= self.heartbeat_interval_s:
@@ -446,11 +444,23 @@ class WorkerSession:
 
     # ------------------------------------------------------------------ joining
 
-    def _send_join(self, now: float) -> None:
-        self._send(Join(self.worker_id, PROTOCOL_VERSION, self.spec), now)
-        self._last_join = now
+    def _join(self, now: float) -> None:
+        """W1: join (``start``), or join again (W9 resync, W10 rejoin): JOINING, a new ``Join``.
+
+        Held Results are merged first (W17: a Welcome of the same params then keeps the local
+        model); a new join starts its resend delay at ``JOIN_RESEND_S`` and its
+        ``already_member`` retries at 0.
+        """
+        self._merge_all()
+        self._go(S.JOINING, now)
         self._join_resend_s = JOIN_RESEND_S
         self._already_member_retries = 0
+        self._send_join(now)
+
+    def _send_join(self, now: float) -> None:
+        """W1: send ``Join(worker_id, PROTOCOL_VERSION, spec)``, no params: the one place a Join is built."""
+        self._send(Join(self.worker_id, PROTOCOL_VERSION, self.spec), now)
+        self._last_join = now
 
     def _on_message_joining(self, msg: Message, now: float) -> None:
         if isinstance(msg, Welcome):
@@ -470,7 +480,7 @@ class WorkerSession:
                 # leave (our pending contributions stay, P1) and join again.
                 self._already_member_retries += 1
                 self._send(Leave(self.worker_id), now)
-                self._send(Join(self.worker_id, PROTOCOL_VERSION, self.spec), now)
+                self._send_join(now)
             else:
                 self._fail(code_value(msg.code), f"the coordinator refused the join ({code_value(msg.code)}): "
                                                  f"{msg.detail}", now)
@@ -677,7 +687,7 @@ class WorkerSession:
             return
         if self._rejoin_needed:
             self._rejoin_needed = False
-            self._rejoin(now)
+            self._join(now)  # W10
             return
         if self.state is S.JOINING:
             return
@@ -750,13 +760,8 @@ class WorkerSession:
         self._resync_after_s = min(2 * self._resync_after_s, RESYNC_MAX_INTERVALS * self.heartbeat_interval_s)
         self._waiting_since = None
         self._send(Leave(self.worker_id), now)
-        self._rejoin(now)
+        self._join(now)
         return True
-
-    def _rejoin(self, now: float) -> None:
-        self._merge_all()  # W17: then a Welcome of the same params keeps the local model
-        self._go(S.JOINING, now)
-        self._send_join(now)
 
     # ------------------------------------------------------------------ outages and stopping
 
