@@ -105,6 +105,9 @@ class Tracker:
     last_base: dict[tuple[str, int], int] = field(default_factory=dict)
     #: (worker, fragment, round) of every contribution ever applied (sync round / async version), I2.
     applied: set[tuple[str, int, int]] = field(default_factory=set)
+    #: async grace window (P5): fragment -> the clock at which its open window closes (the first
+    #: pending contribution's acceptance + the window, moved to a departure's clock); absent: none open.
+    deadline: dict[int, float] = field(default_factory=dict)
     accepted_count: int = 0
     applied_count: int = 0
     discarded_count: int = 0
@@ -130,6 +133,9 @@ class Tracker:
                 t.last_base[(wid, fid)] = base
         t.pending = parked_keys(snap)
         t.accepted_count = len(t.pending)
+        for fid, frag in enumerate(snap["fragments"]):
+            if frag.get("deadline_s") is not None:
+                t.deadline[fid] = frag["deadline_s"]
         return t
 
     # ------------------------------------------------------------ queries
@@ -151,6 +157,19 @@ class Tracker:
 
     def held_count(self, fid: int) -> int:
         return sum(1 for k in self.pending if k[1] == fid)
+
+    @property
+    def window(self) -> float:
+        """The async grace window in seconds (P5); 0: none."""
+        return self.config.grace_window_s
+
+    def window_due(self, fid: int) -> bool:
+        """P5: fragment ``fid``'s open window must close now (if the quorum allows): its deadline
+        passed (or a departure or a drain moved it to now), or every live member is in it."""
+        if not self.window or fid not in self.deadline:
+            return False
+        inside = {k[0] for k in self.pending if k[1] == fid}
+        return self.now_s >= self.deadline[fid] or set(self.live) <= inside
 
     def expected_reject(self, event: object) -> RejectReason | None:
         """The reason code an event must be rejected with, or None if it must be accepted.
@@ -210,7 +229,8 @@ class Tracker:
             return RejectReason.DUPLICATE
         if rid <= self.last_base.get((wid, fid), -1):
             return RejectReason.DUPLICATE
-        if self.below and self.held_count(fid) >= cfg.max_held_per_fragment:
+        # Held below quorum, or (P5) in an open window above it: max_held_per_fragment bounds both.
+        if (self.below or self.held_count(fid)) and self.held_count(fid) >= cfg.max_held_per_fragment:
             return RejectReason.HELD_LIMIT
         return None
 
@@ -240,6 +260,12 @@ class Tracker:
         if isinstance(event, WorkerLeft):
             # R7: the member is gone before anything it was part of is settled.
             self._forget_member(event.worker_id)
+        elif isinstance(event, ShutdownRequested):
+            if (self.window and ShutdownKind(event.kind) is ShutdownKind.DRAIN and not self.below
+                    and self.deadline):
+                # P4/P5: an async drain closes the open windows now, as its final steps.
+                for fid in self.deadline:
+                    self.deadline[fid] = self.now_s
         elif isinstance(event, MinWorkersChanged):
             self.min_workers = event.min_workers
             min_changed = True
@@ -250,6 +276,8 @@ class Tracker:
             # R9, as written: silent for more than the timeout.
             timeout = self.config.heartbeat_timeout_s
             expected_dead = [w for w, last in self.live.items() if self.now_s - last > timeout]
+            # P5: windows whose deadline this tick reaches close on it (with quorum).
+            windows_due = [fid for fid in self.deadline if self.now_s >= self.deadline[fid]]
 
         seen_dead: list[str] = []
         joins = accepts = qcs = 0
@@ -291,6 +319,9 @@ class Tracker:
                     assert 0 <= lag <= self.config.max_staleness, f"R10: {key} accepted with staleness {lag}"
                     assert not [k for k in self.pending if k[:2] == key[:2]], f"I2/R10: {key} second held"
                     self.last_base[(e.worker_id, e.fragment_id)] = e.round_id
+                    if self.window and e.fragment_id not in self.deadline:
+                        # P5: the first pending contribution opens the fragment's window.
+                        self.deadline[e.fragment_id] = self.now_s + self.window
                 self.pending[key] = None
                 self._touch(e.worker_id)
                 self.accepted_count += 1
@@ -309,6 +340,8 @@ class Tracker:
                 self.discarded_count += 1
                 # P1: a contributor leaving is not a reason; only a stop discards.
                 assert e.reason is DiscardReason.SHUTDOWN, f"P1: {e!r} outside a stop"
+                if not any(k[1] == e.fragment_id for k in self.pending):
+                    self.deadline.pop(e.fragment_id, None)
                 assert any(isinstance(x, StopRun) for x in effects[i:]), (
                     f"I5: discarded with SHUTDOWN but the run does not stop: {effects!r}")
                 if e.worker_id in self.live:
@@ -357,7 +390,7 @@ class Tracker:
         if isinstance(event, Ticked):
             assert seen_dead == expected_dead, (
                 f"R9: at now={self.now_s} expected {expected_dead} declared dead (last-seen order), got {seen_dead}")
-            if not expected_dead:
+            if not expected_dead and not (windows_due and not self.below):
                 assert effects == [], f"R9: a tick with no deaths must do nothing, got {effects!r}"
         if isinstance(event, HeartbeatSeen):
             assert effects == [], f"R9: a heartbeat has no effects, got {effects!r}"
@@ -373,7 +406,12 @@ class Tracker:
             f"I6: {qcs} QuorumChanged for {event!r} (below {old_below}->{new_below}, min changed {min_changed})")
         if isinstance(event, ShutdownRequested):
             kind = ShutdownKind(event.kind)
-            if kind is ShutdownKind.DRAIN and self.sync and not old_below:
+            if kind is ShutdownKind.DRAIN and self.window and not old_below and effects[0] == PhaseChanged(
+                    Phase.RUNNING, Phase.DRAINING):
+                # P4/P5: an async drain with open windows applies them (applied_final), then stops.
+                assert any(isinstance(x, ApplyRound) for x in effects) and stop_kind is kind, (
+                    f"P5: an async drain with open windows gave {effects!r}")
+            elif kind is ShutdownKind.DRAIN and self.sync and not old_below:
                 # P4: a sync drain with quorum lets the round in flight finish first.
                 assert effects == [PhaseChanged(Phase.RUNNING, Phase.DRAINING)], f"P4: drain gave {effects!r}"
             else:
@@ -383,6 +421,11 @@ class Tracker:
             assert stop_kind is ShutdownKind.DRAIN, f"P4: {stop_kind} stop without a request"
         if self.phase is Phase.DRAINING:
             assert not self.below, "P4: a drain that lost quorum must stop at once"
+        if self.window and not self.stopped and not self.below:
+            # P5 liveness: no window that must close is left open while the quorum holds.
+            due = [fid for fid in self.deadline if self.window_due(fid)]
+            assert not due, (f"P5: fragment(s) {due} keep a window open past its close (deadline "
+                             f"{[self.deadline[f] for f in due]}, now {self.now_s}, live {sorted(self.live)})")
 
     def _observe_apply(self, e: ApplyRound, effects: list, i: int) -> int:
         fid, rid, contributors = e.fragment_id, e.round_id, e.contributors
@@ -401,6 +444,14 @@ class Tracker:
             # I4: the round applies exactly what is pending for it, in acceptance order.
             want = tuple(k[0] for k in self.pending if k[1] == fid)
             assert contributors == want, f"I4: {e!r} but pending for fragment {fid} is {want}"
+        elif self.window:
+            # P5: a window closes with everything pending in it, in arrival order, and only when due.
+            want = tuple(k[0] for k in self.pending if k[1] == fid)
+            assert contributors == want, f"P5: {e!r} but the open window of fragment {fid} holds {want}"
+            assert self.window_due(fid), (
+                f"P5: {e!r} closed the window early: deadline {self.deadline.get(fid)}, now {self.now_s}, "
+                f"live {sorted(self.live)}, in it {want}")
+            del self.deadline[fid]
         else:
             assert len(contributors) == 1, f"I1/R5: async {e!r} must have exactly one contributor"
         final = self.phase is Phase.DRAINING
@@ -440,6 +491,9 @@ class Tracker:
         del self.live[wid]
         for k in [k for k in self.last_base if k[0] == wid]:
             del self.last_base[k]
+        for fid in self.deadline:
+            # P5: a departure inside a window releases it.
+            self.deadline[fid] = min(self.deadline[fid], self.now_s)
 
     def _touch(self, wid: str) -> None:
         self.live.pop(wid, None)
@@ -507,6 +561,9 @@ class Tracker:
                 assert not (f.contributed and set(self.live) <= set(f.contributed)), (
                     f"I7: fragment {f.fragment_id} round {f.round_id} has everyone in "
                     f"({f.contributed}) with quorum, but did not apply")
+            elif self.window:
+                assert not (f.held and self.window_due(f.fragment_id)), (
+                    f"I7/P5: fragment {f.fragment_id} holds {f.held} in a window that is due")
             else:
                 assert not f.held, f"I7: fragment {f.fragment_id} holds {f.held} although quorum holds"
 

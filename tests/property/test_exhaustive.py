@@ -36,6 +36,7 @@ from diloco.core import (
     RoundFSM,
     ShutdownKind,
     ShutdownRequested,
+    Ticked,
     WorkerJoined,
     WorkerLeft,
 )
@@ -173,4 +174,25 @@ def test_exhaustive_async_three_workers():
     stats = explore(cfg, ASYNC_DEPTH, async_alphabet)
     print(f"\nexhaustive async min_workers=2 depth={ASYNC_DEPTH}: {stats}")
     assert stats["states"] >= ASYNC_MIN_STATES, stats
+    assert stats["applied"] > 0 and stats["paused"] > 0 and stats["stopped"] > 0
+
+
+def window_alphabet(fsm: RoundFSM) -> list:
+    """The async alphabet plus a tick of one second: two reach a 1.5 s window's deadline (P5)."""
+    return async_alphabet(fsm) + [Ticked(fsm.now_s + 1.0)]
+
+
+WINDOW_DEPTH = 5
+WINDOW_MIN_STATES = 2300  # found today: 2346
+
+
+def test_exhaustive_async_grace_window_three_workers():
+    """Async with a 1.5 s grace window (SPEC.md P5), min_workers=2: every order to depth WINDOW_DEPTH.
+    The tracking model checks each close: everything pending, in arrival order, and only when due
+    (deadline, every live member in, a departure, a drain); and no due window left open with quorum."""
+    cfg = FSMConfig(min_workers=2, max_workers=3, mode=Mode.ASYNC, max_staleness=1, max_held_per_fragment=2,
+                    grace_window_s=1.5)
+    stats = explore(cfg, WINDOW_DEPTH, window_alphabet)
+    print(f"\nexhaustive async grace window depth={WINDOW_DEPTH}: {stats}")
+    assert stats["states"] >= WINDOW_MIN_STATES, stats
     assert stats["applied"] > 0 and stats["paused"] > 0 and stats["stopped"] > 0

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import msgpack
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -320,8 +321,23 @@ AsyncOneFragment = _machine("AsyncOneFragment", _config(
 AsyncTwoFragments = _machine("AsyncTwoFragments", _config(
     mode=Mode.ASYNC, min_workers=2, num_fragments=2, max_workers=3, max_staleness=0, max_held_per_fragment=3))
 
+#: async with a grace window (SPEC.md P5): contributions within 2 s of the first pending one merge;
+#: ticks of 0.5..30 s land before, at and past the deadline.
+AsyncWindow = _machine("AsyncWindow", _config(
+    mode=Mode.ASYNC, min_workers=2, max_workers=4, max_staleness=2, max_held_per_fragment=3, grace_window_s=2.0))
+#: a short window on two fragments, quorum 1 (windows close on ticks, early closes and departures).
+AsyncWindowTwoFragments = _machine("AsyncWindowTwoFragments", _config(
+    mode=Mode.ASYNC, min_workers=1, num_fragments=2, max_workers=3, max_staleness=1, max_held_per_fragment=2,
+    grace_window_s=0.5))
+
 TestSyncOneFragment = SyncOneFragment.TestCase
 TestSyncQuorumThree = SyncQuorumThree.TestCase
 TestSyncThreeFragments = SyncThreeFragments.TestCase
 TestAsyncOneFragment = AsyncOneFragment.TestCase
 TestAsyncTwoFragments = AsyncTwoFragments.TestCase
+TestAsyncWindow = AsyncWindow.TestCase
+TestAsyncWindowTwoFragments = AsyncWindowTwoFragments.TestCase
+# Modest example counts: the window machines add to the suite's budget (the core's window rule is
+# also covered by the exhaustive search and tests/core/test_grace_window.py).
+TestAsyncWindow.settings = settings(max_examples=max(settings().max_examples // 2, 20))
+TestAsyncWindowTwoFragments.settings = settings(max_examples=max(settings().max_examples // 2, 20))
