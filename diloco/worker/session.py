@@ -34,7 +34,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
 from typing import Sequence
+
+from diloco.core.reasons import ReleaseOutcome
 
 from diloco.wire.messages import (
     PROTOCOL_VERSION,
@@ -133,6 +136,32 @@ def command_of(command: object) -> Command | None:
         return None
 
 
+def release_outcome(outcome: object) -> ReleaseOutcome | None:
+    """A Result's ``outcome`` as a ``ReleaseOutcome``, or None for one this worker does not know (W14)."""
+    try:
+        return ReleaseOutcome(outcome)
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class StopCommand:
+    """What the coordinator (or W11's giving up) said about stopping: the stop to carry out (W12).
+
+    ``reason`` names the ``Stop`` (unless the session named one before); ``save`` is whether
+    the driver writes the worker's checkpoint first, None while the stop's kind is unknown:
+    the session then asks with one heartbeat. Once there is one the coordinator ended the run,
+    so W13 sends no ``Leave``.
+    """
+
+    reason: str
+    save: bool | None
+
+    @property
+    def kind_known(self) -> bool:
+        return self.save is not None
+
+
 class WorkerSession:
     """One worker's protocol state. See the module docstring and SPEC.md section 14."""
 
@@ -218,7 +247,7 @@ class WorkerSession:
         self._unanswered_since: float | None = None  # first message sent since the coordinator last spoke
         self._outage_reports = 0
         self._rejoin_needed = False
-        self._stop_cmd: tuple[str, bool | None] | None = None  # (reason, save?); save None: ask
+        self._stop_cmd: StopCommand | None = None
         self._ask_deadline: float | None = None
         self._paused_since: float | None = None
         self._waiting_since: float | None = None     # start of the current unpaused wait (W9)
@@ -352,9 +381,7 @@ class WorkerSession:
         if state is None or state is S.STOPPED:
             return []
         if state is S.STOPPING:
-            if self._ask_deadline is not None and now >= self._ask_deadline:
-                reason = self._stop_cmd[0] if self._stop_cmd else "stop"
-                self._finish(reason, save=False, now=now)
+            self._ask_timed_out(now)  # W12
             return self._flush()
         silence = self.silence(now, transport_silence_s)
         if state is S.JOINING:
@@ -469,7 +496,7 @@ class WorkerSession:
         if isinstance(msg, Error) and msg.in_reply_to in ("Join", ""):
             code = error_code(msg.code)
             if code in STOP_CODES:
-                self._stop_cmd = (code.value, False)
+                self._stop_cmd = StopCommand(code.value, save=False)
                 self._finish(f"run {code.value} before join: {msg.detail}", save=False, now=now)
             elif code is ErrorCode.PARAMS_REQUIRED:
                 # The run has no params yet: the first joiner's become the run's (SPEC.md section 11).
@@ -588,36 +615,27 @@ class WorkerSession:
         if command is Command.CONTINUE:
             self.target_sync_every = _valid_h(getattr(msg, "sync_every", None))  # W19: adopted at a boundary
         if self.state is S.STOPPING:
-            if self._ask_deadline is None:
-                return  # the stop's kind is settled and its Stop emitted: a second Stop would repeat it
-            # The reply to the heartbeat that asked what kind of stop this is (W12).
-            reason = self._stop_cmd[0] if self._stop_cmd else "stop"
-            if command is Command.SAVE_AND_STOP:
-                self._finish("save_and_stop", save=True, now=now)
-            else:
-                self._finish(reason, save=False, now=now)
-            return
-        if command is Command.REJOIN:
-            self._rejoin_needed = True
-        elif command is Command.STOP:
-            # A reply sent after the stop: the kind is known now (nothing to save).
-            reason = self._stop_cmd[0] if self._stop_cmd else "stop"
-            if self._stop_cmd is None or self._stop_cmd[1] is None:
-                self._stop_cmd = (reason, False)
-        elif command is Command.SAVE_AND_STOP:
-            self._stop_cmd = ("save_and_stop", True)
+            self._ask_answered(command, now)  # W12
+        elif command is Command.REJOIN:
+            self._rejoin_needed = True  # W10
+        elif command in (Command.STOP, Command.SAVE_AND_STOP):
+            self._heard_stop(command)  # W12
 
     def _on_result(self, msg: Result, now: float) -> None:
         fid = msg.fragment_id
         if self.waiting.get(fid) != msg.round_id:
             self._note("debug", f"ignoring a stale Result for fragment {fid} round {msg.round_id}")
             return
-        outcome = msg.outcome.value if hasattr(msg.outcome, "value") else str(msg.outcome)
-        if outcome in ("applied", "applied_final", "stop") and fid in self._unacked:
+        outcome = release_outcome(msg.outcome)
+        if outcome is None:
+            unknown = msg.outcome.value if hasattr(msg.outcome, "value") else str(msg.outcome)
+            self._fail("bad_message", f"Result with unknown outcome {unknown!r}", now)  # W14
+            return
+        if fid in self._unacked:
             # The Result answers its Submit too (its Accepted was lost): a later Error must not
             # be taken for this fragment's (W8: a retry while TRAINING would break W5).
             self._unacked.remove(fid)
-        if outcome in ("applied", "applied_final"):
+        if outcome is not ReleaseOutcome.STOP:  # W7: applied or applied_final
             del self.waiting[fid]
             if fid in self.merge_at:
                 # W16: held until its window ends (merged by _settle), at once while stopping.
@@ -633,17 +651,14 @@ class WorkerSession:
             self.rounds_synced += 1
             self._waiting_since = None
             self._resync_after_s = RESYNC_INTERVALS * self.heartbeat_interval_s
-            self.history.append((self.inner_step, fid, msg.round_id, outcome))
-            if outcome == "applied_final":
-                self._stop_cmd = ("drain", False)
-        elif outcome == "stop":
-            del self.waiting[fid]
-            self.merge_at.pop(fid, None)
-            self.history.append((self.inner_step, fid, msg.round_id, outcome))
-            if self._stop_cmd is None:
-                self._stop_cmd = ("stop", None)  # ask: was it save-and-stop?
+            self.history.append((self.inner_step, fid, msg.round_id, outcome.value))
+            if outcome is ReleaseOutcome.APPLIED_FINAL:
+                self._heard_stop(outcome)  # W7: the drain ends the run
         else:
-            self._fail("bad_message", f"Result with unknown outcome {outcome!r}", now)  # ends a pause
+            del self.waiting[fid]
+            self.merge_at.pop(fid, None)  # W16: the window ends without a merge
+            self.history.append((self.inner_step, fid, msg.round_id, outcome.value))
+            self._heard_stop(outcome)  # W12
 
     def _on_error(self, msg: Error, now: float) -> None:
         code = error_code(msg.code)
@@ -659,14 +674,13 @@ class WorkerSession:
                 self.merge_at.pop(fid, None)  # not submitted any more: its retry opens a new window
                 self.retry_at[fid] = now + self.heartbeat_interval_s
             elif code in STOP_CODES:
-                if self._stop_cmd is None:
-                    self._stop_cmd = (code.value, None)
+                self._heard_stop(code)  # W12
             else:
                 self._fail(code_value(msg.code),
                            f"submission refused ({code_value(msg.code)}): {msg.detail}", now)
         elif msg.in_reply_to == "Heartbeat":
             if code in STOP_CODES:
-                self._stop_cmd = self._stop_cmd or (code.value, None)
+                self._heard_stop(code)  # W12
             else:
                 self._note("warning", f"heartbeat refused ({code_value(msg.code)}): {msg.detail}")
         else:
@@ -679,11 +693,7 @@ class WorkerSession:
         if self.state in (S.STOPPING, S.STOPPED, None):
             return
         if self._stop_cmd is not None:
-            reason, save = self._stop_cmd
-            if save is None:
-                self._ask_save(reason, now)
-            else:
-                self._finish(reason, save=save, now=now)
+            self._carry_out_stop(now)  # W12
             return
         if self._rejoin_needed:
             self._rejoin_needed = False
@@ -771,7 +781,7 @@ class WorkerSession:
             what = self.waiting_for()
             save = self.welcomed or self.restored
             self._out.append(OutageReport("gave_up", silence, what, self.coordinator_timeout_s))
-            self._stop_cmd = ("coordinator_unreachable", save)
+            self._stop_cmd = StopCommand("coordinator_unreachable", save)
             self._finish("coordinator_unreachable", save=save, now=now)
             return True
         if silence < OUTAGE_NOTICE_S:
@@ -789,13 +799,63 @@ class WorkerSession:
         self._unanswered_since = None
         self._outage_reports = 0
 
-    def _ask_save(self, reason: str, now: float) -> None:
-        """A stop arrived without its kind: one heartbeat asks whether it is save-and-stop (W12)."""
+    # ------------------------------------------------------------------ W12: stopping
+    #
+    # Every part of the stop rule is here. The coordinator's word about stopping, whatever
+    # carries it (a heartbeat reply's command, a Result, an Error), becomes ``_stop_cmd``
+    # (``_heard_stop``); after the event ``_settle`` carries it out (``_carry_out_stop``):
+    # at once when its kind is known, else by asking with one heartbeat, whose reply
+    # (``_ask_answered``) or a tick at the ask's deadline (``_ask_timed_out``) decides.
+    # ``_finish`` emits the one ``Stop``. Elsewhere only: ``request_stop`` and
+    # ``stopped_done`` (events), a refused join (W1) and giving up (W11) set a known kind.
+
+    def _heard_stop(self, word: Command | ReleaseOutcome | ErrorCode) -> None:
+        """W12: what the coordinator said about stopping becomes the stop command.
+
+        ``save_and_stop``: save, then stop. ``stop`` (a reply sent after the stop): its kind is
+        known, nothing to save; a stop of unknown kind keeps its reason. ``applied_final``
+        (W7): drain, no save. A ``Result`` with outcome ``stop``, or a ``stopped`` or
+        ``shutting_down`` error: a stop of unknown kind, unless one is known already.
+        """
+        if word is Command.SAVE_AND_STOP:
+            self._stop_cmd = StopCommand("save_and_stop", save=True)
+        elif word is Command.STOP:
+            if self._stop_cmd is None or not self._stop_cmd.kind_known:
+                self._stop_cmd = StopCommand(self._stop_reason(), save=False)
+        elif word is ReleaseOutcome.APPLIED_FINAL:
+            self._stop_cmd = StopCommand("drain", save=False)
+        elif self._stop_cmd is None:  # ReleaseOutcome.STOP, ErrorCode.STOPPED, ErrorCode.SHUTTING_DOWN
+            self._stop_cmd = StopCommand(word.value, save=None)
+
+    def _stop_reason(self) -> str:
+        """W12: the reason of the stop told so far ("stop" when none was)."""
+        return self._stop_cmd.reason if self._stop_cmd is not None else "stop"
+
+    def _carry_out_stop(self, now: float) -> None:
+        """W12: ``Stop`` at once if the kind is known, else STOPPING and one heartbeat asks whether to save."""
+        if self._stop_cmd.kind_known:
+            self._finish(self._stop_cmd.reason, save=self._stop_cmd.save, now=now)
+            return
         self._go(S.STOPPING, now)
         self._heartbeat(now)
         self._ask_deadline = now + min(ASK_SAVE_MAX_S, 4 * self.heartbeat_interval_s)
 
+    def _ask_answered(self, command: Command | None, now: float) -> None:
+        """W12: a heartbeat reply while STOPPING. During the ask it decides: ``save_and_stop`` saves."""
+        if self._ask_deadline is None:
+            return  # the stop's kind is settled and its Stop emitted: a second Stop would repeat it
+        if command is Command.SAVE_AND_STOP:
+            self._finish("save_and_stop", save=True, now=now)
+        else:
+            self._finish(self._stop_reason(), save=False, now=now)
+
+    def _ask_timed_out(self, now: float) -> None:
+        """W12: no reply ``min(1 s, 4 heartbeat intervals)`` after the ask: stop without saving."""
+        if self._ask_deadline is not None and now >= self._ask_deadline:
+            self._finish(self._stop_reason(), save=False, now=now)
+
     def _finish(self, reason: str, *, save: bool, now: float) -> None:
+        """W12: emit the session's one ``Stop`` (its kind now settled), merging what is held first (W17)."""
         self._ask_deadline = None
         self.stop_reason = self.stop_reason or reason
         if self.state is not S.STOPPING:
