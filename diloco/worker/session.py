@@ -32,11 +32,13 @@ Time is whatever the caller says it is (``now``, seconds, never decreasing).
 
 from __future__ import annotations
 
+import enum
 import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
+from diloco.core.config import Mode
 from diloco.core.reasons import ReleaseOutcome
 
 from diloco.wire.messages import (
@@ -51,6 +53,7 @@ from diloco.wire.messages import (
     Leave,
     Message,
     Result,
+    Submit,
     TensorSpec,
     Welcome,
 )
@@ -126,7 +129,8 @@ def error_code(code: object) -> ErrorCode | None:
 
 
 def code_value(code: object) -> str:
-    return code.value if isinstance(code, ErrorCode) else str(code)
+    """An enum member's value (an ``ErrorCode``, a ``Mode``, ...), or ``code`` as text (one not known here)."""
+    return code.value if isinstance(code, enum.Enum) else str(code)
 
 
 def command_of(command: object) -> Command | None:
@@ -493,7 +497,7 @@ class WorkerSession:
         if isinstance(msg, Welcome):
             self._on_welcome(msg, now)
             return
-        if isinstance(msg, Error) and msg.in_reply_to in ("Join", ""):
+        if isinstance(msg, Error) and msg.in_reply_to in (Join.__name__, ""):
             code = error_code(msg.code)
             if code in STOP_CODES:
                 self._stop_cmd = StopCommand(code.value, save=False)
@@ -530,7 +534,7 @@ class WorkerSession:
             self._out.append(InstallParams(fid, frag, msg.params, same_layout, "Welcome"))
         self.fragments = fragments
         self.round_ids = [int(r) for r in msg.round_ids]
-        self.mode = str(msg.mode.value if hasattr(msg.mode, "value") else msg.mode)
+        self.mode = code_value(msg.mode)
         self.min_workers = msg.min_workers
         self.below_min_workers = bool(msg.below_min_workers)
         self.heartbeat_interval_s = float(msg.heartbeat_interval_s)
@@ -555,7 +559,7 @@ class WorkerSession:
 
     def _place_on_schedule(self, ids_same: bool, same_layout: bool) -> None:
         F = len(self.fragments)
-        if self.mode == "sync":
+        if self.mode == Mode.SYNC:
             if ids_same and len(self.next_close) == F:
                 return  # our own schedule is consistent with the run's rounds: keep it (W19: H_w waits)
             self.sync_every = self._wanted_sync_every()  # a placement is a period boundary (W19)
@@ -592,7 +596,7 @@ class WorkerSession:
             return  # not a DyLU run (or no longer one, and already back at the worker's own H)
         old = self.sync_every
         self.sync_every = h
-        if self.mode == "sync":
+        if self.mode == Mode.SYNC:
             self.next_close, placed = schedule.sync_place(self.round_ids, h)
             self.sched_step = placed + progress
         else:
@@ -628,8 +632,8 @@ class WorkerSession:
             return
         outcome = release_outcome(msg.outcome)
         if outcome is None:
-            unknown = msg.outcome.value if hasattr(msg.outcome, "value") else str(msg.outcome)
-            self._fail("bad_message", f"Result with unknown outcome {unknown!r}", now)  # W14
+            self._fail(ErrorCode.BAD_MESSAGE.value, f"Result with unknown outcome {code_value(msg.outcome)!r}",
+                       now)  # W14
             return
         if fid in self._unacked:
             # The Result answers its Submit too (its Accepted was lost): a later Error must not
@@ -647,7 +651,7 @@ class WorkerSession:
             self.round_ids[fid] = int(msg.next_round_id)
             self.next_close[fid] = schedule.next_close_after(
                 fid, int(msg.next_round_id), self.next_close[fid], len(self.fragments), self.sync_every,
-                self.mode == "sync")
+                self.mode == Mode.SYNC)
             self.rounds_synced += 1
             self._waiting_since = None
             self._resync_after_s = RESYNC_INTERVALS * self.heartbeat_interval_s
@@ -662,7 +666,7 @@ class WorkerSession:
 
     def _on_error(self, msg: Error, now: float) -> None:
         code = error_code(msg.code)
-        if msg.in_reply_to == "Submit":
+        if msg.in_reply_to == Submit.__name__:
             fid = self._unacked.popleft() if self._unacked else None
             if code in REJOIN_CODES:
                 self._note("info", f"submission refused ({code.value}: {msg.detail}); joining again")
@@ -678,7 +682,7 @@ class WorkerSession:
             else:
                 self._fail(code_value(msg.code),
                            f"submission refused ({code_value(msg.code)}): {msg.detail}", now)
-        elif msg.in_reply_to == "Heartbeat":
+        elif msg.in_reply_to == Heartbeat.__name__:
             if code in STOP_CODES:
                 self._heard_stop(code)  # W12
             else:
