@@ -149,7 +149,7 @@ OUTER_MOMENTUM = 0.9
 
 METHODS = ("sync", "h10", "h50", "single")
 #: ``--wire`` rows: a wire dtype, with its default error feedback (on for int8), or ``-noef``: without.
-WIRE_ROWS = ("fp32", "bf16", "int8", "int8-noef", "int4", "int4-noef")
+WIRE_ROWS = ("fp32", "bf16", "int8", "int8-noef", "int4", "int4-noef", "fp32-muon", "int4-muon")
 
 #: Data planes of the real system (README "Scaling out: the collective data plane"); ``both`` compares them.
 PLANES = ("hub", "collective")
@@ -268,10 +268,46 @@ class DilocoRun:
     oddities: list[str]
 
 
+class _Both:
+    """Two optimizers (or schedulers) stepped as one: Muon for the matrices, AdamW for the rest."""
+
+    def __init__(self, **parts) -> None:
+        self.parts = parts
+
+    def step(self) -> None:
+        for p in self.parts.values():
+            p.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.parts.values():
+            p.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {k: p.state_dict() for k, p in self.parts.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, p in self.parts.items():
+            p.load_state_dict(state[k])
+
+
+def muon_inner_optimizer(model, s: TrainSettings, steps: int):
+    """MuLoCo's inner optimizer: ``torch.optim.Muon`` for the 2-D weights inside the blocks (its lr scaled to
+    match AdamW's update size, so the same lr and schedule serve both), AdamW for embeddings and 1-D params."""
+    embeddings = {id(model.pos_emb.weight)} | {id(p) for n, p in model.named_parameters() if "emb" in n}
+    matrices = [p for p in model.parameters() if p.dim() == 2 and id(p) not in embeddings]
+    rest = [p for p in model.parameters() if not (p.dim() == 2 and id(p) not in embeddings)]
+    muon = torch.optim.Muon(matrices, lr=s.lr, weight_decay=s.weight_decay, adjust_lr_fn="match_rms_adamw")
+    adamw = torch.optim.AdamW(rest, lr=s.lr, betas=s.betas, weight_decay=0.0)
+    _, sched = inner_optimizer(model, s, steps)  # only for its lr factor
+    factor = sched.lr_lambdas[0]
+    return _Both(muon=muon, adamw=adamw), _Both(**{k: torch.optim.lr_scheduler.LambdaLR(o, factor)
+                                                   for k, o in (("muon", muon), ("adamw", adamw))})
+
+
 class _RealDiloco:
     def __init__(self, k: int, H: int, steps: int, outer_lr: float, s: TrainSettings, corpus: Corpus,
                  seed: int, wire_dtype: str = "fp32", overlap_steps: int = 0, data_plane: str = "hub",
-                 error_feedback: bool | None = None) -> None:
+                 error_feedback: bool | None = None, inner: str = "adamw") -> None:
         if steps % H:
             raise SystemExit(f"--steps {steps} is not a multiple of H={H}")
         if data_plane not in PLANES:
@@ -279,6 +315,7 @@ class _RealDiloco:
         self.T = overlap_steps
         self.data_plane = data_plane
         self.error_feedback = error_feedback
+        self.inner = inner
         #: Per worker: [(state, perf_counter())] from the on_state hook; and (first Welcome, last step) times.
         self.state_log: dict[str, list[tuple[str, float]]] = defaultdict(list)
         self.span: dict[str, tuple[float, float]] = {}
@@ -321,7 +358,7 @@ class _RealDiloco:
         """A worker's replica, inner optimizer and ``DilocoWorker``, joined: (w, model, opt, sched, sampler)."""
         torch.set_num_threads(1)
         model = build_model(self.s.model, derive_seed(self.seed, "model"))
-        opt, sched = inner_optimizer(model, self.s, self.steps)
+        opt, sched = (muon_inner_optimizer if self.inner == "muon" else inner_optimizer)(model, self.s, self.steps)
         log = self.state_log[worker_id]
         w = DilocoWorker(model, opt, self.net.connect(worker_id), worker_id=worker_id, sync_every=self.H,
                          coordinator_timeout_s=120.0, overlap_steps=self.T, error_feedback=self.error_feedback,
@@ -721,9 +758,10 @@ def wire_comparison(dtypes: list[str], k: int, steps: int, outer_lr: float, s: T
     rows = {}
     for dt in dtypes:
         note(f"phase DiLoCo H=10 wire dtype {dt}, {steps // 10} rounds")
-        wire, _, ef = dt.partition("-")  # "int8-noef": int8 without error feedback
+        wire, *flags = dt.split("-")  # "int8-noef": int8 without error feedback; "-muon": Muon inside
         run = _RealDiloco(k, 10, steps, outer_lr, s, corpus, seed, wire_dtype=wire,
-                          error_feedback=False if ef == "noef" else None).run()
+                          error_feedback=False if "noef" in flags else None,
+                          inner="muon" if "muon" in flags else "adamw").run()
         st = run.status
         up = st["bytes_received"] / run.rounds
         down = (st["bytes_sent"] - run.probe.joins * pbytes) / run.rounds
@@ -923,7 +961,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write all results here")
     parser.add_argument("--wire", default=None, metavar="DTYPES",
                         help="compare wire dtypes instead (comma-separated subset of fp32,bf16,int8,int8-noef,int4,"
-                             "int4-noef; int8 and int4 have error feedback, -noef rows not): DiLoCo H=10 per row, bytes per round and "
+                             "int4-noef,fp32-muon,int4-muon; int8 and int4 have error feedback, -noef rows not; "
+                             "-muon rows train with torch.optim.Muon for the matrices, AdamW for the rest): DiLoCo H=10 per row, bytes per round and "
                              "final loss (defaults then: --k 2, --steps 300)")
     parser.add_argument("--overlap", action="store_true",
                         help="measure overlap_steps T = 0, 1, 2 instead (idle share, final loss; about 5 minutes)")
