@@ -166,101 +166,171 @@ class StopCommand:
         return self.save is not None
 
 
+def _check_config(worker_id: object, sync_every: object, coordinator_timeout_s: object, overlap_steps: object,
+                  overlap_alpha: object) -> None:
+    """``WorkerSession``'s arguments, or ``ValueError`` naming the first bad one."""
+    if not isinstance(worker_id, str) or not worker_id:
+        raise ValueError(f"worker_id={worker_id!r}: expected a non-empty string")
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise ValueError(f"sync_every={sync_every!r}: expected an integer >= 1 (inner steps per round)")
+    if isinstance(coordinator_timeout_s, bool) or not isinstance(coordinator_timeout_s, (int, float)) \
+            or not 0 < coordinator_timeout_s < math.inf:
+        raise ValueError(f"coordinator_timeout_s={coordinator_timeout_s!r}: expected a finite number of "
+                         f"seconds > 0")
+    if isinstance(overlap_steps, bool) or not isinstance(overlap_steps, int) or overlap_steps < 0:
+        raise ValueError(f"overlap_steps={overlap_steps!r}: expected an integer >= 0 (0: no overlap)")
+    if overlap_steps >= sync_every:
+        raise ValueError(f"overlap_steps={overlap_steps} must be less than sync_every={sync_every}: a fragment "
+                         f"syncs every {sync_every} inner steps, so its Result must be merged before its next "
+                         f"sync point (W15)")
+    if isinstance(overlap_alpha, bool) or not isinstance(overlap_alpha, (int, float)) \
+            or not 0 <= overlap_alpha < 1:
+        raise ValueError(f"overlap_alpha={overlap_alpha!r}: expected a number with 0 <= alpha < 1 (the weight of "
+                         f"the local params at a merge; 0 replaces them with the global ones)")
+
+
 class WorkerSession:
-    """One worker's protocol state. See the module docstring and SPEC.md section 14."""
+    """One worker's protocol state. See the module docstring and SPEC.md section 14.
+
+    ``__init__`` is the inventory of that state: every field the session keeps, grouped by
+    the rule it serves, with its W-labels (SPEC.md section 14). Public fields are read by
+    drivers, status and tests; underscored ones are the rules' own bookkeeping. No field is
+    added anywhere else.
+    """
 
     def __init__(self, worker_id: str, sync_every: int, spec: Sequence[TensorSpec], *,
                  coordinator_timeout_s: float = DEFAULT_COORDINATOR_TIMEOUT_S, overlap_steps: int = 0,
                  overlap_alpha: float = DEFAULT_OVERLAP_ALPHA) -> None:
-        if not isinstance(worker_id, str) or not worker_id:
-            raise ValueError(f"worker_id={worker_id!r}: expected a non-empty string")
-        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-            raise ValueError(f"sync_every={sync_every!r}: expected an integer >= 1 (inner steps per round)")
-        if isinstance(coordinator_timeout_s, bool) or not isinstance(coordinator_timeout_s, (int, float)) \
-                or not 0 < coordinator_timeout_s < math.inf:
-            raise ValueError(f"coordinator_timeout_s={coordinator_timeout_s!r}: expected a finite number of "
-                             f"seconds > 0")
-        if isinstance(overlap_steps, bool) or not isinstance(overlap_steps, int) or overlap_steps < 0:
-            raise ValueError(f"overlap_steps={overlap_steps!r}: expected an integer >= 0 (0: no overlap)")
-        if overlap_steps >= sync_every:
-            raise ValueError(f"overlap_steps={overlap_steps} must be less than sync_every={sync_every}: a fragment "
-                             f"syncs every {sync_every} inner steps, so its Result must be merged before its next "
-                             f"sync point (W15)")
-        if isinstance(overlap_alpha, bool) or not isinstance(overlap_alpha, (int, float)) \
-                or not 0 <= overlap_alpha < 1:
-            raise ValueError(f"overlap_alpha={overlap_alpha!r}: expected a number with 0 <= alpha < 1 (the weight of "
-                             f"the local params at a merge; 0 replaces them with the global ones)")
-        self.overlap_steps = overlap_steps
-        self.overlap_alpha = float(overlap_alpha)
+        _check_config(worker_id, sync_every, coordinator_timeout_s, overlap_steps, overlap_alpha)
+
+        # -- configuration: fixed for the session's life
+        #: Names this worker in Join (W1), Heartbeat (W3) and Leave (W9, W13).
         self.worker_id = worker_id
-        #: H in force: the worker's own until a DyLU coordinator's H_w is adopted (W19).
-        self.sync_every = sync_every
-        #: The worker's own H (``--sync-every``): in force again when the coordinator names none.
-        self.own_sync_every = sync_every
-        #: DyLU (W19): the H_w the coordinator named last (None: it names none).
-        self.target_sync_every: int | None = None
-        #: Schedule step of the last period boundary (the last fragment's submission, or a placement
-        #: by a Welcome); None when unknown (restored, or the period's H_w already adopted).
-        self._boundary_step: int | None = None
-        self.spec = tuple(spec)
+        #: The model's parameters: the Join's (W1); a Welcome must name each exactly once (W2).
+        self.spec: tuple[TensorSpec, ...] = tuple(spec)
         if not self.spec:
             raise ValueError("the model has no parameters to train")
-        self.coordinator_timeout_s = float(coordinator_timeout_s)
         self._names = frozenset(s.name for s in self.spec)
+        #: W11: how long a silent coordinator is waited for before giving up.
+        self.coordinator_timeout_s = float(coordinator_timeout_s)
+        #: W15: T, the steps a submitted fragment trains on before its Result is merged (0: no overlap).
+        self.overlap_steps = overlap_steps
+        #: W16: a merge's weight of the local params.
+        self.overlap_alpha = float(overlap_alpha)
+        #: W19: the worker's own H (``--sync-every``): in force again when the coordinator names none.
+        self.own_sync_every = sync_every
 
-        self.state: WorkerState | None = None       # None until start()
-        #: Why the worker stopped: "stop", "save_and_stop", "drain", "stop_requested", "left", ...
+        # -- where the session is (SPEC.md section 14, "States")
+        #: A ``WorkerState`` of ``SESSION_STATES``; None until ``start``. Moves only through ``_go``.
+        self.state: WorkerState | None = None
+        #: Why the worker stopped (W12 "stop", "save_and_stop", "stop_requested", W7 "drain", W1 "run
+        #: stopped before join: ...", W11 "coordinator_unreachable", W13 "left", W14 "error: CODE");
+        #: the first one named stays.
         self.stop_reason: str | None = None
-        #: Inner steps taken (restored from a checkpoint); the schedule's own count is ``sched_step``.
-        self.inner_step = 0
-        self.sched_step = 0
-        #: Rounds (fragment syncs) whose Result this worker applied.
-        self.rounds_synced = 0
-        self.seconds_paused = 0.0
-        #: (inner_step, fragment_id, round_id, outcome) per released contribution, newest last.
-        self.history: deque[tuple[int, int, int, str]] = deque(maxlen=HISTORY_LIMIT)
-        #: What the last Welcome / heartbeat reply said.
+        #: W2: a Welcome was taken (its keep_if_same; W11 saves on giving up; W13 sends Leave).
+        self.welcomed = False
+        #: ``restore`` took a checkpoint's schedule (W2 keep_if_same, W11 saves on giving up).
+        self.restored = False
+
+        # -- the run, as the last Welcome (W2) or heartbeat reply (W6, W19) told it
+        #: "sync" or "async" (a ``Mode`` value): how the schedule moves on (W2, W7).
         self.mode: str | None = None
+        #: W2, W6: the run's quorum (read by status; the pause goes by ``below_min_workers``).
         self.min_workers: int | None = None
+        #: W6: the run is below ``min_workers`` (a pause at the sync point, once fresh).
         self.below_min_workers = False
+        #: W3 heartbeats, W8 retries, W9 resync delay, W12 ask deadline, in heartbeat intervals.
         self.heartbeat_interval_s = DEFAULT_HEARTBEAT_INTERVAL_S
+        #: W2: the parameter names of each fragment, in fragment order.
         self.fragments: tuple[tuple[str, ...], ...] = ()
-        #: Per fragment: the round this worker contributes to next (sync) or its base version (async).
+
+        # -- the schedule (W2, W4, W7, W19; SPEC.md section 14, "Schedule")
+        #: H in force: the worker's own until a DyLU coordinator's H_w is adopted (W19).
+        self.sync_every = sync_every
+        #: W19: the H_w the coordinator named last (None: it names none).
+        self.target_sync_every: int | None = None
+        #: W19: schedule step of the last period boundary (the last fragment's submission, or a
+        #: placement by a Welcome); None when unknown (restored, or the period's H_w adopted).
+        self._boundary_step: int | None = None
+        #: W2, W7: per fragment, the round it contributes to next (sync) or its base version (async).
         self.round_ids: list[int] = []
-        #: Per fragment: the schedule step at which it closes next.
+        #: W4, W7: per fragment, the schedule step at which it closes next.
         self.next_close: list[int] = []
-        #: fragment -> round of a contribution submitted or parked whose Result is awaited.
+        #: W4: steps trained on the schedule (in TRAINING) ...
+        self.sched_step = 0
+        #: ... and every inner step taken (restored from a checkpoint), in any state but STOPPED.
+        self.inner_step = 0
+        #: W7: rounds (fragment syncs) whose Result this worker applied.
+        self.rounds_synced = 0
+        #: W7: (inner_step, fragment_id, round_id, outcome) per released contribution, newest last.
+        self.history: deque[tuple[int, int, int, str]] = deque(maxlen=HISTORY_LIMIT)
+
+        # -- contributions (W4, W5, W7, W8, W10)
+        #: W4, W5, W7: fragment -> round of a contribution submitted or parked whose Result is awaited.
         self.waiting: dict[int, int] = {}
-        #: fragment -> time to submit again (answered ``held_limit``).
+        #: W8: fragment -> time to submit again (answered ``held_limit``).
         self.retry_at: dict[int, float] = {}
-        #: Overlap (W15): fragment -> the schedule step at which its Result is merged, from its
+        #: W8: fragments of the Submits not answered yet, in order (an Error names no fragment).
+        self._unacked: deque[int] = deque()
+        #: W6, W8: (fragment, round) of the latest Submit: its Accepted shows every earlier heartbeat
+        #: and Submit answered or lost (no stale reply is skipped after it, no Submit waits for an answer).
+        self._last_submit: tuple[int, int] | None = None
+        #: W10: join again at the end of this event (a ``rejoin`` command, or a Submit refused so).
+        self._rejoin_needed = False
+
+        # -- overlap (W15-W18)
+        #: W15, W16: fragment -> the schedule step at which its Result is merged, from its
         #: submission until the merge (awaited or held).
         self.merge_at: dict[int, int] = {}
-        #: Overlap (W16): fragment -> the params of its applied Result, held until ``merge_at``.
+        #: W16, W17: fragment -> the params of its applied Result, held until ``merge_at``.
         self.held: dict[int, object] = {}
-        self.welcomed = False
-        self.restored = False
-        self._unacked: deque[int] = deque()          # fragments of Submits not yet answered, in order
-        self._last_submit: tuple[int, int] | None = None  # (fragment, round) of the latest Submit
-        self._hb_outstanding = 0
-        # Replies due to heartbeats sent before the current wait began say nothing about the
-        # quorum *at* the sync point, so they never pause the worker (W6).
-        self._stale_replies = 0
-        self._quorum_fresh = False
+
+        # -- heartbeats and the quorum at the sync point (W3, W6)
+        #: W3: when the last Heartbeat went out (the Welcome counts as one).
         self._last_hb_sent = -math.inf
-        self._unanswered_since: float | None = None  # first message sent since the coordinator last spoke
-        self._outage_reports = 0
-        self._rejoin_needed = False
-        self._stop_cmd: StopCommand | None = None
-        self._ask_deadline: float | None = None
+        #: W3: heartbeats whose reply has not come (``awaiting_replies``).
+        self._hb_outstanding = 0
+        #: W6: replies still due to heartbeats sent before the current wait began: they say
+        #: nothing about the quorum *at* the sync point, so they never pause the worker.
+        self._stale_replies = 0
+        #: W6: a reply (or the Welcome) has spoken of the quorum since the current wait began.
+        self._quorum_fresh = False
+        #: W6: when the current pause began (set exactly while PAUSED, by ``_go``) ...
         self._paused_since: float | None = None
-        self._waiting_since: float | None = None     # start of the current unpaused wait (W9)
-        self._resync_after_s = math.inf
+        #: ... and the time spent PAUSED, added up when each pause ends.
+        self.seconds_paused = 0.0
+
+        # -- joining (W1)
+        #: When the last Join went out.
         self._last_join = -math.inf
+        #: The delay before an unanswered Join is sent again (2.5 s, doubling up to 30 s).
         self._join_resend_s = JOIN_RESEND_S
+        #: ``already_member`` answers taken in this join (Leave, then Join again; at most 3).
         self._already_member_retries = 0
-        self._left = False
+
+        # -- resync after a lost Result (W9)
+        #: Start of the current unpaused wait, from its first tick; None: not waiting (or restarted).
+        self._waiting_since: float | None = None
+        #: How long a wait lasts before the resync: 16 intervals, doubling up to 256.
+        self._resync_after_s = math.inf
+
+        # -- a silent coordinator (W11)
+        #: When the first message sent since the coordinator last spoke went out (None: nothing unanswered).
+        self._unanswered_since: float | None = None
+        #: "waiting" reports made in the current silence.
+        self._outage_reports = 0
+
+        # -- stopping and leaving (W4, W12, W13)
+        #: W12: what the coordinator (or W11's giving up) said about stopping; W13: no Leave once set.
+        self._stop_cmd: StopCommand | None = None
+        #: W12: while an ask is open, when it ends without a reply (None: no ask, or its Stop emitted).
+        self._ask_deadline: float | None = None
+        #: W4: STOPPING was entered from TRAINING (a step that finishes now still moves the schedule).
         self._stopping_from_training = False
+        #: W13: ``leave`` was called (it acts once).
+        self._left = False
+
+        #: The actions of the event being handled, in order (``_flush`` hands them over).
         self._out: list[Action] = []
 
     # ------------------------------------------------------------------ queries
