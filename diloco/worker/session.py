@@ -424,16 +424,7 @@ class WorkerSession:
         elif isinstance(msg, Result):
             self._on_result(msg, now)
         elif isinstance(msg, Accepted):
-            if msg.fragment_id in self._unacked:
-                self._unacked.remove(msg.fragment_id)
-            if (msg.fragment_id, msg.round_id) == self._last_submit:
-                # The latest Submit's answer. On this FIFO connection every heartbeat sent before
-                # that Submit has been answered by now or was lost with the link: replies still
-                # counted stale will never come (W6 would ignore as many fresh ones, in every wait
-                # to come), and Submits still unanswered lost their answers.
-                self._hb_outstanding -= self._stale_replies
-                self._stale_replies = 0
-                self._unacked.clear()
+            self._on_accepted(msg)
         elif isinstance(msg, Error):
             self._on_error(msg, now)
         else:
@@ -443,7 +434,8 @@ class WorkerSession:
 
     def tick(self, now: float, transport_silence_s: float | None = None, *, sending: bool = False,
              receiving: bool = False) -> list[Action]:
-        """Time passed: heartbeats, join resends, held-limit retries, resyncs, outage reports (W3, W8-W11).
+        """Time passed: join resends (W1), heartbeats (W3), held-limit retries (W8), resyncs (W9), outage
+        reports (W11), the end of an unanswered ask (W12).
 
         ``sending`` / ``receiving``: the transport is still moving a message to / from the
         coordinator part by part (a big Submit or Result on a slow link). Meanwhile a joining
@@ -505,11 +497,8 @@ class WorkerSession:
 
     def request_stop(self, now: float, save: bool = False) -> list[Action]:
         """Stop at once, from any state, breaking a pause (W12); save the checkpoint if ``save``."""
-        if self.state is None:
-            self._go(S.STOPPING, now)
-            self._finish("stop_requested", save=save, now=now)
-        elif not self.stopped or (self.state is S.STOPPING and self._ask_deadline is not None):
-            self._finish("stop_requested", save=save, now=now)
+        if not self.stopped or (self.state is S.STOPPING and self._ask_deadline is not None):
+            self._finish("stop_requested", save=save, now=now)  # before start too: STOPPING, then Stop
         return self._flush()
 
     def leave(self, now: float) -> list[Action]:
@@ -529,7 +518,7 @@ class WorkerSession:
         return self._flush()
 
     def stopped_done(self, now: float) -> list[Action]:
-        """The driver carried out ``Stop`` (checkpoint written if asked): STOPPED."""
+        """The driver carried out ``Stop`` (checkpoint written if asked): STOPPED (W12; not during an ask)."""
         if self.state is S.STOPPING and self._ask_deadline is None:
             self._go(S.STOPPED, now)
         return self._flush()
@@ -695,6 +684,19 @@ class WorkerSession:
         elif command in (Command.STOP, Command.SAVE_AND_STOP):
             self._heard_stop(command)  # W12
 
+    def _on_accepted(self, msg: Accepted) -> None:
+        """A Submit kept (W8: it is answered); the latest one's also settles W6's stale replies."""
+        if msg.fragment_id in self._unacked:
+            self._unacked.remove(msg.fragment_id)
+        if (msg.fragment_id, msg.round_id) == self._last_submit:
+            # The latest Submit's answer. On this FIFO connection every heartbeat sent before
+            # that Submit has been answered by now or was lost with the link: replies still
+            # counted stale will never come (W6 would ignore as many fresh ones, in every wait
+            # to come), and Submits still unanswered lost their answers.
+            self._hb_outstanding -= self._stale_replies
+            self._stale_replies = 0
+            self._unacked.clear()
+
     def _on_result(self, msg: Result, now: float) -> None:
         fid = msg.fragment_id
         if self.waiting.get(fid) != msg.round_id:
@@ -760,10 +762,13 @@ class WorkerSession:
         else:
             self._note("debug", f"ignoring a stale error ({code_value(msg.code)} in reply to {msg.in_reply_to})")
 
-    # ------------------------------------------------------------------ the waiting rules
+    # ------------------------------------------------------------------ after every event; the waiting rules
 
     def _settle(self, now: float) -> None:
-        """After any event: act on a stop or re-join, submit what is due, pause or release (W4-W7)."""
+        """After any event (but in STOPPING and STOPPED), in this order: carry out a stop (W12) or a
+        re-join (W10); then, out of JOINING, merge the held Results whose window ended (W16), adopt
+        a DyLU H at a period boundary (W19), submit what is due (W4, W15), and train (W5, W7),
+        wait (W16: a window ended before its Result came) or pause and resume (W6)."""
         if self.state in (S.STOPPING, S.STOPPED, None):
             return
         if self._stop_cmd is not None:
