@@ -106,7 +106,6 @@ HISTORY_LIMIT = 10_000
 DEFAULT_OVERLAP_ALPHA = 0.5
 
 _WAITING = (S.WAITING, S.PAUSED)
-_RUNNING = (S.TRAINING, S.WAITING, S.PAUSED)
 
 
 def _valid_h(value: object) -> int | None:
@@ -804,6 +803,7 @@ class WorkerSession:
             self._go(S.WAITING, now)
 
     def _submit(self, fid: int, now: float) -> None:
+        """W4: ``SubmitFragment`` then a ``Heartbeat``; wait for its Result (WAITING, or W15's window)."""
         rid = self.round_ids[fid]
         self.retry_at.pop(fid, None)
         if self.overlap_steps:
@@ -852,7 +852,7 @@ class WorkerSession:
         self._join(now)
         return True
 
-    # ------------------------------------------------------------------ outages and stopping
+    # ------------------------------------------------------------------ W11: a silent coordinator
 
     def _outage(self, now: float, silence: float) -> bool:
         """Report a silent coordinator every so often; give up at the limit (W11). True when given up."""
@@ -872,6 +872,7 @@ class WorkerSession:
         return False
 
     def _heard(self, now: float) -> None:
+        """W11: a message arrived: the silence ends ("back" if it was reported)."""
         if self._outage_reports:
             waited = now - self._unanswered_since if self._unanswered_since is not None else 0.0
             self._out.append(OutageReport("back", waited, self.waiting_for(), self.coordinator_timeout_s))
