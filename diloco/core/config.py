@@ -100,6 +100,10 @@ class FSMConfig:
         if window > 0 and mode is not Mode.ASYNC:
             raise ConfigError("grace_window_s", window, "0 in sync mode (a sync round already merges every "
                               "member's contribution; the grace window is for --mode async)")
+        if window > self.heartbeat_timeout_s:
+            raise ConfigError("grace_window_s", window, f"at most heartbeat_timeout_s={self.heartbeat_timeout_s:g} "
+                              f"(a window holds every fast worker idle; past the heartbeat timeout it would hold "
+                              f"them longer than a death takes to notice)")
         object.__setattr__(self, "grace_window_s", float(window))
 
     def to_dict(self) -> dict:

@@ -10,7 +10,11 @@ fragment's round and params, the outer optimizer's state -- and checks:
 
 * **I1** quorum safety: every applied round happens with live members >=
   ``min_workers``, in phase RUNNING or DRAINING; sync: its contributors
-  include every live member; async: exactly one contributor.
+  include every live member; async: exactly one contributor, or with a grace window
+  (P5) every pending contribution of the fragment, in arrival order.
+* **P5** the grace window: a merged step closes only when due (its deadline,
+  every live member in it, a departure since it opened, a drain), and after
+  every coordinator step no due window is left open while the quorum holds.
 * **I2** at most one pending contribution per (worker, fragment, round); an
   apply never lists a worker twice; no (worker, fragment, round) applies twice.
 * **I3** each fragment's rounds (versions) apply in order, each once.
@@ -104,6 +108,10 @@ class TraceChecker(WorkerChecks, RoundChecks, ParamsChecks, ReplyChecks, Livenes
         self.live: dict[str, str] = {}
         self.pending: list[dict] = []
         self.last_base: dict[tuple[str, int], int] = {}
+        #: Async grace window (SPEC.md P5): its length, and per fragment with pending contributions
+        #: [the clock its window closes at, released by a departure].
+        self.window_s = 0.0
+        self.window: dict[int, list] = {}
         self.applied_keys: dict[tuple[str, int, int], int] = {}
         self.phase = "forming"
         self.stopped = False
@@ -227,6 +235,7 @@ class TraceChecker(WorkerChecks, RoundChecks, ParamsChecks, ReplyChecks, Livenes
         self.hb_interval_s = rec["heartbeat_interval_s"]
         self.min_workers = rec["min_workers"]
         self.pending = [{} for _ in range(rec["num_fragments"])]
+        self.window_s = rec.get("grace_window_s", 0.0)
         self._collective_config(rec)
 
 

@@ -14,6 +14,7 @@ from diloco.sim.config import (
     DATA_PLANES,
     FAULT_LEVELS,
     MAX_FRAGMENTS,
+    MAX_GRACE_WINDOW_S,
     MAX_ROUNDS,
     MAX_WORKERS,
     REDUCE_FAULT_KINDS,
@@ -76,6 +77,7 @@ examples:
   diloco sim --replay run.jsonl                        re-run it; exit 1 at the first differing record
   diloco sim --swarm 200 --seed 1000 --jobs 2          seeds 1000..1199; report the failing seeds
   diloco sim --swarm 50 --data-plane collective        the collective data plane, 50 seeds
+  diloco sim --swarm 20 --grace-window 1.5             async with a 1.5 s grace window, 20 seeds
 
 exit codes: 0 every invariant held (and a replay matched), 1 a violation, a crash or
 a divergence (the seed is printed), 2 bad usage"""
@@ -83,6 +85,10 @@ a divergence (the seed is printed), 2 bad usage"""
 
 def _int_in(name: str, low: int, high: int):
     return flag_value(int, lambda v: low <= v <= high, f"an integer in {low}..{high}", name)
+
+
+def _float_in(name: str, low: float, high: float):
+    return flag_value(float, lambda v: low <= v <= high, f"a number of seconds in {low:g}..{high:g}", name)
 
 
 def register(subparsers) -> None:
@@ -105,6 +111,11 @@ def register(subparsers) -> None:
                      help="where rounds are combined: hub (default: the coordinator runs the outer step) or "
                           "collective (the workers all-reduce, propose and vote; sync only, so the seed's mode "
                           "is ignored; adds the reduce faults and the I13/I14/C4-C6 checks)")
+    run.add_argument("--grace-window", type=_float_in("--grace-window", 0.0, MAX_GRACE_WINDOW_S), metavar="S",
+                     dest="grace_window",
+                     help="async grace window in seconds (SPEC.md P5): contributions within S of the first "
+                          "pending one merge into one outer step; async only (the seed's mode is ignored); adds "
+                          "the P5 checks (default 0: none)")
     out = p.add_argument_group("output")
     out.add_argument("--trace", metavar="FILE.jsonl", help="write the trace (one JSON record per line)")
     out.add_argument("--plot", metavar="FILE.png", help="write the membership timeline (PNG)")
@@ -118,7 +129,7 @@ def register(subparsers) -> None:
     p.set_defaults(handler=handle)
 
 
-_OVERRIDES = ("workers", "rounds", "faults", "mode", "fragments", "shutdown", "data_plane")
+_OVERRIDES = ("workers", "rounds", "faults", "mode", "fragments", "shutdown", "data_plane", "grace_window")
 
 
 def _usage(msg: str):
@@ -139,6 +150,8 @@ def _rerun_command(seed: int, overrides: dict, extra: str = "") -> str:
 def handle(args) -> int:
     if args.data_plane == "collective" and args.mode == "async":
         raise _usage("--data-plane collective is sync only (SPEC.md C1): drop --mode async")
+    if args.grace_window and (args.mode == "sync" or args.data_plane == "collective"):
+        raise _usage("--grace-window is async only (SPEC.md P5): drop --mode sync / --data-plane collective")
     if args.replay is not None:
         given = [f"--{k.replace('_', '-')}" for k in ("seed",) + _OVERRIDES if getattr(args, k) is not None]
         if args.swarm is not None:

@@ -43,6 +43,10 @@ MAX_WORKERS = 100_000
 MAX_ROUNDS = 1_000_000
 MAX_FRAGMENTS = 8
 
+#: Longest ``--grace-window`` (the shortest heartbeat timeout a seed draws: a window past the
+#: timeout would keep fast workers idle longer than a death takes to notice).
+MAX_GRACE_WINDOW_S = 4.0
+
 #: Link delays are capped here, so the liveness bound below can be finite.
 MAX_LINK_DELAY_S = 0.25
 
@@ -137,6 +141,9 @@ class SimConfig:
     reduce_fault_p: float = 0.0
     reduce_fault_weights: tuple[float, ...] = ()
     wedge_factor: float = 0.0
+    #: Async grace window (SPEC.md P5), seconds; an override only (``--grace-window``): a seed alone
+    #: always means no window, and a run without one leaves it out of its config record.
+    grace_window_s: float = 0.0
 
     # ------------------------------------------------------------ derived timings
 
@@ -176,7 +183,9 @@ class SimConfig:
         rejoin = 3 * self.heartbeat_timeout_s + JOIN_RESEND_MAX_S
         resync = RESYNC_INTERVALS * self.heartbeat_interval_s + straggled + self.heartbeat_timeout_s
         bound = (4 * self.heartbeat_timeout_s + rejoin + resync + straggled
-                 + (self.num_fragments + 1) * self.max_segment_s + 10.0)
+                 + (self.num_fragments + 1) * self.max_segment_s + 10.0
+                 # A grace window holds a fragment's step back by up to its length (P5).
+                 + 2 * self.grace_window_s)
         if self.collective:
             # Collective: an attempt ordered before the heal may run out its reduce timeout (a
             # wedge its reduce timeouts more), a joiner may need a few heals (each bounded by the
@@ -211,12 +220,15 @@ class SimConfig:
             # A hub run's config record is what it was before the collective plane existed.
             for name in _COLLECTIVE_FIELDS:
                 del d[name]
+        if not self.grace_window_s:
+            del d["grace_window_s"]  # as before the grace window existed
         return d
 
     def describe(self) -> str:
         plane = (f"data_plane=collective reduce_timeout_s={self.reduce_timeout_s:.1f} "
                  f"collective_timeout_s={self.collective_timeout_s:.2f} " if self.collective else "")
-        return (f"{plane}mode={self.mode} workers={self.workers} min_workers={self.min_workers} "
+        window = f"grace_window_s={self.grace_window_s:g} " if self.grace_window_s else ""
+        return (f"{plane}{window}mode={self.mode} workers={self.workers} min_workers={self.min_workers} "
                 f"fragments={self.num_fragments} faults={self.faults} rounds={self.rounds} "
                 f"shutdown={self.shutdown} heartbeat_timeout_s={self.heartbeat_timeout_s:.1f} "
                 f"train_s={self.train_s:.1f}")
@@ -235,7 +247,7 @@ def _check_override(name: str, value, low: int, high: int) -> int:
 def derive_config(seed: int, *, workers: int | None = None, rounds: int | None = None,
                   faults: str | None = None, mode: str | None = None,
                   fragments: int | None = None, shutdown: str | None = None,
-                  data_plane: str | None = None) -> SimConfig:
+                  data_plane: str | None = None, grace_window: float | None = None) -> SimConfig:
     """The run that ``seed`` (plus the given overrides) stands for.
 
     ``data_plane="collective"`` runs the coordinator on the collective plane (SPEC.md C1-C7),
@@ -271,6 +283,16 @@ def derive_config(seed: int, *, workers: int | None = None, rounds: int | None =
         if data_plane != "hub":
             overrides["data_plane"] = data_plane
     collective = overrides.get("data_plane") == "collective"
+    if grace_window is not None:
+        if (isinstance(grace_window, bool) or not isinstance(grace_window, (int, float))
+                or not 0 <= grace_window <= MAX_GRACE_WINDOW_S):
+            raise SimConfigError(f"grace_window={grace_window!r} is invalid: expected a number of seconds in "
+                                 f"0..{MAX_GRACE_WINDOW_S:g} (at most the shortest heartbeat timeout a seed draws)")
+        if grace_window and (collective or overrides.get("mode") == "sync"):
+            raise SimConfigError(f"grace_window={grace_window!r} is invalid with mode='sync' or the collective "
+                                 f"plane: the grace window is async only (SPEC.md P5)")
+        if grace_window:
+            overrides["grace_window"] = grace_window
 
     rng = random.Random(seed)
     # A fixed number of draws in a fixed order, before any override is looked at.
@@ -294,6 +316,8 @@ def derive_config(seed: int, *, workers: int | None = None, rounds: int | None =
     n_rounds = overrides.get("rounds") or 8 + int(u[2] * 33)
     level = overrides.get("faults") or pick(u[3], [(0.15, "none"), (0.40, "light"), (0.45, "heavy")])
     run_mode = "sync" if collective else overrides.get("mode") or ("sync" if u[4] < 0.65 else "async")
+    if overrides.get("grace_window"):
+        run_mode = "async"  # a window is async only: the seed's mode draw is ignored
     n_frag = overrides.get("fragments") or pick(u[5], [(0.6, 1), (0.25, 2), (0.1, 3), (0.05, 4)])
     if u[6] < 0.3:
         min_w = n_workers
@@ -365,6 +389,7 @@ def derive_config(seed: int, *, workers: int | None = None, rounds: int | None =
         max_workers=max_workers,
         param_sizes=sizes,
         overrides=overrides,
+        grace_window_s=float(overrides.get("grace_window", 0.0)),
     )
     if collective:
         cfg = replace(cfg, **_collective_knobs(seed, cfg))
@@ -399,7 +424,7 @@ def _collective_knobs(seed: int, cfg: SimConfig) -> dict:
 def config_from_dict(d: dict) -> SimConfig:
     """Rebuild a config from a trace's first record (``--replay``)."""
     names = {f.name for f in fields(SimConfig)}
-    missing = sorted(names - set(d) - set(_COLLECTIVE_FIELDS))
+    missing = sorted(names - set(d) - set(_COLLECTIVE_FIELDS) - {"grace_window_s"})
     if missing:
         raise SimConfigError(f"the trace's config record lacks {missing}")
     kwargs = {k: d[k] for k in names if k in d}

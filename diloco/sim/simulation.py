@@ -97,7 +97,7 @@ class Simulation(EventQueue, Network, FaultInjector):
             fsm=FSMConfig(min_workers=cfg.min_workers, mode=cfg.mode, num_fragments=cfg.num_fragments,
                           heartbeat_timeout_s=cfg.heartbeat_timeout_s, max_staleness=cfg.max_staleness,
                           max_held_per_fragment=cfg.max_held_per_fragment, max_workers=cfg.max_workers,
-                          **plane),
+                          grace_window_s=cfg.grace_window_s, **plane),
             outer=OuterConfig("nesterov" if self.sync else "delayed_nesterov", cfg.outer_lr,
                               cfg.outer_momentum, cfg.outer_delay),
             heartbeat_interval_s=cfg.heartbeat_interval_s,

@@ -74,6 +74,12 @@ def test_a_window_in_sync_mode_is_refused_clearly():
     assert FSMConfig(mode=Mode.SYNC, grace_window_s=0).grace_window_s == 0.0
 
 
+def test_a_window_longer_than_the_heartbeat_timeout_is_refused():
+    with pytest.raises(ConfigError, match="grace_window_s=31 is invalid: expected at most heartbeat_timeout_s=30"):
+        FSMConfig(mode=Mode.ASYNC, grace_window_s=31)
+    assert FSMConfig(mode=Mode.ASYNC, grace_window_s=30).grace_window_s == 30.0
+
+
 def test_the_window_is_part_of_the_config_dict():
     cfg = FSMConfig(mode=Mode.ASYNC, grace_window_s=3)
     assert cfg.grace_window_s == 3.0 and cfg.to_dict()["grace_window_s"] == 3.0

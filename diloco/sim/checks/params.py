@@ -112,6 +112,7 @@ class ParamsChecks:
             self.counts["coordinator_crashes"] += 1
             self.counts["lost_with_crash"] += sum(len(p) for p in self.pending)
             self.pending = [{} for _ in self.pending]
+            self.window.clear()
             self.last_base.clear()
             self.live.clear()
             self.up = False

@@ -2,7 +2,10 @@
 **I2** no contribution pending or applied twice, **I3** rounds in order, **I4** every
 accepted contribution applied with its round (or discarded at a stop, or lost with a
 crash), **I6** quorum events, **I12** phase moves; the coordinator's rules R4, R6, R7
-and, async, P2/P3 (parked contributions, staleness, arrival order).
+and, async, P2/P3 (parked contributions, staleness, arrival order) and P5 (the grace window: a
+merged step holds every pending contribution in arrival order, closes only when due -- its
+deadline, every live member in it, a departure, a drain -- and no due window stays open while
+the quorum holds).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ class RoundChecks:
             self._send(recs[1], step)  # the commonest step: a heartbeat and its reply
             if self.collective:
                 self._end_of_step_collective(step)
+            if self.window_s:
+                self._check_windows(step)
             return
         if self.collective and msg is not None and msg["type"] == "ReduceReport":
             self._report_received(step)
@@ -50,6 +55,28 @@ class RoundChecks:
                                  f"this step ({'/'.join(sorted(outcomes))}) but got no Result")
         if self.collective:
             self._end_of_step_collective(step)
+        if self.window_s:
+            self._check_windows(step)
+
+    def _window_due(self, f: int, t: float) -> bool:
+        """P5: fragment ``f``'s open window must close at clock ``t`` (if the quorum allows)."""
+        w = self.window.get(f)
+        if w is None:
+            return False
+        return t >= w[0] or w[1] or all(wid in self.pending[f] for wid in self.live)
+
+    def _check_windows(self, step: _Step) -> None:
+        """P5 liveness: after a coordinator step (which ticks the machine to its clock first), no
+        window that is due stays open while the quorum holds."""
+        if self.model is None or self.stopped or self.phase != "running" or len(self.live) < self.min_workers:
+            return
+        t = step.header["t"]
+        for f, pend in enumerate(self.pending):
+            if pend and self._window_due(f, t):
+                w = self.window[f]
+                self._violate("P5", f"async fragment {f} keeps its window open at t={t:.6f} with quorum: deadline "
+                                    f"{w[0]:.6f}, released {w[1]}, live {sorted(self.live)}, in it {list(pend)}")
+                self.window.pop(f, None)  # once per window
 
     def _accept(self, step: _Step) -> None:
         wid, f, r, values, peer = step.accept
@@ -77,6 +104,9 @@ class RoundChecks:
                 self._violate("P3", f"accepted {wid}'s contribution to fragment {f} from base {r}, not after its "
                                     f"last base {last}")
             self.last_base[(wid, f)] = r
+            if self.window_s and not pend:
+                # P5: the first pending contribution opens the window, at the machine's clock then.
+                self.window[f] = [step.header["t"] + self.window_s, False]
         pend[wid] = (r, values)
         if self.collective:
             self.holders[wid] = None  # ready for a round: it holds the committed state (C6)
@@ -118,6 +148,9 @@ class RoundChecks:
                 self._left_collective(wid)
             for key in [k for k in self.last_base if k[0] == wid]:
                 del self.last_base[key]
+            for f, pend in enumerate(self.pending):
+                if pend and f in self.window:
+                    self.window[f][1] = True  # P5: a departure inside the window releases it
             self.counts["deaths" if what == "dead" else "leaves"] += 1
         elif what == "quorum":
             self.min_workers = rec["min_workers"]
@@ -208,6 +241,18 @@ class RoundChecks:
                 self._violate("I4", f"fragment {f} round {r} applied without the accepted contributions of "
                                     f"{dropped}: silently dropped")
             keys = [(w, r) for w in contributors if w in pend]
+        elif self.window_s:
+            # P5: the window closes with everything pending in it, in arrival order, and only when due.
+            if list(contributors) != list(pend):
+                self._violate("P5", f"async fragment {f} version {r} applied {contributors}; its window holds "
+                                    f"{list(pend)} (all of them, in arrival order)")
+            if not self._window_due(f, rec["t"]) and self.phase != "draining":
+                deadline = self.window.get(f, [None])[0]
+                self._violate("P5", f"async fragment {f} version {r} closed its window early at t={rec['t']:.6f} "
+                                    f"(deadline {deadline}, no departure, live {sorted(live)} not all in "
+                                    f"{list(pend)})")
+            self.window.pop(f, None)
+            keys = [(w, pend[w][0]) for w in contributors if w in pend]
         else:
             if len(contributors) != 1:
                 self._violate("I1", f"async fragment {f} version {r} applied {len(contributors)} contributions")
