@@ -2,7 +2,17 @@
 
 (One state machine in one file, as ``diloco/core/round_fsm.py`` is: its rules
 W1-W19 share one small state, and splitting them across files would make a
-reader chase that state; hence over 400 lines, about 850.)
+reader chase that state; hence over 400 lines, about 1,000.)
+
+How to read it. ``WorkerSession.__init__`` is the inventory of that state: every
+field, grouped by the rule it serves, with its W-labels. Then come the queries,
+``restore`` and the events, the public methods (one per event of SPEC.md section
+14); ``on_message``, ``tick`` and ``step_done`` end in ``_settle``, which applies
+what must follow any of them. The private methods sit in sections named by their rules:
+W1 joining and W2 the Welcome; the schedule (W2's placement, W19's DyLU); messages
+once welcomed; after every event (W4-W7) and the W9 resync; W11 outages; W12,
+every part of the stop rule; overlap (W15-W18); plumbing, where ``_go`` is the one
+place the state moves (and a pause begins and ends, W6).
 
 The coordinator has ``RoundFSM``; a worker has this. Events come in as data --
 a decoded coordinator message, a clock reading, "finished an inner step", a
@@ -450,20 +460,8 @@ class WorkerSession:
             return self._flush()
         silence = self.silence(now, transport_silence_s)
         if state is S.JOINING:
-            if self._outage(now, silence):
-                return self._flush()
-            if sending or receiving:
-                # W1, W3: our Join (with params) or the Welcome is still crossing, part by part. The
-                # coordinator may count us a member already: heartbeat (before it does, it answers
-                # rejoin, ignored here); a Join sent again would only be answered already_member.
-                if now - self._last_hb_sent >= self.heartbeat_interval_s:
-                    self._heartbeat(now)
-            elif self._unanswered_since is not None and \
-                    now - max(self._last_join, self._unanswered_since) >= self._join_resend_s:
-                # A Join can be lost with a connection that died under it (a duplicate is
-                # answered already_member after the Welcome, and ignored).
-                self._send_join(now)
-                self._join_resend_s = min(2 * self._join_resend_s, JOIN_RESEND_MAX_S)
+            if not self._outage(now, silence):  # W11
+                self._tick_joining(now, sending or receiving)  # W1, W3
             return self._flush()
         if now - self._last_hb_sent >= self.heartbeat_interval_s:
             self._heartbeat(now)
@@ -531,7 +529,7 @@ class WorkerSession:
             self._fail(code, detail, now, tell_driver=False)
         return self._flush()
 
-    # ------------------------------------------------------------------ joining
+    # ------------------------------------------------------------------ W1 joining, W2 the Welcome
 
     def _join(self, now: float) -> None:
         """W1: join (``start``), or join again (W9 resync, W10 rejoin): JOINING, a new ``Join``.
@@ -550,6 +548,22 @@ class WorkerSession:
         """W1: send ``Join(worker_id, PROTOCOL_VERSION, spec)``, no params: the one place a Join is built."""
         self._send(Join(self.worker_id, PROTOCOL_VERSION, self.spec), now)
         self._last_join = now
+
+    def _tick_joining(self, now: float, busy: bool) -> None:
+        """W1: send an unanswered Join again (2.5 s, 5, 10, 20, 30, 30, ... s), unless a message is
+        still moving (``busy``): then heartbeat (W3)."""
+        if busy:
+            # Our Join (with params) or the Welcome is still crossing, part by part. The
+            # coordinator may count us a member already: heartbeat (before it does, it answers
+            # rejoin, ignored here); a Join sent again would only be answered already_member.
+            if now - self._last_hb_sent >= self.heartbeat_interval_s:
+                self._heartbeat(now)
+        elif self._unanswered_since is not None and \
+                now - max(self._last_join, self._unanswered_since) >= self._join_resend_s:
+            # A Join can be lost with a connection that died under it (a duplicate is
+            # answered already_member after the Welcome, and ignored).
+            self._send_join(now)
+            self._join_resend_s = min(2 * self._join_resend_s, JOIN_RESEND_MAX_S)
 
     def _on_message_joining(self, msg: Message, now: float) -> None:
         if isinstance(msg, Welcome):
@@ -615,7 +629,11 @@ class WorkerSession:
         # (With overlap a due fragment is submitted from TRAINING: W15.)
         self._go(S.WAITING if self.waiting or (self.due(now) and not self.overlap_steps) else S.TRAINING, now)
 
+    # ------------------------------------------------------------------ the schedule: W2 placement, W19 DyLU
+
     def _place_on_schedule(self, ids_same: bool, same_layout: bool) -> None:
+        """W2: place the worker on the run's schedule (sync: from the round ids; async: from its own
+        start), or keep its own when the layout (and, sync, the round ids) are the ones it had."""
         F = len(self.fragments)
         if self.mode == Mode.SYNC:
             if ids_same and len(self.next_close) == F:
@@ -663,7 +681,7 @@ class WorkerSession:
         if h != old:
             self._note("info", f"DyLU: {h} inner steps per round from now on (was {old})")
 
-    # ------------------------------------------------------------------ messages
+    # ------------------------------------------------------------------ messages once welcomed (W6-W8, W10, W12, W14)
 
     def _on_heartbeat_reply(self, msg: HeartbeatReply, now: float) -> None:
         self._hb_outstanding = max(0, self._hb_outstanding - 1)
@@ -761,7 +779,7 @@ class WorkerSession:
         else:
             self._note("debug", f"ignoring a stale error ({code_value(msg.code)} in reply to {msg.in_reply_to})")
 
-    # ------------------------------------------------------------------ after every event; the waiting rules
+    # ------------------------------------------------------------------ after every event (W4-W7), W9 resync
 
     def _settle(self, now: float) -> None:
         """After any event (but in STOPPING and STOPPED), in this order: carry out a stop (W12) or a
