@@ -121,7 +121,8 @@ def render_status(status: dict, address: str = "", *, width: int = 120) -> str:
     cfg = status.get("config")
     if isinstance(cfg, dict):
         fsm, outer = cfg.get("fsm") or {}, cfg.get("outer") or {}
-        console.print(f"config: mode {fsm.get('mode', '?')}, {fsm.get('num_fragments', '?')} fragment(s), heartbeat "
+        window = f" (grace window {fsm['grace_window_s']:g} s)" if fsm.get("grace_window_s") else ""
+        console.print(f"config: mode {fsm.get('mode', '?')}{window}, {fsm.get('num_fragments', '?')} fragment(s), heartbeat "
                       f"timeout {fsm.get('heartbeat_timeout_s', '?')} s, outer {outer.get('name', '?')} lr "
                       f"{outer.get('lr', '?')} momentum {outer.get('momentum', '?')}, max update norm "
                       f"{cfg.get('max_update_norm') or 'off'}, wire dtype {cfg.get('wire_dtype', 'fp32')}, "

@@ -28,6 +28,7 @@ WIRE_DTYPES = ("fp32", "bf16", "int8", "int4")  # diloco.wire.messages.WIRE_DTYP
 
 
 _positive_int = flag_value(int, lambda v: v >= 1, ">= 1")
+_grace_window = flag_value(float, lambda v: 0 <= v < float("inf"), "a finite number of seconds >= 0", "--grace-window")
 
 
 def momentum_decay(text: str) -> tuple[int, int, float]:
@@ -148,6 +149,13 @@ def register(subparsers) -> None:
     p.add_argument("--mode", choices=("sync", "async"), default=None,
                    help="sync: rounds with a barrier (DiLoCo); async: one outer step per contribution "
                         "(Async Local-SGD) (default sync)")
+    p.add_argument("--grace-window", type=_grace_window, default=None, metavar="S",
+                   help="async mode: contributions that arrive within S seconds of the first pending one are "
+                        "merged into one outer step (their mean, as a sync round's); the window closes early when "
+                        "every live worker has submitted, and at once when a worker leaves or dies. The quorum "
+                        "(--min-workers) holds for the merged step. Fast workers wait up to S at their sync point. "
+                        "At most the heartbeat timeout. 0: one outer step per contribution (default 0; on "
+                        "--resume: the saved value)")
     p.add_argument("--fragments", type=_positive_int, default=None, metavar="F",
                    help="Streaming DiLoCo: split the params into F fragments that sync separately (default 1)")
     p.add_argument("--outer-optimizer", choices=("nesterov", "sgd", "adam", "delayed_nesterov"), default=None,
@@ -419,6 +427,7 @@ def cmd_server(args) -> int:
     settings = ServerSettings(
         bind=args.bind, min_workers=args.min_workers, heartbeat_timeout_s=args.heartbeat_timeout,
         checkpoint_dir=args.checkpoint_dir, mode=args.mode, fragments=args.fragments,
+        grace_window_s=args.grace_window,
         outer_optimizer=args.outer_optimizer, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
         outer_momentum_warmup=args.outer_momentum_warmup, outer_momentum_decay=args.outer_momentum_decay,
         resume=args.resume, keep=args.keep, full_checkpoint_every=args.full_checkpoint_every,

@@ -51,6 +51,9 @@ class ServerSettings:
     #: (``persist.py``; 0: auto, 1: a full checkpoint every round).
     full_checkpoint_every: int = 0
     mode: str | None = None
+    #: ``--grace-window S``: async contributions within S seconds merge into one outer step (SPEC.md P5);
+    #: None: not given, so 0, or on resume the checkpoint's.
+    grace_window_s: float | None = None
     fragments: int | None = None
     outer_optimizer: str | None = None
     outer_lr: float | None = None
@@ -123,9 +126,13 @@ def build_config(s: ServerSettings, base: CoordinatorConfig | None = None) -> Co
     fsm = base.fsm
     changes = {}
     for field, value in (("min_workers", s.min_workers), ("heartbeat_timeout_s", s.heartbeat_timeout_s),
-                         ("mode", s.mode), ("num_fragments", s.fragments), ("data_plane", s.data_plane)):
+                         ("mode", s.mode), ("num_fragments", s.fragments), ("data_plane", s.data_plane),
+                         ("grace_window_s", s.grace_window_s)):
         if value is not None:
             changes[field] = value
+    if s.grace_window_s and (s.mode or fsm.mode.value) != "async":
+        raise ServerError(f"--grace-window {s.grace_window_s:g} needs --mode async: a sync round already merges "
+                          f"every worker's contribution")
     if s.data_plane == "collective" and (s.mode or fsm.mode.value) == "async":
         raise ServerError("--data-plane collective runs in sync mode only: an async contribution is its own "
                           "outer step, applied on the coordinator (use the hub plane for --mode async)")

@@ -6,6 +6,7 @@ replay of merged steps comes back bit for bit.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from diloco.coordinator import CoordinatorConfig
@@ -77,3 +78,40 @@ def test_a_journal_of_merged_steps_replays_bit_for_bit(tmp_path):
         assert c.fsm.rounds_applied == 6 and c.stats.contributions_accepted == 12
         assert find_newest(ck).replayed > 0
         _same_state(_state_of(load_coordinator(ck, 0.0)), _state_of(c))
+
+
+def test_the_server_flag_sets_the_window_and_a_resume_keeps_or_changes_it(tmp_path):
+    import io
+
+    from diloco.coordinator.checkpoint import save_coordinator
+    from diloco.cli import build_parser
+    from diloco.deploy.server import EventPrinter, ServerError, ServerSettings, build_config
+    from diloco.deploy.server import make_coordinator as server_coordinator
+
+    args = build_parser().parse_args(["server", "--mode", "async", "--grace-window", "1.5"])
+    assert args.grace_window == 1.5
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["server", "--grace-window", "-1"])
+    cfg = build_config(ServerSettings(min_workers=1, mode="async", grace_window_s=1.5))
+    assert cfg.fsm.grace_window_s == 1.5
+    with pytest.raises(ServerError, match="--grace-window 2 needs --mode async"):
+        build_config(ServerSettings(grace_window_s=2.0))
+    with pytest.raises(ServerError, match="at most heartbeat_timeout_s=5"):
+        build_config(ServerSettings(mode="async", heartbeat_timeout_s=5.0, grace_window_s=6.0))
+    c = Coordinator(cfg, 0.0)
+    joined(c, P0, "w1")
+    save_coordinator(c, tmp_path)
+    out = io.StringIO()
+    kept = server_coordinator(ServerSettings(resume=str(tmp_path), checkpoint_dir=str(tmp_path)),
+                              EventPrinter(out), 10.0, out=out)
+    assert kept.config.fsm.grace_window_s == 1.5 and kept.config.fsm.mode is Mode.ASYNC
+    changed = server_coordinator(ServerSettings(resume=str(tmp_path), checkpoint_dir=str(tmp_path),
+                                                grace_window_s=0.0), EventPrinter(out), 10.0, out=out)
+    assert changed.config.fsm.grace_window_s == 0.0
+    assert "grace window 1.5 s" in _status_text(kept)
+
+
+def _status_text(c: Coordinator) -> str:
+    from diloco.deploy.admin import render_status
+
+    return render_status(c.status(), width=400)
