@@ -46,11 +46,10 @@ import enum
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, TypeVar
 
 from diloco.core.config import Mode
 from diloco.core.reasons import ReleaseOutcome
-
 from diloco.wire.messages import (
     PROTOCOL_VERSION,
     Accepted,
@@ -72,44 +71,45 @@ from diloco.worker.actions import (
     Action,
     Fail,
     InstallParams,
+    MergeParams,
     Note,
     OutageReport,
     Send,
     SendJoinWithParams,
     StateChanged,
     Stop,
-    MergeParams,
     SubmitFragment,
 )
 from diloco.worker.states import WorkerState
 
 S = WorkerState
 
-#: Error codes answered by joining again (the coordinator forgot us, or we fell behind).
+#: W10: error codes answered by joining again (the coordinator forgot us, or we fell behind).
 REJOIN_CODES = frozenset({ErrorCode.STALE_ROUND, ErrorCode.FUTURE_ROUND, ErrorCode.UNKNOWN_WORKER})
-#: Error codes that end the run for this worker: the run is over.
+#: W1, W12: error codes that end the run for this worker: the run is over.
 STOP_CODES = frozenset({ErrorCode.STOPPED, ErrorCode.SHUTTING_DOWN})
-#: Heartbeat intervals of unpaused waiting before a worker suspects a lost Result (doubles each time).
+#: W9: heartbeat intervals of unpaused waiting before a worker suspects a lost Result (doubles each time).
 RESYNC_INTERVALS = 16
 #: ... up to this many: a worker that waited out a long straggler must not then take hours to
 #: notice a Result lost later (at the default 7.5 s interval, 256 intervals are 32 minutes).
 RESYNC_MAX_INTERVALS = 256
-#: Retries of a join answered ``already_member`` (Leave, then Join again).
+#: W1: retries of a join answered ``already_member`` (Leave, then Join again).
 ALREADY_MEMBER_RETRIES = 3
-#: Default ``coordinator_timeout_s``: how long a silent coordinator is waited for (10 minutes).
+#: W11: default ``coordinator_timeout_s``, how long a silent coordinator is waited for (10 minutes).
 DEFAULT_COORDINATOR_TIMEOUT_S = 600.0
-#: Seconds of coordinator silence before the first "waiting" outage report.
+#: W11: seconds of coordinator silence before the first "waiting" outage report ...
 OUTAGE_NOTICE_S = 5.0
-#: Seconds between further reports while the silence lasts.
+#: ... and between further reports while the silence lasts.
 OUTAGE_REPORT_EVERY_S = 10.0
-#: A silent join is sent again after this long, then twice as long, ... (at most ``JOIN_RESEND_MAX_S``).
+#: W1: a silent join is sent again after this long, then twice as long, ... (at most ``JOIN_RESEND_MAX_S``).
 JOIN_RESEND_S = 2.5
 JOIN_RESEND_MAX_S = 30.0
-#: Heartbeat interval assumed before the first Welcome says the run's.
+#: W3: heartbeat interval assumed before the first Welcome says the run's.
 DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
-#: How long a stop of unknown kind waits for the heartbeat reply that tells whether to save.
+#: W12: how long a stop of unknown kind waits for the heartbeat reply that tells whether to save
+#: (at most 4 heartbeat intervals).
 ASK_SAVE_MAX_S = 1.0
-#: How many (inner_step, fragment, round, outcome) entries ``history`` keeps.
+#: W7: how many (inner_step, fragment, round, outcome) entries ``history`` keeps.
 HISTORY_LIMIT = 10_000
 #: Overlap (W15): local <- alpha * local + (1 - alpha) * global at a merge. 0.5 as in
 #: Streaming DiLoCo (Douillard et al. 2025, arXiv:2501.18512, section 2.3).
@@ -129,32 +129,26 @@ class SessionError(Exception):
     """The caller broke the session's contract (an event in a state that cannot take it)."""
 
 
-def error_code(code: object) -> ErrorCode | None:
-    """``code`` as an ``ErrorCode``, or None for a code this worker does not know."""
+E = TypeVar("E", bound=enum.Enum)
+
+
+def _known(kind: type[E], value: object) -> E | None:
+    """``value`` as a member of the enum ``kind`` (a command, an outcome, a code), or None for one
+    this worker does not know."""
     try:
-        return ErrorCode(code)
+        return kind(value)
     except ValueError:
         return None
+
+
+def error_code(code: object) -> ErrorCode | None:
+    """``code`` as an ``ErrorCode``, or None for a code this worker does not know."""
+    return _known(ErrorCode, code)
 
 
 def code_value(code: object) -> str:
     """An enum member's value (an ``ErrorCode``, a ``Mode``, ...), or ``code`` as text (one not known here)."""
     return code.value if isinstance(code, enum.Enum) else str(code)
-
-
-def command_of(command: object) -> Command | None:
-    try:
-        return Command(command)
-    except ValueError:
-        return None
-
-
-def release_outcome(outcome: object) -> ReleaseOutcome | None:
-    """A Result's ``outcome`` as a ``ReleaseOutcome``, or None for one this worker does not know (W14)."""
-    try:
-        return ReleaseOutcome(outcome)
-    except ValueError:
-        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -691,7 +685,7 @@ class WorkerSession:
             self._quorum_fresh = True
         self.below_min_workers = bool(msg.below_min_workers)
         self.min_workers = msg.min_workers
-        command = command_of(msg.command)
+        command = _known(Command, msg.command)
         if command is Command.CONTINUE:
             self.target_sync_every = _valid_h(getattr(msg, "sync_every", None))  # W19: adopted at a boundary
         if self.state is S.STOPPING:
@@ -719,7 +713,7 @@ class WorkerSession:
         if self.waiting.get(fid) != msg.round_id:
             self._note("debug", f"ignoring a stale Result for fragment {fid} round {msg.round_id}")
             return
-        outcome = release_outcome(msg.outcome)
+        outcome = _known(ReleaseOutcome, msg.outcome)
         if outcome is None:
             self._fail(ErrorCode.BAD_MESSAGE.value, f"Result with unknown outcome {code_value(msg.outcome)!r}",
                        now)  # W14
