@@ -995,19 +995,25 @@ class WorkerSession:
         self._hb_outstanding += 1
         self._last_hb_sent = now
 
-    def _go(self, state: WorkerState, now: float) -> None:
-        """Move to ``state`` (``StateChanged``). The one place a pause begins and ends (W6: ``seconds_paused``)."""
+    def _go(self, state: WorkerState, now: float | None = None) -> None:
+        """Move to ``state`` (``StateChanged``): the one place the state moves, so the one place a
+        pause begins and ends (W6). ``now`` is required for a move into or out of PAUSED."""
         if state is self.state:
             return
         previous, self.state = self.state, state
         if previous is S.PAUSED:
-            self.seconds_paused += max(0.0, now - self._paused_since)
-            self._paused_since = None
+            self._end_pause(now)
         elif state is S.PAUSED:
             self._paused_since = now
         if state is S.STOPPING:
             self._stopping_from_training = previous is S.TRAINING
         self._out.append(StateChanged(state, previous))
+
+    def _end_pause(self, now: float) -> None:
+        """W6: add the pause's time to ``seconds_paused`` (called by ``_go`` as it leaves PAUSED)."""
+        if self._paused_since is not None:
+            self.seconds_paused += max(0.0, now - self._paused_since)
+            self._paused_since = None
 
     def _note(self, level: str, text: str) -> None:
         self._out.append(Note(level, text))
