@@ -18,13 +18,10 @@ import sys
 import time
 
 from diloco.argtypes import flag_value
+from diloco.deploy.options import DEFAULT_WIRE_DTYPE, WIRE_DTYPES, client_auth
 from diloco.exits import EXIT_AUTH_REFUSED, EXIT_OK, EXIT_PROBLEM, EXIT_UNREACHABLE, UsageError
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
-#: ``diloco server --wire-dtype``: how pseudo-gradients and Results travel in a fresh run.
-#: Chosen from benchmarks/bench_training.py --wire (benchmarks/README.md).
-DEFAULT_WIRE_DTYPE = "int8"
-WIRE_DTYPES = ("fp32", "bf16", "int8", "int4")  # diloco.wire.messages.WIRE_DTYPE_NAMES (a test checks they agree)
 
 
 _positive_int = flag_value(int, lambda v: v >= 1, ">= 1")
@@ -86,16 +83,6 @@ def _add_connect(p: argparse.ArgumentParser, role: str = "admin") -> None:
     p.add_argument("--timeout", type=_positive_float, default=5.0, metavar="S",
                    help="give up after S seconds without an answer: exit code 3 (default 5)")
     _add_client_keys(p, role)
-
-
-def client_auth(args):
-    """``--key``/``--server-key`` (or their environment variables) -> ``ClientAuth``, or None; ``UsageError`` if bad."""
-    from diloco.transport.zmq.auth import AuthError, ClientAuth
-
-    try:
-        return ClientAuth.from_options(args.key, args.server_key)
-    except AuthError as exc:
-        raise UsageError(str(exc)) from None
 
 
 def _is_loopback_bind(address: str) -> bool:

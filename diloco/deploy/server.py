@@ -24,12 +24,12 @@ from typing import TextIO
 from diloco import __version__
 from diloco.coordinator import Coordinator, CoordinatorConfig
 from diloco.coordinator.audit import AuditLog, Tee, last_run_id
-from diloco.coordinator.persist import describe_policy, resume_notes
 from diloco.coordinator.checkpoint import DEFAULT_KEEP, find_newest, list_checkpoints, restore_coordinator
 from diloco.coordinator.runner import serve
 from diloco.deploy.events import EventPrinter
 from diloco.core import ConfigError, Mode
-from diloco.deploy.commands import DEFAULT_WIRE_DTYPE
+from diloco.deploy.options import DEFAULT_WIRE_DTYPE
+from diloco.deploy.startup import startup_lines
 from diloco.tensorfile import CheckpointError
 from diloco.wire.messages import AdminReply, AdminRequest, Message
 from diloco.wire.zmq import ZmqCoordinatorEndpoint, ZmqOptions
@@ -178,31 +178,6 @@ def build_config(s: ServerSettings, base: CoordinatorConfig | None = None) -> Co
         raise ServerError(str(exc)) from None
 
 
-def momentum_schedule(outer) -> str:
-    """The start-up line's words for a momentum warm-up or decay (empty without one)."""
-    words = []
-    if outer.momentum_warmup:
-        words.append(f"warm-up over {outer.momentum_warmup} steps")
-    if outer.momentum_decay_rounds:
-        words.append(f"decay to {outer.momentum_final:g} over steps {outer.momentum_decay_start}.."
-                     f"{outer.momentum_decay_start + outer.momentum_decay_rounds - 1}")
-    return f" ({', '.join(words)})" if words else ""
-
-
-def wire_line(cfg: CoordinatorConfig) -> str:
-    """What travels in which dtype, for the start-up lines."""
-    dt = cfg.wire_dtype
-    size = {"fp32": "4 bytes per parameter", "bf16": "2 bytes per parameter",
-            "int8": "1 byte per parameter plus an fp32 scale per 256"}[dt]
-    if dt == "fp32":
-        return f"wire dtype fp32: pseudo-gradients and Results travel as fp32 ({size})"
-    if cfg.fsm.mode is Mode.ASYNC:
-        return (f"wire dtype {dt}: pseudo-gradients travel as {dt} ({size}); Results as full fp32 "
-                f"params (async mode); outer step in fp32")
-    return (f"wire dtype {dt}: pseudo-gradients and each round's update travel as {dt} ({size}); "
-            f"outer step in fp32")
-
-
 def make_coordinator(s: ServerSettings, printer: EventPrinter, now_s: float,
                      observer=None, out: TextIO = sys.stdout) -> Coordinator:
     """A fresh coordinator, or with ``--resume`` the newest valid checkpoint's (SPEC.md section 12, "Resume").
@@ -348,44 +323,8 @@ def run_server(s: ServerSettings, out: TextIO = sys.stdout, stop_event: threadin
         endpoint = ZmqCoordinatorEndpoint(s.bind, options=options, auth=auth)
     except Exception as exc:
         raise ServerError(str(exc)) from None
-    cfg = coordinator.config
-    print(f"diloco server listening on {endpoint.address}", file=out, flush=True)
-    print(f"  mode {cfg.fsm.mode.value}, {cfg.fsm.num_fragments} fragment(s), min_workers {coordinator.fsm.min_workers}, "
-          f"heartbeat timeout {cfg.fsm.heartbeat_timeout_s:g} s (workers beat every {cfg.heartbeat_interval_s:g} s), "
-          f"outer {cfg.outer.name} lr {cfg.outer.lr:g} momentum {cfg.outer.momentum:g}{momentum_schedule(cfg.outer)}", file=out, flush=True)
-    print(f"  {wire_line(cfg)}", file=out, flush=True)
-    if store_host is not None:
-        print(f"  data plane collective: workers all-reduce among themselves (gloo) on the store at "
-              f"{store_host.host}:{store_host.port}; each collective bounded by {cfg.collective_timeout_s:g} s, "
-              f"an attempt by {cfg.fsm.reduce_timeout_s:g} s; this server holds no params", file=out, flush=True)
-    if cfg.dylu:
-        print(f"  DyLU: each worker takes H_w = max(1, floor(v_w / v_max * {cfg.sync_every})) inner steps per round "
-              f"(v: its training speed; the fastest keeps {cfg.sync_every}; no measurement yet: {cfg.sync_every})",
-              file=out, flush=True)
-    if cfg.max_update_norm is not None:
-        print(f"  max update norm {cfg.max_update_norm:g}: contributions with a larger L2 norm are refused "
-              f"(update_too_large)", file=out, flush=True)
-    if cfg.outlier_factor > 0:
-        print(f"  outlier bound: a contribution whose L2 norm is over {cfg.outlier_factor:g} x the median of the "
-              f"fragment's last accepted ones is refused (update_too_large; --outlier-factor 0: off)",
-              file=out, flush=True)
-    if auth is not None:
-        roles = [c.role.value for c in auth.clients.values()]
-        print(f"  auth: CURVE, {roles.count('worker')} worker key(s) and {roles.count('admin')} admin key(s) "
-              f"from {auth.directory}", file=out, flush=True)
-    else:
-        print("  auth: none (anyone who reaches the address can join or run admin commands)", file=out, flush=True)
-    if coordinator.resumed_from is not None:
-        print(f"  resumed from {coordinator.resumed_from}: open rounds {list(coordinator.fsm.open_round_ids())}, "
-              f"rounds applied {coordinator.fsm.rounds_applied}, "
-              f"{coordinator._num_params()} params, "
-              f"incarnation {coordinator.incarnation}", file=out, flush=True)
-        for note in resume_notes(coordinator.resume_replayed, coordinator.resume_torn):
-            print(f"  {note}", file=out, flush=True)
-    if s.checkpoint_dir:
-        print(f"  durable rounds: every applied round is written to {s.checkpoint_dir} before any worker hears of it "
-              f"({describe_policy(s.full_checkpoint_every)}; newest {s.keep} kept); audit log {os.path.join(s.checkpoint_dir, 'events.jsonl')}",
-              file=out, flush=True)
+    for line in startup_lines(coordinator, s, endpoint.address, store_host, auth):
+        print(line, file=out, flush=True)
     print(f"  run id {coordinator.run_id}", file=out, flush=True)
     observing = None
     if s.http is not None or s.log_dir is not None:

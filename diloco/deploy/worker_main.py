@@ -219,7 +219,7 @@ def _run_leader(args, setup, worker_id: str, sync_every: int, info, device, over
     from diloco.worker.worker import DEFAULT_COORDINATOR_TIMEOUT_S, DilocoWorkerError
 
     printer = _Printer(worker_id)
-    from diloco.deploy.commands import client_auth
+    from diloco.deploy.options import client_auth
 
     coordinator_timeout = args.coordinator_timeout
     if args.join_timeout is not None:

@@ -62,3 +62,14 @@ def test_int4_is_the_hub_planes_and_error_feedback_is_on_for_it():
     with pytest.raises(ConfigError, match="collective plane"):
         CoordinatorConfig(FSMConfig(min_workers=1, data_plane="collective"), wire_dtype="int4",
                           collective_timeout_s=1.0)
+
+
+def test_the_server_says_what_an_int4_run_and_a_momentum_schedule_do():
+    from diloco.deploy.startup import momentum_schedule, wire_line
+    from diloco.outer import OuterConfig
+
+    line = wire_line(CoordinatorConfig(FSMConfig(min_workers=1), wire_dtype="int4"))
+    assert "int4 (half a byte per parameter plus an fp32 scale per 64)" in line
+    assert momentum_schedule(OuterConfig(momentum_warmup=10, momentum_decay_start=100, momentum_decay_rounds=20,
+                                         momentum_final=0.4)) == " (warm-up over 10 steps, decay to 0.4 over steps 100..119)"
+    assert momentum_schedule(OuterConfig()) == ""

@@ -1,0 +1,27 @@
+"""What several commands share: the server's wire-dtype default and the client keys' flags to ``ClientAuth``.
+
+Its own module so that ``server.py`` and ``worker_main.py`` need not import
+``commands.py`` (which imports them, lazily, to run them): no import circle.
+Imports nothing heavy, so ``diloco --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+from diloco.exits import UsageError
+
+#: ``diloco server --wire-dtype``: how pseudo-gradients and Results travel in a fresh run.
+#: Chosen from benchmarks/bench_training.py --wire (benchmarks/README.md).
+DEFAULT_WIRE_DTYPE = "int8"
+#: The ``--wire-dtype`` choices: ``diloco.wire.messages.WIRE_DTYPE_NAMES`` (a test checks they agree),
+#: spelled out so that parsing the command line imports no torch.
+WIRE_DTYPES = ("fp32", "bf16", "int8", "int4")
+
+
+def client_auth(args):
+    """``--key``/``--server-key`` (or their environment variables) -> ``ClientAuth``, or None; ``UsageError`` if bad."""
+    from diloco.transport.zmq.auth import AuthError, ClientAuth
+
+    try:
+        return ClientAuth.from_options(args.key, args.server_key)
+    except AuthError as exc:
+        raise UsageError(str(exc)) from None
