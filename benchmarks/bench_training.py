@@ -614,6 +614,102 @@ class _DyluBench(_RealDiloco):
         w.leave()
 
 
+class _GraceBench(_RealDiloco):
+    """``--grace-sweep``: k async workers of mixed speed (worker i sleeps ``slow_factors[i]`` inner-step
+    times after each step), each training ``steps`` inner steps, with a grace window (SPEC.md P5)."""
+
+    def __init__(self, k: int, H: int, steps: int, outer_lr: float, s: TrainSettings, corpus: Corpus, seed: int,
+                 *, window_s: float, delay: int, step_s: float, slow_factors: tuple[float, ...]) -> None:
+        super().__init__(k, H, steps, outer_lr, s, corpus, seed)
+        self.rounds = k * steps // H  # contributions (the progress lines count outer steps against it)
+        self.sleeps = [f * step_s for f in slow_factors]
+        # Quorum 1: a worker that finished its steps leaves; the others go on (async).
+        self.coordinator = Coordinator(
+            CoordinatorConfig(FSMConfig(min_workers=1, mode="async", grace_window_s=window_s),
+                              OuterConfig("delayed_nesterov", outer_lr, OUTER_MOMENTUM, delay)),
+            now_s=time.monotonic(), observer=self._observe)
+        #: Contributors of each applied outer step.
+        self.apply_sizes: list[int] = []
+
+    def _observe(self, what: str, now_s: float, info: dict) -> None:
+        if what == "apply":
+            self.apply_sizes.append(len(info["contributors"]))
+        self.probe.observe(what, now_s, info)
+
+    def _train(self, index: int, worker_id: str) -> None:
+        s = self.s
+        w, model, opt, sched, sampler = self._joined_worker(index, worker_id)
+        t_joined = time.perf_counter()
+        done = 0
+        for step in range(1, self.steps + 1):
+            loss = inner_step(model, opt, sched, sampler, s)
+            if self.sleeps[index]:
+                time.sleep(self.sleeps[index])
+            done = step
+            with self.lock:
+                self.losses[step].append(loss)
+            if not w.step_done():
+                break
+        self.span[worker_id] = (t_joined, time.perf_counter())
+        self.steps_done[worker_id] = done
+        w.leave()
+
+
+#: ``--grace-sweep``: relative slowness of the 4 workers (extra sleep per inner step, in step times).
+GRACE_SLOW_FACTORS = (0.0, 0.5, 1.0, 2.0)
+
+
+def grace_sweep_main(args) -> int:
+    """``--grace-sweep``: async, 4 workers of mixed speed, grace window 0 vs a few values (SPEC.md P5)."""
+    k, H = len(GRACE_SLOW_FACTORS), args.overlap_h
+    steps = args.steps or (100 if args.quick else 300)
+    steps -= steps % H
+    windows = [float(x) for x in args.grace_windows.split(",")]
+    s = TrainSettings(batch_size=args.overlap_batch_size, lr=args.lr, eval_every=steps)
+    corpus = default_corpus()
+    step_s = calibrate_step_s(s, corpus, args.seed)
+    print(f"bench_training --grace-sweep: async, k={k} workers sleeping {GRACE_SLOW_FACTORS} inner-step times "
+          f"({step_s * 1000:.0f} ms here) after each step, H={H}, {steps} inner steps each, batch {s.batch_size}, "
+          f"seed {args.seed}; outer Delayed Nesterov lr {args.outer_lr_h10:g} momentum {OUTER_MOMENTUM}, each window "
+          f"with delay k={k} (Liu et al.: momentum every k outer steps, lr/k each) and 1 (each outer step a "
+          f"Nesterov step on its mean, as a sync round's); in-process transport, torch {torch.__version__}")
+    rows = []
+    t_all = time.perf_counter()
+    plan = [(w, d) for w in windows for d in (k, 1)]
+    for window, delay in plan:
+        note(f"grace window {window:g} s (delay {delay}): k={k} H={H}, {steps} steps per worker")
+        bench = _GraceBench(k, H, steps, args.outer_lr_h10, s, corpus, args.seed, window_s=window, delay=delay,
+                            step_s=step_s, slow_factors=GRACE_SLOW_FACTORS)
+        run = bench.run()
+        sizes = bench.apply_sizes
+        contributions = sum(sizes)
+        rows.append(dict(window=window, delay=delay, loss=run.result.final_eval_loss, steps=len(sizes),
+                         contributions=contributions, merged=contributions / max(1, len(sizes)),
+                         idle=bench.idle_shares(), wall=run.result.wall_s, done=dict(bench.steps_done)))
+        note(f"window {window:g} s done: final eval loss {run.result.final_eval_loss:.4f}, {len(sizes)} outer steps "
+             f"from {contributions} contributions, {run.result.wall_s:.0f} s")
+    print()
+    header = (f"{'window s':>8} {'delay':>5} {'outer steps':>11} {'contribs':>8} {'per step':>8} "
+              f"{'fast idle':>9} {'final loss':>10} {'wall s':>7}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        fast_idle = r["idle"].get("worker-1", float("nan"))
+        print(f"{r['window']:>8g} {r['delay']:>5} {r['steps']:>11} {r['contributions']:>8} {r['merged']:>8.2f} "
+              f"{fast_idle:>9.3f} {r['loss']:>10.4f} {r['wall']:>7.0f}")
+        if any(d != steps for d in r["done"].values()):
+            print(f"  odd (window {r['window']:g}): steps done {r['done']}")
+    print(f"outer steps: ApplyRounds; per step: contributions merged per outer step; fast idle: worker-1's time "
+          f"WAITING at its sync point / its span; final loss: held-out loss of the coordinator's params after "
+          f"every worker's {steps} steps. total wall {time.perf_counter() - t_all:.0f} s")
+    fields = []
+    for r in rows:
+        name = f"w{r['window']:g}_d{r['delay']}"
+        fields += [f"{name}_loss={r['loss']:.4f}", f"{name}_steps={r['steps']}"]
+    print("RESULT bench_training_grace " + " ".join(fields))
+    return 0
+
+
 def calibrate_step_s(s: TrainSettings, corpus: Corpus, seed: int, n: int = 12) -> float:
     """Seconds one inner step takes here (one torch thread; median of ``n`` after 3 warm-ups)."""
     threads = torch.get_num_threads()
@@ -989,6 +1085,13 @@ def main(argv: list[str] | None = None) -> int:
                              "planes instead, the same run on each per wire dtype (--wire, default fp32,bf16,int8; "
                              "defaults then: --k 2, --steps 200 (quick 40), --batch-size 8; ~3 min on 2 cores)")
     parser.add_argument("--planes-h", type=int, default=10, help="--data-plane both: H (default %(default)s)")
+    parser.add_argument("--grace-sweep", action="store_true",
+                        help="async mode, 4 workers of mixed speed (1x, 1.5x, 2x, 3x slower), each --steps inner "
+                             "steps (default 300; quick 100), H --overlap-h, batch --overlap-batch-size: the "
+                             "grace window (SPEC.md P5) 0 vs --grace-windows; final loss and outer steps "
+                             "each with outer Delayed Nesterov delay 4 and 1 (~10 min on 2 cores; --quick ~3 min)")
+    parser.add_argument("--grace-windows", default="0,0.5,2", help="--grace-sweep: windows in seconds "
+                                                                     "(default %(default)s)")
     args = parser.parse_args(argv)
     if args.data_plane == "both":
         if args.outer_sweep or args.overlap or args.dylu:
@@ -999,6 +1102,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.data_plane != "hub" and (args.outer_sweep or args.overlap or args.dylu or args.wire is not None):
         parser.error("--data-plane collective applies to the main comparison (its DiLoCo runs); --wire, "
                      "--overlap, --dylu and --outer-sweep run on the hub (use --data-plane both to compare planes)")
+    if args.grace_sweep:
+        return grace_sweep_main(args)
     if args.outer_sweep:
         return outer_sweep_main(args)
     if args.momentum_schedule:
