@@ -224,18 +224,18 @@ class _HubProbe:
     submissions; ``phase_marks`` are ``time.monotonic`` readings, comparable with the workers' t0/t1."""
 
     PHASES = (
-        ("codec", "Submit decode: codec.decode (header, checks, chunked tensors reassembled: a copy)"),
+        ("codec", "Submit decode: codec.decode (header, checks; chunked tensors arrive assembled)"),
         ("wire", "wire dtype decode: compression.decode (fp32: none)"),
         ("check", "checks: names, shapes, dtypes, finiteness (check_submission)"),
         ("accumulate", "running sum: ParamStore.accumulate"),
         ("mean", "mean: ParamStore.take_mean"),
-        ("outer_rest", "outer step: backups of params and optimizer state"),
-        ("opt_step", "outer step: Nesterov step (torch.optim)"),
-        ("finite", "outer step: finiteness of the new params"),
+        ("outer_rest", "outer step: backups of params and optimizer state (unless made in idle ticks)"),
+        ("opt_step", "outer step: Nesterov step (step_in_blocks, with its finiteness; else torch.optim)"),
+        ("finite", "outer step: finiteness of the new params (torch.optim's step only)"),
         ("snapshot", "Result snapshot of the new params"),
         ("fsm", "everything else in Coordinator.handle (FSM, messages)"),
         ("send", "Result encode + hand-off to the transport (x k)"),
-        ("recv_py", "transport, main thread: parts received and assembled (CPU)"),
+        ("recv_py", "transport, main thread: parts received, chunks copied into place (CPU)"),
     )
 
     def __init__(self, n_workers: int, report_q, profile: bool) -> None:
@@ -320,6 +320,10 @@ class _HubProbe:
             self._wrap(ParamStore, "take_mean", "mean")
             self._wrap(service_mod, "all_finite", "finite")
             self._wrap(torch.optim.SGD, "step", "opt_step")
+            if hasattr(service_mod, "step_in_blocks"):
+                self._wrap(service_mod, "step_in_blocks", "opt_step")
+            if hasattr(service_mod.Coordinator, "_prepare_steps"):
+                self._wrap(service_mod.Coordinator, "_prepare_steps", "prepare")
             self._wrap(framing_mod.Assembler, "add", "assemble", first_mark="first_part")
             original_outer = service_mod.Coordinator.outer_step
             original_apply = service_mod.Coordinator._apply
@@ -1274,6 +1278,8 @@ def hub_report(coord_rounds: list, step_s: float, profile: bool) -> tuple[list[s
         total += ms
         lines.append(f"    {what:86} {ms:8.1f}")
     lines.append(f"    {'sum':86} {total:8.1f}")
+    prepare = med([r.get("prepare", 0.0) for r in reports]) * 1000
+    lines.append(f"    {'not on the round path: the next step prepared in idle ticks (_prepare_steps)':86} {prepare:8.1f}")
     user = med([r["cpu_user"] for r in reports])
     sys_s = med([r["cpu_sys"] for r in reports])
     main = med([r["main_cpu"] for r in reports])

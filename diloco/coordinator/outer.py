@@ -71,9 +71,7 @@ def step_in_blocks(opt: torch.optim.Optimizer, params: dict[str, torch.Tensor],
     with torch.no_grad():
         largest = max((p.numel() for _, p, _, _ in work), default=0)
         scratch = torch.empty(min(BLOCK, largest))
-        # The blocks' sums go into one tensor: nothing small stays allocated across the loop (thousands
-        # of live 0-d tensors scattered small blocks through the heap's free model-sized memory, and
-        # the next round's buffers took fresh memory: 1.3 GB of page faults a round at 100M).
+        # The blocks' sums go into one tensor: no small tensors stay allocated across the loop.
         sums = torch.empty(-(-largest // BLOCK))
         for name, p, g, buf in work:
             n = p.numel()
