@@ -8,11 +8,12 @@ How to read it. ``WorkerSession.__init__`` is the inventory of that state: every
 field, grouped by the rule it serves, with its W-labels. Then come the queries,
 ``restore`` and the events, the public methods (one per event of SPEC.md section
 14); ``on_message``, ``tick`` and ``step_done`` end in ``_settle``, which applies
-what must follow any of them. The private methods sit in sections named by their rules:
-W1 joining and W2 the Welcome; the schedule (W2's placement, W19's DyLU); messages
-once welcomed; after every event (W4-W7) and the W9 resync; W11 outages; W12,
-every part of the stop rule; overlap (W15-W18); plumbing, where ``_go`` is the one
-place the state moves (and a pause begins and ends, W6).
+what must follow any of them. The private methods sit in sections named by their
+rules: W1 joining and W2 the Welcome; the schedule (W2's placement, W19's DyLU);
+messages once welcomed; after every event (W4-W7) and the W9 resync; W11 outages;
+W12, every part of the stop rule; W14, the one failure path; overlap (W15-W18);
+plumbing, where ``_go`` is the one place the state moves (and a pause begins and
+ends, W6).
 
 The coordinator has ``RoundFSM``; a worker has this. Events come in as data --
 a decoded coordinator message, a clock reading, "finished an inner step", a
@@ -954,6 +955,8 @@ class WorkerSession:
             self._go(S.STOPPING, now)
         self._merge_all()  # W17: the checkpoint holds every Result received
         self._out.append(Stop(self.stop_reason, save))
+
+    # ------------------------------------------------------------------ W14: failing
 
     def _fail(self, code: str, detail: str, now: float, *, tell_driver: bool = True) -> None:
         """W14, the one failure path: ``Fail(code)`` (unless the driver reported the error), then STOPPED.
