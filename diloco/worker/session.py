@@ -908,7 +908,7 @@ class WorkerSession:
         ``save_and_stop``: save, then stop. ``stop`` (a reply sent after the stop): its kind is
         known, nothing to save; a stop of unknown kind keeps its reason. ``applied_final``
         (W7): drain, no save. A ``Result`` with outcome ``stop``, or a ``stopped`` or
-        ``shutting_down`` error: a stop of unknown kind, unless one is known already.
+        ``shutting_down`` error: a stop of unknown kind (to ask about), unless a stop was told already.
         """
         if word is Command.SAVE_AND_STOP:
             self._stop_cmd = StopCommand("save_and_stop", save=True)
