@@ -311,18 +311,19 @@ def _replayed_grad(c: Coordinator, step_input: journal.StepInput, seq: int) -> d
         grad, _ = step_input.mean.load()
         check_tensors(grad, spec, what)
         return grad
-    decoded = []
+    decoded, weights = [], []
     for chunk in step_input.contributions:
         values, scales = chunk.load()
         decoded.append(compression.decode(values, scales, chunk.header["wire"], [(s.name, s.shape) for s in spec],
                                           f"{what}, worker {chunk.header['worker']!r}"))
+        weights.append(chunk.header.get("tokens") if c.config.token_weighted else None)
     if c.config.fsm.mode is not Mode.SYNC and len(decoded) == 1:
         (tensors,) = decoded
         return held_tensors(tensors)
     # Summed in the order the live coordinator summed them (a sync round, or an async grace
     # window's merged step, SPEC.md P5: its held fp32 copies hold the decoded values).
-    for tensors in decoded:
-        c.store.accumulate(fid, tensors)
+    for tensors, tokens in zip(decoded, weights):
+        c.store.accumulate(fid, tensors, tokens)
     return c.store.take_mean(fid, len(decoded))
 
 

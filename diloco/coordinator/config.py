@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 
 from diloco.core import ConfigError, DataPlane, FSMConfig, Mode
 from diloco.outer import OuterConfig
+
+#: ``CoordinatorConfig.merge`` values (``diloco server --merge``).
+MERGES = ("auto", "uniform", "tokens")
 from diloco.wire.messages import MAX_SYNC_EVERY, WIRE_DTYPE_NAMES
 
 
@@ -38,6 +41,10 @@ class CoordinatorConfig:
     #: by this (``--collective-timeout``); below the heartbeat timeout and the core's reduce
     #: timeout (SPEC.md C7). 0: a third of the heartbeat timeout.
     collective_timeout_s: float = 0.0
+    #: How a round's contributions merge (``--merge``): "uniform" (their mean), "tokens" (weighted by the
+    #: tokens each Submit says it trained on) or "auto" (tokens with DyLU, where workers take different
+    #: numbers of inner steps; else uniform). SPEC.md section 12, "Token-weighted merging".
+    merge: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.fsm, FSMConfig):
@@ -59,6 +66,11 @@ class CoordinatorConfig:
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or (0 < f < 2) or f < 0:
             raise ConfigError("outlier_factor", f, "0 (off) or a finite number >= 2")
         object.__setattr__(self, "outlier_factor", float(f))
+        if self.merge not in MERGES:
+            raise ConfigError("merge", self.merge, f"one of {list(MERGES)}")
+        if self.merge == "tokens" and self.fsm.data_plane is DataPlane.COLLECTIVE:
+            raise ConfigError("merge", self.merge, "uniform or auto on the collective plane (its members average "
+                              "their pseudo-gradients themselves: use the hub for a token-weighted merge)")
         if not isinstance(self.wire_dtype, str) or self.wire_dtype not in WIRE_DTYPE_NAMES:
             raise ConfigError("wire_dtype", self.wire_dtype, f"one of {list(WIRE_DTYPE_NAMES)}")
         if not isinstance(self.dylu, bool):
@@ -95,7 +107,14 @@ class CoordinatorConfig:
         return {"fsm": self.fsm.to_dict(), "outer": self.outer.to_dict(),
                 "heartbeat_interval_s": self.heartbeat_interval_s, "max_update_norm": self.max_update_norm,
                 "outlier_factor": self.outlier_factor, "wire_dtype": self.wire_dtype, "dylu": self.dylu, "sync_every": self.sync_every,
-                "collective_timeout_s": self.collective_timeout_s}
+                "collective_timeout_s": self.collective_timeout_s, "merge": self.merge}
+
+    @property
+    def token_weighted(self) -> bool:
+        """True when contributions merge weighted by their tokens (``merge``; the hub plane only)."""
+        if self.fsm.data_plane is DataPlane.COLLECTIVE:
+            return False
+        return self.merge == "tokens" or (self.merge == "auto" and self.dylu)
 
     @classmethod
     def from_dict(cls, d: dict) -> "CoordinatorConfig":
@@ -104,4 +123,5 @@ class CoordinatorConfig:
         return cls(fsm=FSMConfig.from_dict(d["fsm"]), outer=OuterConfig(**d["outer"]),
                    heartbeat_interval_s=d["heartbeat_interval_s"], max_update_norm=d.get("max_update_norm"),
                    outlier_factor=d.get("outlier_factor", 10.0), wire_dtype=d.get("wire_dtype", "fp32"), dylu=d.get("dylu", False),
-                   sync_every=d.get("sync_every"), collective_timeout_s=d.get("collective_timeout_s", 0.0))
+                   sync_every=d.get("sync_every"), collective_timeout_s=d.get("collective_timeout_s", 0.0),
+                   merge=d.get("merge", "uniform"))

@@ -114,7 +114,8 @@ class Segment:
         return size
 
     def append_contribution(self, incarnation: int, fragment_id: int, round_id: int, worker_id: str,
-                            wire_dtype: str, values: dict[str, torch.Tensor], scales: dict[str, torch.Tensor]) -> int:
+                            wire_dtype: str, values: dict[str, torch.Tensor], scales: dict[str, torch.Tensor],
+                            tokens: int | None = None) -> int:
         """Append an accepted contribution as it came; its size in bytes.
 
         fdatasync'd here already (this runs on the journal thread, while the round goes on),
@@ -123,6 +124,8 @@ class Segment:
         """
         header = {"incarnation": incarnation, "fragment": fragment_id, "round": round_id, "worker": worker_id,
                   "wire": wire_dtype, "tensors": _listing(values), "scales": _listing(scales)}
+        if tokens is not None:
+            header["tokens"] = tokens  # a token-weighted merge replays with the same weights
         size = self._append(CONTRIBUTION, header, list(values.values()) + list(scales.values()))
         os.fdatasync(self._fd)
         return size

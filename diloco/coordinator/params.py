@@ -134,6 +134,9 @@ class ParamStore:
         self.fragment_specs = tuple(tuple(by_name[n] for n in names) for names in self.fragments)
         self._sums: list[Tensors | None] = [None] * num_fragments
         self._counts = [0] * num_fragments
+        #: Token-weighted rounds: the sum of the weights, and the first contribution's tokens (the unit).
+        self._weights: list[float] = [0.0] * num_fragments
+        self._unit: list[int | None] = [None] * num_fragments
         self.bytes_received = 0
 
     def fragment_params(self, fragment_id: int) -> Tensors:
@@ -199,7 +202,18 @@ class ParamStore:
         return total ** 0.5
 
     # -- sync rounds: running sums (float64, see the module docstring)
-    def accumulate(self, fragment_id: int, tensors: Tensors) -> None:
+    def accumulate(self, fragment_id: int, tensors: Tensors, tokens: int | None = None) -> None:
+        # ``tokens`` (a token-weighted merge, SPEC.md section 12): the contribution enters with the weight
+        # tokens / the round's first contribution's tokens, so weights stay near 1 and the weighted sum
+        # has the plain sum's range; ``take_mean`` divides by the weights' sum. None: weight 1.
+        weight = 1.0
+        if tokens is not None:
+            unit = self._unit[fragment_id]
+            if unit is None:
+                self._unit[fragment_id] = unit = tokens
+            weight = tokens / unit
+        self._weights[fragment_id] += weight
+        alpha = SUM_SCALE * weight
         # A scaled fp32 sum: each contribution enters multiplied by SUM_SCALE = 2^-20, so
         # at most 2^20 finite fp32 contributions (the core allows at most 1,000,000
         # workers) can never sum past fp32's largest value. Scaling by a power of two is
@@ -209,12 +223,12 @@ class ParamStore:
         if s is None:
             # A new sum every round (it is handed out as the step's input, ``take_mean``), on memory
             # that is reused from round to round (``buffers``).
-            self._sums[fragment_id] = {n: torch.mul(t.detach().to(torch.float32), SUM_SCALE,
+            self._sums[fragment_id] = {n: torch.mul(t.detach().to(torch.float32), alpha,
                                                     out=buffers.empty_like(t, torch.float32))
                                        for n, t in tensors.items()}
         else:
             for n, t in tensors.items():
-                s[n].add_(t.detach(), alpha=SUM_SCALE)
+                s[n].add_(t.detach(), alpha=alpha)
         self._counts[fragment_id] += 1
         self.bytes_received += sum(t.numel() * t.element_size() for t in tensors.values())
 
@@ -225,19 +239,22 @@ class ParamStore:
             raise RuntimeError(
                 f"fragment {fragment_id}: {count} contributions summed but the round lists {contributors}"
             )
-        self._sums[fragment_id] = None
-        self._counts[fragment_id] = 0
+        weighted, total = self._unit[fragment_id] is not None, self._weights[fragment_id]
+        self.reset_sum(fragment_id)
+        divisor = total if weighted else contributors
         # Divide first, then undo the scale: sum / k is at most fp32's largest value * 2^-20. Block by
         # block, so that the second operation finds the block in the cache (elementwise: the same bits).
         for t in s.values():
             flat = t.view(-1)
             for start in range(0, flat.numel(), MEAN_BLOCK):
-                flat[start:start + MEAN_BLOCK].div_(contributors).mul_(1.0 / SUM_SCALE)
+                flat[start:start + MEAN_BLOCK].div_(divisor).mul_(1.0 / SUM_SCALE)
         return s
 
     def reset_sum(self, fragment_id: int) -> None:
         self._sums[fragment_id] = None
         self._counts[fragment_id] = 0
+        self._weights[fragment_id] = 0.0
+        self._unit[fragment_id] = None
 
     def pending_count(self, fragment_id: int) -> int:
         return self._counts[fragment_id]

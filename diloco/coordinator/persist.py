@@ -167,7 +167,7 @@ class Durability:
             with self._pin_lock:
                 self._pinned[key] = self._segment.first_seq
             self._segment.append_contribution(incarnation, fragment_id, round_id, worker_id, submit.wire_dtype,
-                                              submit.tensors, submit.scales)
+                                              submit.tensors, submit.scales, submit.tokens)
 
         self._queued.append(self._io.submit(write))
 

@@ -159,6 +159,8 @@ class _Held:
 
     tensors: Tensors
     base: int
+    #: The Submit's tokens when the run merges by tokens (a grace window's merged step weighs them), else None.
+    tokens: int | None = None
 
 
 class Coordinator:
@@ -550,6 +552,11 @@ class Coordinator:
                          f"{what} is encoded as {msg.wire_dtype}; this run's wire dtype is {wire_dtype} (the "
                          f"Welcome says so: join again)", msg)
             return None
+        if msg.tokens is None and self.config.token_weighted:
+            self._refuse(peer, out, ErrorCode.BAD_MESSAGE,
+                         f"{what} does not say how many tokens it trained on; this run merges contributions "
+                         f"weighted by their tokens (--merge {self.config.merge})", msg)
+            return None
         spec = [(s.name, s.shape) for s in self.store.fragment_spec(fid)]
         try:
             return compression.decode(msg.tensors, msg.scales, wire_dtype, spec, what)
@@ -755,11 +762,13 @@ class Coordinator:
         assert self.store is not None
         nbytes = compression.tensor_nbytes
         self.stats.bytes_received += nbytes(submit.tensors) + nbytes(submit.scales)
+        tokens = submit.tokens if self.config.token_weighted else None
         if self._sync:
-            self.store.accumulate(effect.fragment_id, tensors)
+            self.store.accumulate(effect.fragment_id, tensors, tokens)
             self._summed.setdefault(effect.fragment_id, []).append((effect.round_id, effect.worker_id))
         else:
-            self._held[(effect.fragment_id, effect.worker_id)] = _Held(held_tensors(tensors), effect.round_id)
+            self._held[(effect.fragment_id, effect.worker_id)] = _Held(held_tensors(tensors), effect.round_id,
+                                                                        tokens)
         if self.recorder is not None:
             self.recorder.contribution(effect.fragment_id, effect.round_id, effect.worker_id, submit)
         out.append((peer, Accepted(effect.fragment_id, effect.round_id)))
@@ -790,7 +799,7 @@ class Coordinator:
             inputs = []
             for wid in effect.contributors:
                 held = self._held.pop((fid, wid))
-                store.accumulate(fid, held.tensors)
+                store.accumulate(fid, held.tensors, held.tokens)
                 inputs.append((held.base, wid))
             grad = store.take_mean(fid, len(inputs))
         if self.recorder is not None:

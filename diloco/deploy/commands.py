@@ -174,6 +174,11 @@ def register(subparsers) -> None:
                         f"the workers' default error feedback); the outer step is fp32 whatever it is, and "
                         f"coordinator and workers hold bit-identical params. Workers adopt it from the coordinator (default "
                         f"{DEFAULT_WIRE_DTYPE}; on --resume: the saved one)")
+    p.add_argument("--merge", choices=("auto", "uniform", "tokens"), default=None,
+                   help="how a round's contributions merge: uniform (their mean), tokens (weighted by the tokens "
+                        "each worker trained on: diloco.Worker.step(tokens=N), else its inner steps), auto "
+                        "(tokens with --dylu, where workers take different numbers of steps; else uniform). The "
+                        "hub plane only (default auto; on --resume: the saved one)")
     p.add_argument("--dylu", action="store_true", default=None,
                    help="DyLU (dynamic local updates): each worker takes H_w = max(1, floor(v_w / v_max * H)) inner "
                         "steps per round, v_w its measured training speed, H --sync-every (needed with it); slower "
@@ -421,7 +426,7 @@ def cmd_server(args) -> int:
         max_message_bytes=None if args.max_message_mb is None else int(args.max_message_mb * (1 << 20)),
         link_timeout_s=args.link_timeout, max_update_norm=args.max_update_norm, wire_dtype=args.wire_dtype,
         outlier_factor=args.outlier_factor,
-        dylu=args.dylu, sync_every=args.sync_every,
+        dylu=args.dylu, sync_every=args.sync_every, merge=args.merge,
         auth_dir=args.auth, io_threads=args.io_threads, http=args.http, log_dir=args.log_dir,
         data_plane=args.data_plane, collective_timeout_s=args.collective_timeout,
         trusted_data_network=args.trusted_data_network,

@@ -79,6 +79,8 @@ class ServerSettings:
     #: ``--dylu``: each worker takes H_w = max(1, floor(v_w / v_max * H)) inner steps per round (None: not
     #: given, so off, or on resume the checkpoint's); ``--sync-every H`` is its reference H.
     dylu: bool | None = None
+    #: ``--merge auto|uniform|tokens`` (None: not given, so auto, or on resume the saved one).
+    merge: str | None = None
     sync_every: int | None = None
     #: ``--auth DIR``: CURVE keys and roles (``diloco.transport.zmq.auth.ServerAuth``); None: no authentication.
     auth_dir: str | None = None
@@ -154,6 +156,7 @@ def build_config(s: ServerSettings, base: CoordinatorConfig | None = None) -> Co
         max_norm = base.max_update_norm if s.max_update_norm is None else (s.max_update_norm or None)
         outlier_factor = base.outlier_factor if s.outlier_factor is None else s.outlier_factor
         dylu = base.dylu if s.dylu is None else s.dylu
+        merge = base.merge if s.merge is None else s.merge
         sync_every = base.sync_every if s.sync_every is None else s.sync_every
         if dylu and sync_every is None:
             raise ServerError("--dylu needs --sync-every H: the inner steps per round of the fastest worker "
@@ -172,7 +175,7 @@ def build_config(s: ServerSettings, base: CoordinatorConfig | None = None) -> Co
             outlier_factor = 0.0  # the coordinator never sees a pseudo-gradient there
         return CoordinatorConfig(fsm=fsm, outer=outer, heartbeat_interval_s=hb_interval, max_update_norm=max_norm,
                                  outlier_factor=outlier_factor,
-                                 wire_dtype=wire_dtype, dylu=dylu, sync_every=sync_every,
+                                 wire_dtype=wire_dtype, dylu=dylu, sync_every=sync_every, merge=merge,
                                  collective_timeout_s=collective_timeout)
     except (ConfigError, ValueError) as exc:
         raise ServerError(str(exc)) from None

@@ -30,6 +30,8 @@ def startup_lines(coordinator: Coordinator, s, address: str, store_host, auth) -
         lines.append(f"  data plane collective: workers all-reduce among themselves (gloo) on the store at "
                      f"{store_host.host}:{store_host.port}; each collective bounded by {cfg.collective_timeout_s:g} s, "
                      f"an attempt by {cfg.fsm.reduce_timeout_s:g} s; this server holds no params")
+    if cfg.token_weighted:
+        lines.append(f"  merge: contributions weighted by the tokens they trained on (--merge {cfg.merge})")
     if cfg.dylu:
         lines.append(f"  DyLU: each worker takes H_w = max(1, floor(v_w / v_max * {cfg.sync_every})) inner steps per "
                      f"round (v: its training speed; the fastest keeps {cfg.sync_every}; no measurement yet: "

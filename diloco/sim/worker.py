@@ -221,10 +221,12 @@ class SimWorker:
                 fid, rid = a.fragment_id, a.round_id
                 tensors = seeded_update(sim.cfg.seed, self.wid, fid, rid, self.session.fragments[fid],
                                         sim.param_sizes)
+                # Tokens: the inner steps of its round (H_w under DyLU), for a token-weighted merge.
+                submit = Submit(self.wid, fid, rid, tensors, tokens=self.session.sync_every)
                 if self.plane is not None:
-                    self.plane.send(Submit(self.wid, fid, rid, tensors))
+                    self.plane.send(submit)
                 else:
-                    sim.send_from_worker(self, Submit(self.wid, fid, rid, tensors))
+                    sim.send_from_worker(self, submit)
             elif typ is InstallParams:
                 self._install(a)
             elif typ is SendJoinWithParams:

@@ -153,6 +153,8 @@ class Submit:
     Sync: ``round_id`` is the round. Async: the fragment version training started from.
     ``tensors`` are encoded in ``wire_dtype`` (the run's, from the Welcome); int8 puts
     one fp32 scale vector per tensor in ``scales`` (``diloco.wire.compression``).
+    ``tokens``: how many tokens (or samples, or inner steps: any unit, the same for every
+    worker) this pseudo-gradient trained on, for a token-weighted merge; None: not said.
     """
 
     worker_id: str
@@ -161,6 +163,7 @@ class Submit:
     tensors: Tensors
     wire_dtype: str = "fp32"
     scales: Tensors = field(default_factory=dict)
+    tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

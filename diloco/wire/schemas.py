@@ -62,6 +62,15 @@ def _float(v: Any) -> float:
     return float(v)
 
 
+def _tokens(v: Any) -> int | None:
+    """``Submit.tokens``: an integer in 1..2^53 (exact as a float weight), or nil."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 53:
+        raise FieldError("an integer in 1..2^53 (tokens trained on), or nil")
+    return v
+
+
 def _sync_every(v: Any) -> int | None:
     """DyLU's H_w (``Welcome``/``HeartbeatReply.sync_every``): an integer in 1..MAX_SYNC_EVERY, or nil."""
     if v is None:
@@ -199,6 +208,7 @@ def _metrics(v: Any) -> dict | None:
 
 #: Fields a sender may leave out (they are then None); encoders omit them when None.
 OPTIONAL_FIELDS: dict[str, frozenset[str]] = {"Heartbeat": frozenset({"metrics"}),
+                                               "Submit": frozenset({"tokens"}),
                                                "Welcome": frozenset({"sync_every"}),
                                                "HeartbeatReply": frozenset({"sync_every"})}
 
@@ -212,7 +222,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
              "held_digests": _str_tuple},
     "Heartbeat": {"worker_id": _str, "metrics": _metrics},
     "Submit": {"worker_id": _str, "fragment_id": _int, "round_id": _int, "tensors": TENSOR_FIELD,
-               "wire_dtype": _wire_dtype, "scales": TENSOR_FIELD},
+               "wire_dtype": _wire_dtype, "scales": TENSOR_FIELD, "tokens": _tokens},
     "Leave": {"worker_id": _str},
     "Welcome": {"worker_id": _str, "round_ids": _int_tuple, "parked": _pair_tuple, "mode": _str,
                 "fragments": _names_tuple, "min_workers": _int, "below_min_workers": _bool,

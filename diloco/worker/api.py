@@ -52,9 +52,10 @@ class Worker:
 
     # -- the loop
 
-    def step(self) -> bool:
-        """Count one inner step; at a sync point submit and wait. False: stop training."""
-        return self.worker.step_done()
+    def step(self, tokens: int | None = None) -> bool:
+        """Count one inner step (``tokens``: what it trained on, for ``--merge tokens``; None: one step); at a
+        sync point submit and wait. False: stop training."""
+        return self.worker.step_done(tokens)
 
     @property
     def stopped(self) -> bool:

@@ -163,6 +163,9 @@ class DilocoWorker:
         self.error_feedback = error_feedback
         #: What quantization left out of the pseudo-gradients sent so far, added to the next (per param).
         self._residual: dict[str, torch.Tensor] = {}
+        #: Tokens trained since the start (``step_done``), and where each fragment's last Submit left it.
+        self._tokens_since = 0
+        self._tokens_at_submit: dict[int, int] = {}
         self._params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
         spec = tuple(TensorSpec(n, tuple(p.shape), "float32") for n, p in self._params.items())
         self.session = WorkerSession(worker_id, sync_every, spec, coordinator_timeout_s=coordinator_timeout_s,
@@ -359,17 +362,22 @@ class DilocoWorker:
             self._fail(exc)
             raise
 
-    def step_done(self) -> bool:
+    def step_done(self, tokens: int | None = None) -> bool:
         """Call after each inner ``optimizer.step()``. Returns False when the worker must stop.
 
         Counts the step; at a sync point submits the pseudo-gradient and waits for the
-        round (paused while the run is below quorum).
+        round (paused while the run is below quorum). ``tokens``: what this step trained on
+        (tokens, samples: one unit for every worker of the run), summed per fragment into its
+        next ``Submit`` for a token-weighted merge; None counts the step as 1 (inner steps).
         """
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+            raise DilocoWorkerError(f"step_done(tokens={tokens!r}): expected an integer >= 1, or None for one step")
         state = self.session.state
         if state is None:
             raise DilocoWorkerError("step_done() before join(): call join() first")
         if state is S.STOPPED:
             return False
+        self._tokens_since += tokens or 1
         try:
             now = self._clock()
             if self._trainable_since is not None:
@@ -637,8 +645,11 @@ class DilocoWorker:
             sent = compression.decoded(enc, self.wire_dtype, tensors)
             for n, t in tensors.items():
                 self._residual[n] = t.sub_(sent[n])  # t is this Submit's own buffer, encoded already
-        self.link.post(Submit(self.worker_id, action.fragment_id, action.round_id, enc.values, self.wire_dtype,
-                              enc.scales))
+        fid = action.fragment_id
+        tokens = self._tokens_since - self._tokens_at_submit.get(fid, 0)
+        self._tokens_at_submit[fid] = self._tokens_since
+        self.link.post(Submit(self.worker_id, fid, action.round_id, enc.values, self.wire_dtype, enc.scales,
+                              tokens if tokens > 0 else None))
         self.bytes_sent += enc.nbytes
 
     @property
