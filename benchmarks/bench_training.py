@@ -580,12 +580,12 @@ class _DyluBench(_RealDiloco):
     """``--dylu``: k workers for a fixed number of rounds, worker ``slow`` sleeping ``slow_s`` after each step."""
 
     def __init__(self, k: int, H: int, rounds: int, outer_lr: float, s: TrainSettings, corpus: Corpus, seed: int,
-                 *, dylu: bool, slow: int, slow_s: float) -> None:
+                 *, dylu: bool, slow: int, slow_s: float, merge: str = "auto") -> None:
         super().__init__(k, H, rounds * H, outer_lr, s, corpus, seed)
         self.slow, self.slow_s = slow, slow_s
         self.coordinator = Coordinator(
             CoordinatorConfig(FSMConfig(min_workers=k), OuterConfig("nesterov", outer_lr, OUTER_MOMENTUM),
-                              dylu=dylu, sync_every=H if dylu else None),
+                              dylu=dylu, sync_every=H if dylu else None, merge=merge),
             now_s=time.monotonic(), observer=self._observe)
         #: Contributors of each applied round (every one must have all k: the quorum gate is untouched).
         self.apply_sizes: list[int] = []
@@ -743,13 +743,14 @@ def dylu_main(args) -> int:
     t_all = time.perf_counter()
     # Off and on for the same rounds; then on again for as many rounds as fit in the wall time
     # off took (the same time budget: what DyLU buys is rounds).
-    for label in ("off", "on", "on, same wall"):
+    # DyLU merges by tokens (--merge auto); "uniform" is the same wall time with a plain mean.
+    for label in ("off", "on", "on, same wall", "uniform"):
         dylu = label != "off"
-        n = rounds if label != "on, same wall" else max(
+        n = rounds if label in ("off", "on") else rows["on, same wall"]["rounds"] if label == "uniform" else max(
             rounds, round(rounds * rows["off"]["wall"] / rows["on"]["wall"]))
         note(f"DyLU {label}: k={k} H={H}, {n} rounds")
         bench = _DyluBench(k, H, n, args.outer_lr_h10, s, corpus, args.seed, dylu=dylu, slow=slow,
-                           slow_s=step_s)
+                           slow_s=step_s, merge="uniform" if label == "uniform" else "auto")
         run = bench.run()
         idle = bench.idle_shares()
         workers = bench.workers
@@ -781,7 +782,8 @@ def dylu_main(args) -> int:
           f"{time.perf_counter() - t_all:.0f} s")
     print(f"RESULT bench_training_dylu idle_off={fast_idle['off']:.4f} idle_on={fast_idle['on']:.4f} "
           f"loss_off={rows['off']['loss']:.4f} loss_on={rows['on']['loss']:.4f} "
-          f"loss_on_same_wall={rows['on, same wall']['loss']:.4f} rounds_on_same_wall={rows['on, same wall']['rounds']} "
+          f"loss_on_same_wall={rows['on, same wall']['loss']:.4f} "
+          f"loss_on_uniform_same_wall={rows['uniform']['loss']:.4f} rounds_on_same_wall={rows['on, same wall']['rounds']} "
           f"wall_off={rows['off']['wall']:.1f} wall_on={rows['on']['wall']:.1f}")
     return 0
 
