@@ -121,11 +121,12 @@ def test_the_window_closes_early_when_every_live_member_is_in_it():
 
 
 def test_a_departure_inside_the_window_releases_it():
-    fsm = machine("a", "b", "c")
+    fsm = machine("a", "b", "c", "d")
     submit(fsm, "a")
     submit(fsm, "b")
     fsm.step(Ticked(0.5))
-    # c (not in the window) leaves: the window closes with what it has, quorum 2 still holds.
+    # c (not in the window) leaves: the window closes with what it has, quorum 2 still holds,
+    # though d is live and not in it, and the deadline (2.0) has not come.
     assert fsm.step(WorkerLeft("c", LeaveCause.CRASHED)) == [
         ApplyRound(0, 0, ("a", "b")), ReleaseWorker("a", 0, 0, APPLIED), ReleaseWorker("b", 0, 0, APPLIED)]
 
