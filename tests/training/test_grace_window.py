@@ -6,6 +6,8 @@ replay of merged steps comes back bit for bit.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -94,6 +96,9 @@ def test_the_server_flag_sets_the_window_and_a_resume_keeps_or_changes_it(tmp_pa
         build_parser().parse_args(["server", "--grace-window", "-1"])
     cfg = build_config(ServerSettings(min_workers=1, mode="async", grace_window_s=1.5))
     assert cfg.fsm.grace_window_s == 1.5
+    # With DyLU and fragments too (each fragment has its own window).
+    both = build_config(ServerSettings(mode="async", grace_window_s=1.0, dylu=True, sync_every=10, fragments=2))
+    assert both.dylu and both.fsm.num_fragments == 2 and both.fsm.grace_window_s == 1.0
     with pytest.raises(ServerError, match="--grace-window 2 needs --mode async"):
         build_config(ServerSettings(grace_window_s=2.0))
     with pytest.raises(ServerError, match="at most heartbeat_timeout_s=5"):
@@ -115,3 +120,52 @@ def _status_text(c: Coordinator) -> str:
     from diloco.deploy.admin import render_status
 
     return render_status(c.status(), width=400)
+
+
+def test_an_audit_log_of_a_window_run_replays_through_the_pure_machine(tmp_path):
+    """Trace validation (``check-log``): windows open, merge, close on a tick, early and on a death, and
+    a restart from a checkpoint keeps the window setting; the logged Ticked inputs reproduce every close."""
+    from diloco.coordinator.audit import AuditLog, Tee
+    from diloco.coordinator.checkpoint import coordinator_state, restore_coordinator
+    from diloco.coordinator.tracecheck import check_log
+    from diloco.testing import join_message, make_coordinator
+    from diloco.wire.messages import AdminRequest, Heartbeat
+
+    audit = AuditLog(tmp_path)
+    c = make_coordinator(observer=Tee(audit), min_workers=1, mode=Mode.ASYNC, heartbeat_timeout_s=10.0,
+                         grace_window_s=1.0)
+    audit.attach(c)
+    audit.record_start(pid=0)
+    for wid in ("w1", "w2", "w3"):
+        c.handle(wid, join_message(wid, P0), 0.5)
+    c.handle("w1", Submit("w1", 0, 0, _grad(1)), 1.0)
+    c.handle("w2", Submit("w2", 0, 0, _grad(2)), 1.4)
+    c.tick(1.7)
+    c.tick(2.05)  # the deadline (2.0) passed: w1 and w2 merged
+    assert c.fsm.open_round_ids() == (1,)
+    for i, wid in enumerate(("w3", "w1", "w2")):  # everyone in: an early close
+        c.handle(wid, Submit(wid, 0, 1 if wid != "w3" else 0, _grad(3 + i)), 2.2 + 0.1 * i)
+    assert c.fsm.open_round_ids() == (2,)
+    c.handle("w1", Submit("w1", 0, 2, _grad(7)), 3.0)
+    for t in (5.0, 9.0, 12.9):  # w3 falls silent; w1 and w2 beat; its death releases the window
+        c.handle("w1", Heartbeat("w1"), t)
+        c.handle("w2", Heartbeat("w2"), t)
+    c.tick(13.5)
+    assert c.fsm.open_round_ids() == (3,) and not c.fsm.is_member("w3")
+    audit.flush()
+    meta, tensors = coordinator_state(c)
+    audit.close()
+    audit = AuditLog(tmp_path)
+    c = restore_coordinator(meta, tensors, 14.0, observer=Tee(audit))
+    assert c.config.fsm.grace_window_s == 1.0
+    audit.attach(c)
+    audit.record_start(pid=1)
+    c.handle("w1", join_message("w1", P0), 14.5)
+    c.handle("w1", Submit("w1", 0, 3, _grad(8)), 14.6)  # the only member: an early close
+    c.handle("admin", AdminRequest("shutdown", {"kind": "abort"}), 15.0)
+    audit.close()
+    report = check_log(tmp_path)
+    assert report.ok, report.summary()
+    applies = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()
+               if json.loads(x)["event"] == "apply"]
+    assert [a["contributors"] for a in applies] == [["w1", "w2"], ["w3", "w1", "w2"], ["w1"], ["w1"]]
