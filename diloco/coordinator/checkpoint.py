@@ -42,6 +42,7 @@ from diloco.coordinator import journal
 from diloco.coordinator.access import AccessList
 from diloco.coordinator.config import CoordinatorConfig
 from diloco.coordinator.params import check_tensors
+from diloco.coordinator.budget import TokenBudget
 from diloco.coordinator.service import Coordinator, Observer, held_tensors
 from diloco.wire import compression
 from diloco.tensorfile import CheckpointError, flatten, load_tensorfile
@@ -92,6 +93,8 @@ def _meta(coordinator: Coordinator, outer: list) -> dict:
         "access": coordinator.access.to_dict(),
         # The journal's steps this state holds (``persist.py``); a resume replays those after it.
         "journal_seq": coordinator.journal_seq,
+        # The token budget and what applied rounds trained on (``budget.py``); absent in older checkpoints.
+        "tokens": coordinator.budget.to_dict(),
     }
 
 
@@ -143,6 +146,10 @@ def restore_coordinator(meta: dict, tensors: dict[str, torch.Tensor], now_s: flo
     coordinator.incarnation = incarnation + 1
     coordinator.access = access
     coordinator.journal_seq = _int(meta.get("journal_seq", 0), "journal_seq")
+    try:
+        coordinator.budget = TokenBudget.from_dict(meta.get("tokens", {"budget": coordinator.config.token_budget}))
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint metadata is invalid: {exc}") from None
     coordinator.resumed = True
     run_id = meta.get("run_id")
     coordinator.run_id = run_id if isinstance(run_id, str) else None

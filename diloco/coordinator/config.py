@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 
 from diloco.core import ConfigError, DataPlane, FSMConfig, Mode
+from diloco.coordinator.budget import check_budget
 from diloco.outer import OuterConfig
 
 #: ``CoordinatorConfig.merge`` values (``diloco server --merge``).
@@ -45,6 +46,9 @@ class CoordinatorConfig:
     #: tokens each Submit says it trained on) or "auto" (tokens with DyLU, where workers take different
     #: numbers of inner steps; else uniform). SPEC.md section 12, "Token-weighted merging".
     merge: str = "auto"
+    #: ``--token-budget``: stop as ``shutdown --save`` does once applied rounds trained on this many
+    #: tokens (``budget.py``); None: no budget. The live budget (``set-token-budget``) is the coordinator's.
+    token_budget: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.fsm, FSMConfig):
@@ -66,6 +70,10 @@ class CoordinatorConfig:
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or (0 < f < 2) or f < 0:
             raise ConfigError("outlier_factor", f, "0 (off) or a finite number >= 2")
         object.__setattr__(self, "outlier_factor", float(f))
+        try:
+            check_budget(self.token_budget)
+        except ValueError as exc:
+            raise ConfigError("token_budget", self.token_budget, "an integer >= 1, or None") from exc
         if self.merge not in MERGES:
             raise ConfigError("merge", self.merge, f"one of {list(MERGES)}")
         if self.merge == "tokens" and self.fsm.data_plane is DataPlane.COLLECTIVE:
@@ -107,7 +115,8 @@ class CoordinatorConfig:
         return {"fsm": self.fsm.to_dict(), "outer": self.outer.to_dict(),
                 "heartbeat_interval_s": self.heartbeat_interval_s, "max_update_norm": self.max_update_norm,
                 "outlier_factor": self.outlier_factor, "wire_dtype": self.wire_dtype, "dylu": self.dylu, "sync_every": self.sync_every,
-                "collective_timeout_s": self.collective_timeout_s, "merge": self.merge}
+                "collective_timeout_s": self.collective_timeout_s, "merge": self.merge,
+                "token_budget": self.token_budget}
 
     @property
     def token_weighted(self) -> bool:
@@ -124,4 +133,4 @@ class CoordinatorConfig:
                    heartbeat_interval_s=d["heartbeat_interval_s"], max_update_norm=d.get("max_update_norm"),
                    outlier_factor=d.get("outlier_factor", 10.0), wire_dtype=d.get("wire_dtype", "fp32"), dylu=d.get("dylu", False),
                    sync_every=d.get("sync_every"), collective_timeout_s=d.get("collective_timeout_s", 0.0),
-                   merge=d.get("merge", "uniform"))
+                   merge=d.get("merge", "uniform"), token_budget=d.get("token_budget"))

@@ -63,6 +63,7 @@ from diloco.core import (
     WorkerLeft,
 )
 from diloco.coordinator.access import AccessList
+from diloco.coordinator.budget import TokenBudget, check_budget
 from diloco.coordinator.config import CoordinatorConfig
 from diloco.coordinator.collective import CollectivePlane
 from diloco.coordinator.dylu import SpeedTable
@@ -159,7 +160,7 @@ class _Held:
 
     tensors: Tensors
     base: int
-    #: The Submit's tokens when the run merges by tokens (a grace window's merged step weighs them), else None.
+    #: What the Submit said it trained on (the token budget; a token-weighted merged step weighs it).
     tokens: int | None = None
 
 
@@ -206,6 +207,10 @@ class Coordinator:
         #: Sync rounds: the contributions in each fragment's running sum, in the order they were
         #: added (a replay adds them in the same order: the same bits).
         self._summed: dict[int, list[tuple[int, str]]] = {}
+        #: Sync rounds: the tokens the contributions in each fragment's running sum trained on.
+        self._round_tokens: dict[int, int] = {}
+        #: The tokens applied rounds trained on, against ``--token-budget`` (``budget.py``).
+        self.budget = TokenBudget(config.token_budget)
         #: Observers hear every event fed to the machine and its effects (``"input"``): the audit
         #: log sets it, for trace validation (``tracecheck.py``).
         self.trace_inputs = False
@@ -289,6 +294,7 @@ class Coordinator:
             banned_workers=sorted(self.access.banned_ids),
             banned_keys=self.access.banned_key_names(),
             keys=self.access.key_summary(self.fsm.is_member),
+            tokens=self.budget.status(),
         )
         now = self.fsm.now_s
         uptime = max(0.0, now - self.started_s)
@@ -351,6 +357,9 @@ class Coordinator:
             self._on_heartbeat(peer, message, out)
         elif isinstance(message, Submit):
             self._on_submit(peer, message, out)
+            if self.budget.reached and not self.stopped:
+                self._notify("budget", now_s, **self.budget.status())
+                self._step(ShutdownRequested(ShutdownKind.SAVE_AND_STOP), out)
         elif isinstance(message, Join):
             self._on_join(peer, message, out)
             if identity is not None and self._peers.get(message.worker_id) == peer:
@@ -582,6 +591,15 @@ class Coordinator:
             effects = self._step(ShutdownRequested(kind), sink)
         elif cmd == "set_min_workers":
             effects = self._step(MinWorkersChanged(args.get("min_workers")), sink)
+        elif cmd == "set_token_budget":
+            try:
+                self.budget.budget = check_budget(args.get("budget"))
+            except ValueError as exc:
+                return AdminReply(False, {}, str(exc))
+            if self.budget.reached:
+                self._notify("budget", self.fsm.now_s, **self.budget.status())
+                self._step(ShutdownRequested(ShutdownKind.SAVE_AND_STOP), sink)
+            return AdminReply(True, self.status())
         elif cmd == "kick":
             wid = args.get("worker_id")
             ban = args.get("ban", False)
@@ -603,7 +621,7 @@ class Coordinator:
             return AdminReply(True, self.status())
         else:
             return AdminReply(False, {}, f"unknown admin command {cmd!r}: expected status, shutdown, "
-                                         f"set_min_workers, kick or unban")
+                                         f"set_min_workers, set_token_budget, kick or unban")
         rejects = [e for e in effects if isinstance(e, Reject)]
         if rejects:
             return AdminReply(False, self.status(), rejects[0].detail)
@@ -762,13 +780,13 @@ class Coordinator:
         assert self.store is not None
         nbytes = compression.tensor_nbytes
         self.stats.bytes_received += nbytes(submit.tensors) + nbytes(submit.scales)
-        tokens = submit.tokens if self.config.token_weighted else None
+        fid = effect.fragment_id
         if self._sync:
-            self.store.accumulate(effect.fragment_id, tensors, tokens)
-            self._summed.setdefault(effect.fragment_id, []).append((effect.round_id, effect.worker_id))
+            self.store.accumulate(fid, tensors, submit.tokens if self.config.token_weighted else None)
+            self._summed.setdefault(fid, []).append((effect.round_id, effect.worker_id))
+            self._round_tokens[fid] = self._round_tokens.get(fid, 0) + (submit.tokens or 0)
         else:
-            self._held[(effect.fragment_id, effect.worker_id)] = _Held(held_tensors(tensors), effect.round_id,
-                                                                        tokens)
+            self._held[(fid, effect.worker_id)] = _Held(held_tensors(tensors), effect.round_id, submit.tokens)
         if self.recorder is not None:
             self.recorder.contribution(effect.fragment_id, effect.round_id, effect.worker_id, submit)
         out.append((peer, Accepted(effect.fragment_id, effect.round_id)))
@@ -789,18 +807,20 @@ class Coordinator:
         if self._sync:
             grad = store.take_mean(fid, len(effect.contributors))
             inputs = self._summed.pop(fid, [])
+            tokens = self._round_tokens.pop(fid, 0)
         elif len(effect.contributors) == 1:
             (wid,) = effect.contributors
             held = self._held.pop((fid, wid))
-            grad, inputs = held.tensors, [(held.base, wid)]
+            grad, inputs, tokens = held.tensors, [(held.base, wid)], held.tokens or 0
         else:
             # A grace window's merged step (SPEC.md P5): the mean of its contributions, summed in
             # the order the core lists them through the sync rounds' running sum (the same bits).
-            inputs = []
+            inputs, tokens = [], 0
             for wid in effect.contributors:
                 held = self._held.pop((fid, wid))
-                store.accumulate(fid, held.tensors, held.tokens)
+                store.accumulate(fid, held.tensors, held.tokens if self.config.token_weighted else None)
                 inputs.append((held.base, wid))
+                tokens += held.tokens or 0
             grad = store.take_mean(fid, len(inputs))
         if self.recorder is not None:
             self.recorder.step(fid, inputs, grad)
@@ -809,6 +829,8 @@ class Coordinator:
             self.stats.steps_refused += 1
             self._notify("step_refused", now, fragment_id=fid, round_id=effect.round_id,
                          contributors=list(effect.contributors), tensor=bad)
+        else:
+            self.budget.add(tokens, now)
         # What the Results of this apply carry (SPEC.md section 5, rule 1: they follow it),
         # shared by all its contributors: views of the params, which no later step writes
         # (each moves them to fresh memory first, ``ParamStore.begin_step``), so a Result still
@@ -947,6 +969,7 @@ class Coordinator:
             if self.store is not None:
                 self.store.reset_sum(effect.fragment_id)
             self._summed.pop(effect.fragment_id, None)
+            self._round_tokens.pop(effect.fragment_id, None)
         else:
             self._held.pop((effect.fragment_id, effect.worker_id), None)
 

@@ -68,6 +68,14 @@ def render_status(status: dict, address: str = "", *, width: int = 120) -> str:
                       f"{'none yet' if since is None else _age(since) + ' ago'}; "
                       f"{_num(status.get('rounds_per_hour'), 1)} rounds/hour")
 
+    tokens = status.get("tokens") or {}
+    if tokens.get("budget") is not None:
+        eta, rate = tokens.get("eta_s"), tokens.get("tokens_per_s")
+        pace = f"ETA {_age(eta)} at {_num(rate, 1)} tokens/s" if eta is not None else "no rate yet"
+        console.print(f"token budget: {tokens.get('trained', 0):,} of {tokens['budget']:,} tokens trained "
+                      f"({100 * (tokens.get('fraction') or 0):.1f} %); {pace} (`diloco set-token-budget` "
+                      f"changes it)")
+
     members = Table(title="members", title_justify="left", show_edge=False)
     members.add_column("worker")
     members.add_column("last heartbeat", justify="right")

@@ -4,7 +4,7 @@ Exit codes follow ``diloco.exits``: 0 ok; 1 the command ran and the
 coordinator refused it (or a worker failed); 2 bad usage or input; 3 the
 coordinator did not answer within ``--timeout``; 130 interrupted.
 
-About 480 lines, most of them ``register``: every flag with its help text,
+About 590 lines, most of them ``register``: every flag with its help text,
 which reads best as one list in the order ``--help`` shows it. The server
 and the worker themselves are ``server.py`` and ``worker_main.py``.
 """
@@ -179,6 +179,11 @@ def register(subparsers) -> None:
                         "each worker trained on: diloco.Worker.step(tokens=N), else its inner steps), auto "
                         "(tokens with --dylu, where workers take different numbers of steps; else uniform). The "
                         "hub plane only (default auto; on --resume: the saved one)")
+    p.add_argument("--token-budget", type=_positive_int, default=None, metavar="N",
+                   help="stop the run as `shutdown --save` does once applied rounds have trained on N tokens "
+                        "(what workers pass to step(tokens=...), else their inner steps); `diloco status` shows "
+                        "the progress and an ETA, `diloco set-token-budget` changes it (default: none; on "
+                        "--resume: the saved one)")
     p.add_argument("--dylu", action="store_true", default=None,
                    help="DyLU (dynamic local updates): each worker takes H_w = max(1, floor(v_w / v_max * H)) inner "
                         "steps per round, v_w its measured training speed, H --sync-every (needed with it); slower "
@@ -359,6 +364,17 @@ def register(subparsers) -> None:
     _add_connect(p)
     p.set_defaults(handler=cmd_set_min_workers)
 
+    # ------------------------------------------------------------- set-token-budget
+    p = subparsers.add_parser(
+        "set-token-budget", formatter_class=fmt,
+        help="change the run's token budget at run time (or remove it: none)",
+        description="Set the token budget while the run is going: once applied rounds have trained on N\n"
+                    "tokens the run stops as `shutdown --save` does (at once if it already has). `none`\n"
+                    "removes the budget.")
+    p.add_argument("budget", type=_budget, metavar="N|none")
+    _add_connect(p)
+    p.set_defaults(handler=cmd_set_token_budget)
+
     # ------------------------------------------------------------- kick
     p = subparsers.add_parser(
         "kick", formatter_class=fmt,
@@ -426,7 +442,7 @@ def cmd_server(args) -> int:
         max_message_bytes=None if args.max_message_mb is None else int(args.max_message_mb * (1 << 20)),
         link_timeout_s=args.link_timeout, max_update_norm=args.max_update_norm, wire_dtype=args.wire_dtype,
         outlier_factor=args.outlier_factor,
-        dylu=args.dylu, sync_every=args.sync_every, merge=args.merge,
+        dylu=args.dylu, sync_every=args.sync_every, merge=args.merge, token_budget=args.token_budget,
         auth_dir=args.auth, io_threads=args.io_threads, http=args.http, log_dir=args.log_dir,
         data_plane=args.data_plane, collective_timeout_s=args.collective_timeout,
         trusted_data_network=args.trusted_data_network,
@@ -532,6 +548,17 @@ def cmd_shutdown(args) -> int:
 def cmd_set_min_workers(args) -> int:
     reply, err = _admin(args, "set_min_workers", {"min_workers": args.min_workers})
     return _report(args, reply, err, f"min_workers set to {args.min_workers}")
+
+
+def cmd_set_token_budget(args) -> int:
+    reply, err = _admin(args, "set_token_budget", {"budget": args.budget})
+    return _report(args, reply, err, "token budget removed" if args.budget is None
+                   else f"token budget set to {args.budget:,} tokens")
+
+
+def _budget(text: str) -> int | None:
+    """``set-token-budget N|none``."""
+    return None if text.strip().lower() == "none" else _positive_int(text)
 
 
 def cmd_kick(args) -> int:

@@ -75,6 +75,9 @@ class EventPrinter:
             rounds = info["held_rounds"]
             line = (f"reseed   {info['worker_id']}: the run starts from {info['starter']}'s state"
                     f"{f' (rounds {rounds})' if rounds else ''}; it joins again (and heals, or offers its own)")
+        elif kind == "budget":
+            line = (f"budget   reached: {info['trained']:,} tokens trained of {info['budget']:,} "
+                    f"(--token-budget): stopping as shutdown --save does")
         elif kind == "stop":
             line = f"stopped  {info['kind']}"
         else:

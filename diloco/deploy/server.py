@@ -81,6 +81,8 @@ class ServerSettings:
     dylu: bool | None = None
     #: ``--merge auto|uniform|tokens`` (None: not given, so auto, or on resume the saved one).
     merge: str | None = None
+    #: ``--token-budget N`` (None: not given: no budget, or on resume the saved one).
+    token_budget: int | None = None
     sync_every: int | None = None
     #: ``--auth DIR``: CURVE keys and roles (``diloco.transport.zmq.auth.ServerAuth``); None: no authentication.
     auth_dir: str | None = None
@@ -157,6 +159,7 @@ def build_config(s: ServerSettings, base: CoordinatorConfig | None = None) -> Co
         outlier_factor = base.outlier_factor if s.outlier_factor is None else s.outlier_factor
         dylu = base.dylu if s.dylu is None else s.dylu
         merge = base.merge if s.merge is None else s.merge
+        token_budget = base.token_budget if s.token_budget is None else s.token_budget
         sync_every = base.sync_every if s.sync_every is None else s.sync_every
         if dylu and sync_every is None:
             raise ServerError("--dylu needs --sync-every H: the inner steps per round of the fastest worker "
@@ -176,6 +179,7 @@ def build_config(s: ServerSettings, base: CoordinatorConfig | None = None) -> Co
         return CoordinatorConfig(fsm=fsm, outer=outer, heartbeat_interval_s=hb_interval, max_update_norm=max_norm,
                                  outlier_factor=outlier_factor,
                                  wire_dtype=wire_dtype, dylu=dylu, sync_every=sync_every, merge=merge,
+                                 token_budget=token_budget,
                                  collective_timeout_s=collective_timeout)
     except (ConfigError, ValueError) as exc:
         raise ServerError(str(exc)) from None
@@ -240,6 +244,10 @@ def make_coordinator(s: ServerSettings, printer: EventPrinter, now_s: float,
             if not reply.ok:
                 raise ServerError(f"--min-workers {s.min_workers}: {reply.error}")
             print(f"  min_workers {before} (saved) -> {s.min_workers} (--min-workers)", file=out, flush=True)
+        if s.token_budget is not None and s.token_budget != coordinator.budget.budget:
+            print(f"  token budget {coordinator.budget.budget} (saved) -> {s.token_budget} (--token-budget)",
+                  file=out, flush=True)
+            coordinator.budget.budget = s.token_budget
     coordinator.resumed_from = found.path if found is not None else None
     coordinator.resume_skipped = skipped
     coordinator.resume_replayed = found.replayed if found is not None else 0

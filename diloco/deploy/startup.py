@@ -32,6 +32,9 @@ def startup_lines(coordinator: Coordinator, s, address: str, store_host, auth) -
                      f"an attempt by {cfg.fsm.reduce_timeout_s:g} s; this server holds no params")
     if cfg.token_weighted:
         lines.append(f"  merge: contributions weighted by the tokens they trained on (--merge {cfg.merge})")
+    if coordinator.budget.budget is not None:
+        lines.append(f"  token budget {coordinator.budget.budget:,}: the run stops as shutdown --save does once "
+                     f"applied rounds trained on that many ({coordinator.budget.trained:,} so far)")
     if cfg.dylu:
         lines.append(f"  DyLU: each worker takes H_w = max(1, floor(v_w / v_max * {cfg.sync_every})) inner steps per "
                      f"round (v: its training speed; the fastest keeps {cfg.sync_every}; no measurement yet: "

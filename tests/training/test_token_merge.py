@@ -107,6 +107,8 @@ def test_a_weighted_round_replays_from_the_journal_bit_for_bit(tmp_path):
     assert c.fsm.rounds_applied == 6
     back = load_coordinator(tmp_path / "ck", 0.0)
     _same_state(_state_of(back), _state_of(c))
+    # The token count (budget.py) is in every journal commit too: the replayed run has it.
+    assert back.budget.trained == c.budget.trained == sum(100 + r + 37 for r in range(6))
     # And the weights mattered: the same Submits merged uniformly end elsewhere.
     uniform = Coordinator(dataclasses.replace(make().config, merge="uniform"), 0.0)
     run(tmp_path / "u", items, uniform, full_every=1)
