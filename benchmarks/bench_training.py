@@ -335,7 +335,9 @@ class _RealDiloco:
             config = CoordinatorConfig(
                 FSMConfig(min_workers=k, data_plane="collective", reduce_timeout_s=COLLECTIVE_REDUCE_TIMEOUT_S),
                 outer, wire_dtype=wire_dtype, collective_timeout_s=COLLECTIVE_TIMEOUT_S)
-        self.coordinator = Coordinator(config, now_s=time.monotonic(), observer=self.probe.observe)
+        #: Contributors of each applied outer step (``_observe``).
+        self.apply_sizes: list[int] = []
+        self.coordinator = Coordinator(config, now_s=time.monotonic(), observer=self._observe)
         if data_plane == "collective":
             from diloco.collective.store import StoreHost
 
@@ -347,6 +349,11 @@ class _RealDiloco:
         self.errors: list[BaseException] = []
         self.workers: dict[str, DilocoWorker] = {}
         self.steps_done: dict[str, int] = {}
+
+    def _observe(self, what: str, now_s: float, info: dict) -> None:
+        if what == "apply":
+            self.apply_sizes.append(len(info["contributors"]))
+        self.probe.observe(what, now_s, info)
 
     def _worker(self, index: int, worker_id: str) -> None:
         try:
@@ -587,13 +594,6 @@ class _DyluBench(_RealDiloco):
             CoordinatorConfig(FSMConfig(min_workers=k), OuterConfig("nesterov", outer_lr, OUTER_MOMENTUM),
                               dylu=dylu, sync_every=H if dylu else None, merge=merge),
             now_s=time.monotonic(), observer=self._observe)
-        #: Contributors of each applied round (every one must have all k: the quorum gate is untouched).
-        self.apply_sizes: list[int] = []
-
-    def _observe(self, what: str, now_s: float, info: dict) -> None:
-        if what == "apply":
-            self.apply_sizes.append(len(info["contributors"]))
-        self.probe.observe(what, now_s, info)
 
     def _train(self, index: int, worker_id: str) -> None:
         s = self.s
@@ -628,13 +628,6 @@ class _GraceBench(_RealDiloco):
             CoordinatorConfig(FSMConfig(min_workers=1, mode="async", grace_window_s=window_s),
                               OuterConfig("delayed_nesterov", outer_lr, OUTER_MOMENTUM, delay)),
             now_s=time.monotonic(), observer=self._observe)
-        #: Contributors of each applied outer step.
-        self.apply_sizes: list[int] = []
-
-    def _observe(self, what: str, now_s: float, info: dict) -> None:
-        if what == "apply":
-            self.apply_sizes.append(len(info["contributors"]))
-        self.probe.observe(what, now_s, info)
 
     def _train(self, index: int, worker_id: str) -> None:
         s = self.s

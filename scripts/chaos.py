@@ -793,6 +793,15 @@ def liveness(events: list[dict], outages: list[list], end_wall: float, heartbeat
             "stall_bound_s": bound}
 
 
+def rejoined(who: str, how: str, back: float | None, since: float, event: str, end_t: float,
+             violations: list[str], notes: list[str]) -> None:
+    """Check 9 and 10: a worker let go (``how``) must re-join (``back``) within 60 s of ``since``."""
+    if back is not None and back - since <= 60:
+        notes.append(f"{who}: {how}, re-joined {back - since:.1f} s after {event}, same process")
+    elif since + 60 <= end_t:
+        violations.append(f"{who} ({how}) did not re-join within 60 s of {event}")
+
+
 def check_workers(soak: "Soak", events: list[dict]) -> tuple[list[str], list[str]]:
     """Worker exits (only exit 3 after an outage of the whole coordinator timeout) and check 9 (re-joins)."""
     violations, notes = [], []
@@ -826,12 +835,8 @@ def check_workers(soak: "Soak", events: list[dict]) -> tuple[list[str], list[str
         back = next((t for t, w in joins if w == wid and t >= thawed - 1), None)
         if any(w == wid and thawed - 1 <= t <= (back or thawed + 60) for t, w in restarted):
             continue  # killed, or exited (a violation above if it should not have), before it re-joined
-        if back is not None and back - thawed <= 60:
-            notes.append(f"worker {wid} (pid {pid}) frozen {seconds:.1f} s: {how} while frozen, re-joined "
-                         f"{back - thawed:.1f} s after its thaw, same process")
-        elif thawed + 60 <= end_t:
-            violations.append(f"worker {wid} (pid {pid}) frozen {seconds:.1f} s ({how}) did not re-join within "
-                              f"60 s of its thaw")
+        rejoined(f"worker {wid} (pid {pid}) frozen {seconds:.1f} s", how, back, thawed, "its thaw", end_t,
+                 violations, notes)
     hb = soak.args.heartbeat_timeout
     for wid, pid, mode, started, healed, seconds in soak.partitions:
         back = next((t for t, w in joins if w == wid and t >= healed - 1), None)
@@ -856,12 +861,8 @@ def check_workers(soak: "Soak", events: list[dict]) -> tuple[list[str], list[str
             violations.append(f"worker {wid} (pid {pid}) was let go ({how}) during a {mode} partition of "
                               f"{seconds:.1f} s, which must change nothing but time")
             continue
-        if back is not None and back - healed <= 60:
-            notes.append(f"worker {wid} (pid {pid}) {mode} for {seconds:.1f} s: {how}, re-joined "
-                         f"{back - healed:.1f} s after the heal, same process")
-        elif healed + 60 <= end_t:
-            violations.append(f"worker {wid} (pid {pid}) {mode} for {seconds:.1f} s ({how}) did not re-join "
-                              f"within 60 s of the heal")
+        rejoined(f"worker {wid} (pid {pid}) {mode} for {seconds:.1f} s", how, back, healed, "the heal", end_t,
+                 violations, notes)
     return violations, notes
 
 

@@ -9,15 +9,13 @@ quantization step. The residual is part of the worker's checkpoint.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
 from diloco.outer import OuterConfig
 from diloco.wire import compression
 from diloco.worker.checkpoint import load_worker_checkpoint
-from training_harness import Run
+from training_harness import Run, in_thread
 
 ROUNDS = 12
 SMALL, BIG = 1e-3, 1.0  # int8 scale of a block holding BIG: BIG / 127 ~ 7.9e-3 > 2 x SMALL
@@ -46,24 +44,17 @@ def run(feedback: bool | None, tmp_path=None) -> tuple[torch.Tensor, torch.Tenso
     with Run(min_workers=1, wire_dtype="int8", outer=OuterConfig("sgd", 1.0, 0.0)) as r:
         w = r.worker("w1", model, sync_every=1, optimizer=FixedStep(model.parameters(), step),
                      error_feedback=feedback, checkpoint_dir=tmp_path)
-        errors = []
 
         def train():
-            try:
-                w.join()
-                for _ in range(ROUNDS):
-                    w.inner_optimizer.step()
-                    assert w.step_done()
-                if tmp_path is not None:
-                    w.save_checkpoint()
-                w.leave()
-            except BaseException as exc:
-                errors.append(exc)
+            w.join()
+            for _ in range(ROUNDS):
+                w.inner_optimizer.step()
+                assert w.step_done()
+            if tmp_path is not None:
+                w.save_checkpoint()
+            w.leave()
 
-        t = threading.Thread(target=train)
-        t.start()
-        t.join(60)
-        assert not errors and not t.is_alive(), errors
+        in_thread(train)
         received = -r.coordinator.store.params["weight"].clone()  # sum of what the coordinator decoded
     return received, step * ROUNDS, w
 

@@ -10,7 +10,6 @@ trained on since their last Submit of the fragment.
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ from diloco.outer import OuterConfig
 from diloco.testing import join_message
 from diloco.wire.codec import decode, encode
 from diloco.wire.messages import Error, ErrorCode, Submit
-from training_harness import Run
+from training_harness import Run, in_thread
 
 PARAMS = {"w": torch.zeros(4)}
 
@@ -121,22 +120,15 @@ def test_a_worker_sends_the_tokens_it_trained_on_since_its_last_submit():
         w = r.worker("w1", torch.nn.Linear(2, 1), sync_every=3)
         post = w.link.post
         w.link.post = lambda m: (sent.append(m), post(m))[1]
-        errors = []
 
         def train():
-            try:
-                w.join()
-                for step in range(6):
-                    w.inner_optimizer.step()
-                    w.step_done(tokens=10 * (step + 1) if step >= 3 else None)
-                w.leave()
-            except BaseException as exc:
-                errors.append(exc)
+            w.join()
+            for step in range(6):
+                w.inner_optimizer.step()
+                w.step_done(tokens=10 * (step + 1) if step >= 3 else None)
+            w.leave()
 
-        t = threading.Thread(target=train)
-        t.start()
-        t.join(60)
-        assert not errors and not t.is_alive(), errors
+        in_thread(train)
         with pytest.raises(Exception, match="expected an integer >= 1"):
             w.step_done(tokens=0)
     assert [m.tokens for m in sent if isinstance(m, Submit)] == [3, 40 + 50 + 60]

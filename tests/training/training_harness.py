@@ -68,6 +68,24 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str =
         time.sleep(0.005)
 
 
+def in_thread(body: Callable[[], None], timeout_s: float = 60.0) -> None:
+    """Run ``body`` (a worker's whole life: join, steps, leave) in a thread; re-raise what it raised."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            body()
+        except BaseException as exc:  # surfaced below, in the test's thread
+            errors.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(timeout_s)
+    assert not t.is_alive(), f"the worker thread did not finish within {timeout_s:g} s"
+    if errors:
+        raise errors[0]
+
+
 class WorkerHandle:
     """A ``DilocoWorker`` running ``run_training`` in a thread."""
 
