@@ -6,7 +6,7 @@ logspace(-1, 3, 50) reaching each compute utilisation. Every cell must be
 within one grid step of the paper's. Most data-parallel and DiLoCo cells sit
 one step above it: the paper's simulator needs about 1/1.2 of the model's
 communication time (see test_the_gap_to_the_paper_is_one_scale_factor and
-README "Planning bandwidth").
+docs/planner.md).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _needed(buckets: int = model.DEFAULT_BUCKETS) -> dict[str, list[float | None
 
 
 NEEDED = _needed()
-#: What the model gives for Table 4 (the README shows this table).
+#: What the model gives for Table 4 (the README and docs/planner.md show this table).
 MODEL = {
     "data parallel": (104.8, 184.2, 222.3, 268.3, 686.6),
     "DiLoCo": (1.68, 6.25, 16.0, 28.1, 104.8),
@@ -96,7 +96,7 @@ def test_the_gap_to_the_paper_is_one_scale_factor():
 
     Utilisation depends on bandwidth only through (bits / bandwidth) / step time, so this is one scalar: the
     paper's simulator needs 1/1.2 of this model's communication time per step. The paper does not say where
-    such a factor would come from, so the model does not apply it (README "Planning bandwidth").
+    such a factor would come from, so the model does not apply it (docs/planner.md).
     """
     ms = model.methods(100, 8, 1, BF16)[:2]
     rows = {(1e9, 24, 0.1): {m: PAPER[m] for m in ("data parallel", "DiLoCo")}, **PAPER_LARGER}

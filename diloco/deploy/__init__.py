@@ -3,6 +3,6 @@
 ``commands`` registers the CLI (``diloco server | worker | status | shutdown |
 set-min-workers | kick``); ``server`` runs the coordinator on a ROUTER;
 ``worker_main`` runs a worker from a training setup (``default_entry`` is the
-built-in demo); ``admin`` is the operator's client. README.md ("Running a real deployment") walks
+built-in demo); ``admin`` is the operator's client. docs/deployment.md walks
 through a whole run on one machine.
 """

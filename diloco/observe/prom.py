@@ -2,7 +2,7 @@
 
 Nothing is counted here: every value is read from the published snapshot
 (``Observatory.snapshot()``), so a scrape never touches the coordinator.
-README.md ("Watching a run") lists the series.
+docs/watching.md lists the series.
 """
 
 from __future__ import annotations

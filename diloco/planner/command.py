@@ -28,7 +28,7 @@ Plan the bandwidth between workers: the compute utilisation (compute time over
 wall time) of data parallel, DiLoCo and Streaming DiLoCo at a bandwidth, or,
 with --sweep, the smallest bandwidth that reaches 50/80/90/95/99% utilisation.
 
-The model (README "Planning bandwidth", after the simulator of Streaming
+The model (docs/planner.md, after the simulator of Streaming
 DiLoCo's Table 4): a step is a forward of T/3 and a backward of 2T/3; what a
 step sends goes out in 24 buckets (one per layer) released over its backward,
 through one FIFO link; a sync of N parameters is N x bytes x 8 x c bits. Data
