@@ -17,11 +17,12 @@ The state is small:
 * ``_min_workers``, ``_now_s`` and the phase (a ``transitions`` machine that
   is fired only when the phase changes, R13).
 
-The policies (SPEC.md P1-P4) in one breath: a contribution, once accepted,
+The policies (SPEC.md P1-P5) in one breath: a contribution, once accepted,
 stays accepted even if its worker dies (P1); a joiner is enlisted in the
 open round at once, which is how a replacement unblocks a paused run (P2);
 async contributions may be ``max_staleness`` versions old (P3); drain
-finishes the round in flight, save-and-stop and abort stop at once (P4).
+finishes the round in flight, save-and-stop and abort stop at once (P4);
+async contributions within a grace window merge into one outer step (P5).
 
 The one rule (SPEC.md R5): nothing applies while live members < min_workers.
 Every path that can apply -- a submission, a death, a leave, a tick, a
