@@ -127,9 +127,8 @@ class RoundFSM:
             self._barriers = [SyncBarrier() for _ in range(config.num_fragments)]
         else:
             self._lanes = [AsyncLane() for _ in range(config.num_fragments)]
-        self._quorum = quorum_decision(0, self._min_workers)
         self._phase = PhaseModel(Phase.FORMING)
-        self._phase.below_min_workers = self._quorum.below_min_workers
+        self._set_quorum(quorum_decision(0, self._min_workers))
         self._handlers: dict[type, Callable[[Any, list[Effect]], None]] = {
             HeartbeatSeen: self._on_heartbeat,
             ContributionSubmitted: self._on_submit_sync if self._sync else self._on_submit_async,
@@ -257,9 +256,8 @@ class RoundFSM:
             fsm._barriers = parsed.barriers
         else:
             fsm._lanes = parsed.lanes
-        fsm._quorum = quorum_decision(len(fsm._members), fsm._min_workers)
         fsm._phase = PhaseModel(parsed.phase)
-        fsm._phase.below_min_workers = fsm._quorum.below_min_workers
+        fsm._set_quorum(quorum_decision(len(fsm._members), fsm._min_workers))
         return fsm
 
     @classmethod
@@ -273,8 +271,7 @@ class RoundFSM:
         parsed = _snapshot.load(snap)
         fsm = cls(parsed.config, now_s=now_s)
         fsm._min_workers = parsed.min_workers
-        fsm._quorum = quorum_decision(0, fsm._min_workers)
-        fsm._phase.below_min_workers = fsm._quorum.below_min_workers
+        fsm._set_quorum(quorum_decision(0, fsm._min_workers))
         if fsm._sync:
             fsm._barriers = [SyncBarrier(round_id=b.round_id) for b in parsed.barriers]
         else:
@@ -284,15 +281,8 @@ class RoundFSM:
     # ------------------------------------------------------------ handlers
 
     def _on_heartbeat(self, event: HeartbeatSeen, effects: list[Effect]) -> None:
-        wid = event.worker_id
-        members = self._members
-        # R3: ids are untrusted; a non-string (maybe unhashable) id is unknown, not a TypeError.
-        if isinstance(wid, str) and wid in members:
-            # R9: move to the back of the last-seen order; O(1).
-            members[wid] = self._now_s
-            members.move_to_end(wid)
-        else:
-            effects.append(_unknown_worker(wid))
+        if self._known(event.worker_id, effects):
+            self._seen(event.worker_id)
 
     def _on_tick(self, event: Ticked, effects: list[Effect]) -> None:
         now = event.now_s
@@ -391,19 +381,14 @@ class RoundFSM:
         except ValueError:
             raise InvalidEventError(f"WorkerLeft.cause={event.cause!r} is not a LeaveCause") from None
         wid = event.worker_id
-        # R3: a non-string (maybe unhashable) id is unknown, not a TypeError.
-        if not isinstance(wid, str) or wid not in self._members:
-            effects.append(_unknown_worker(wid))
+        if not self._known(wid, effects):
             return
         self._remove_member(wid)
         self._after_membership_change(effects)
 
     def _on_submit_sync(self, event: ContributionSubmitted, effects: list[Effect]) -> None:
         wid = event.worker_id
-        members = self._members
-        # R3: a non-string (maybe unhashable) id is unknown, not a TypeError.
-        if not isinstance(wid, str) or wid not in members:
-            effects.append(_unknown_worker(wid))
+        if not self._known(wid, effects):
             return
         fid, rid = event.fragment_id, event.round_id
         reject = self._check_ids(wid, fid, rid)
@@ -427,19 +412,14 @@ class RoundFSM:
             return
         barrier.contributed[wid] = None
         barrier.live_contributed += 1
-        # A submission is proof of life (R9).
-        members[wid] = self._now_s
-        members.move_to_end(wid)
+        self._seen(wid)  # a submission is proof of life (R9)
         effects.append(AcceptContribution(wid, fid, rid))
-        if barrier.live_contributed == len(members):
+        if barrier.live_contributed == len(self._members):
             self._apply_ready(effects, (fid,))
 
     def _on_submit_async(self, event: ContributionSubmitted, effects: list[Effect]) -> None:
         wid = event.worker_id
-        members = self._members
-        # R3: a non-string (maybe unhashable) id is unknown, not a TypeError.
-        if not isinstance(wid, str) or wid not in members:
-            effects.append(_unknown_worker(wid))
+        if not self._known(wid, effects):
             return
         fid, base = event.fragment_id, event.round_id
         reject = self._check_ids(wid, fid, base)
@@ -478,16 +458,14 @@ class RoundFSM:
                 lane.deadline_s = self._now_s + self._window_s
             lane.live_held += 1
         lane.held[wid] = base
-        members[wid] = self._now_s
-        members.move_to_end(wid)
+        self._seen(wid)  # a submission is proof of life (R9)
         effects.append(AcceptContribution(wid, fid, base))
         self._apply_ready(effects, (fid,))
 
     def _on_report(self, event: ReduceReported, effects: list[Effect]) -> None:
         """C4: a group member's outcome. Commits go through ``_apply_ready`` like every apply."""
         wid = event.worker_id
-        if not isinstance(wid, str) or wid not in self._members:
-            effects.append(_unknown_worker(wid))
+        if not self._known(wid, effects):
             return
         fid, rid, attempt, ok, digest = (event.fragment_id, event.round_id, event.attempt,
                                          event.ok, event.digest)
@@ -514,9 +492,7 @@ class RoundFSM:
                                   f"worker {wid!r} already reported attempt {attempt} of fragment {fid} "
                                   f"round {rid}"))
             return
-        # A report is proof of life (R9).
-        self._members[wid] = self._now_s
-        self._members.move_to_end(wid)
+        self._seen(wid)  # a report is proof of life (R9)
         if not ok:
             self._abort(fid, AbortReason.REDUCE_FAILED, effects)
         elif current.reported and digest != next(d for d in current.reports.values() if d):
@@ -605,6 +581,25 @@ class RoundFSM:
                         # once the quorum allows).
                         lane.deadline_s = now
 
+    def _set_quorum(self, decision) -> None:
+        """The quorum decision, mirrored into the phase model (which gates its moves on it)."""
+        self._quorum = decision
+        self._phase.below_min_workers = decision.below_min_workers
+
+    def _known(self, wid: object, effects: list[Effect]) -> bool:
+        """True for a live member; else an ``unknown_worker`` Reject (R3: an id is untrusted, and a
+        non-string, maybe unhashable, one is unknown, not a TypeError)."""
+        if isinstance(wid, str) and wid in self._members:
+            return True
+        effects.append(_unknown_worker(wid))
+        return False
+
+    def _seen(self, wid: str) -> None:
+        """Proof of life (R9): move ``wid`` to the back of the last-seen order, O(1)."""
+        members = self._members
+        members[wid] = self._now_s
+        members.move_to_end(wid)
+
     def _after_membership_change(self, effects: list[Effect], announce: bool = False) -> None:
         """Recompute the quorum, move the phase, then apply whatever became ready.
 
@@ -614,8 +609,7 @@ class RoundFSM:
         """
         decision = quorum_decision(len(self._members), self._min_workers)
         flipped = decision.below_min_workers != self._quorum.below_min_workers
-        self._quorum = decision
-        self._phase.below_min_workers = decision.below_min_workers
+        self._set_quorum(decision)
         if flipped or announce:
             effects.append(QuorumChanged(decision.below_min_workers, len(self._members),
                                          self._min_workers, decision.reason))
