@@ -18,11 +18,10 @@ buffers are allocated with that request off, as torch's own allocations are.
 For buffers made every round (a decoded tensor, a running sum, the params' next copy); buffers
 kept from round to round need none of this.
 
-Even plain ``malloc`` did not always reuse them: a model-sized block freed is reused for the next
-request of its size only while nothing small has been carved out of it meanwhile, and whether
-something was depends on the order of other threads' and libraries' small allocations (at 100M
-parameters, with other jobs loading the machine, a coordinator's round faulted in 0.2-1.7 GB of
-fresh pages from one run to the next). So buffers of ``POOL_MIN_BYTES`` or more are pooled: each
+Even plain ``malloc`` did not always reuse them (most likely something small was carved out of a
+freed model-sized block before the next request of its size, which depends on the timing of other
+threads' allocations): at 100M parameters, with other jobs loading the machine, a coordinator's
+round faulted in 0.2-1.7 GB of fresh pages from one run to the next. So buffers of ``POOL_MIN_BYTES`` or more are pooled: each
 is kept once made, and handed out again for the next request of its size once nothing references
 it any more (its reference count: a tensor, a view, a memoryview or a send in progress holds a
 reference to the array). At most ``POOL_PER_SIZE`` buffers of one size are kept; what the pool keeps
