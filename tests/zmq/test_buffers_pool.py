@@ -43,3 +43,16 @@ def test_small_buffers_are_not_pooled_and_values_are_whatever_is_written():
     big = buffers.empty((N // 4,)).fill_(3.0)
     assert bool((big == 3.0).all())
     assert buffers.empty((0, 4)).shape == (0, 4)
+
+
+def test_a_tensor_made_from_a_memoryview_of_a_pooled_buffer_keeps_it():
+    # The codec's path: a coalesced buffer -> a memoryview slice -> torch.frombuffer.
+    array = buffers.empty_bytes(N + 12)
+    ptr = array.ctypes.data
+    t = torch.frombuffer(memoryview(array)[:N].cast("B"), dtype=torch.float32)
+    del array
+    gc.collect()
+    assert buffers.empty_bytes(N + 12).ctypes.data != ptr  # the tensor still uses it
+    del t
+    gc.collect()
+    assert buffers.empty_bytes(N + 12).ctypes.data == ptr
