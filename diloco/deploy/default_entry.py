@@ -36,6 +36,11 @@ def _loss(model, batch) -> torch.Tensor:
     return model.loss(inputs, targets)
 
 
+def _tokens(batch) -> int:
+    """The characters a batch predicts: what ``--token-budget`` and ``--merge tokens`` count."""
+    return batch[1].numel()
+
+
 def make_setup(worker_id: str = "worker", rank: int = 0) -> TrainingSetup:
     corpus = Corpus.from_stdlib(max_bytes=CORPUS_BYTES)
     model = build_model(ModelConfig(seq_len=SEQ_LEN), seed=0)
@@ -43,4 +48,4 @@ def make_setup(worker_id: str = "worker", rank: int = 0) -> TrainingSetup:
     # Each rank of a multi-rank worker samples its own windows (rank 0 keeps a one-rank worker's stream).
     tags = ("worker", worker_id) if rank == 0 else ("worker", worker_id, "rank", rank)
     batches = BatchSampler(corpus.train, BATCH_SIZE, SEQ_LEN, seed=derive_seed(0, *tags))
-    return TrainingSetup(model=model, optimizer=optimizer, batches=batches, loss_fn=_loss)
+    return TrainingSetup(model=model, optimizer=optimizer, batches=batches, loss_fn=_loss, tokens_of=_tokens)

@@ -259,7 +259,8 @@ def _run_leader(args, setup, worker_id: str, sync_every: int, info, device, over
     previous = signal.signal(signal.SIGTERM, lambda *_: worker.request_stop(save=args.checkpoint_dir is not None))
     try:
         report = run_training(driver, setup.batches, loss_on_device(printer.loss_fn(setup.loss_fn), device),
-                              max_steps=args.max_steps, after_backward=_grad_sync(info))
+                              max_steps=args.max_steps, after_backward=_grad_sync(info),
+                              tokens_of=getattr(setup, "tokens_of", None))
     except DilocoWorkerError as exc:
         code = getattr(exc, "code", None)
         print(f"diloco worker {worker_id}: {exc}", file=sys.stderr, flush=True)

@@ -172,10 +172,10 @@ class GroupLeader:
             # (params and inner optimizer state), whatever happened, and learn whether to train at all.
             self._tell(changed=True, full=True)
 
-    def step_done(self) -> bool:
+    def step_done(self, tokens: int | None = None) -> bool:
         go_on = False
         try:
-            go_on = self.worker.step_done()
+            go_on = self.worker.step_done(tokens)
         finally:
             self._tell(changed=self.worker.params_written != self._written, go_on=go_on)
         return go_on
@@ -212,7 +212,7 @@ class GroupFollower:
     def join(self) -> None:
         self._hear(full=True)
 
-    def step_done(self) -> bool:
+    def step_done(self, tokens: int | None = None) -> bool:
         return self._hear(full=False)
 
     def _hear(self, full: bool) -> bool:

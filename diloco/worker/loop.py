@@ -27,6 +27,9 @@ class TrainingSetup:
     batches: Iterable[Any]
     #: ``loss_fn(model, batch) -> scalar loss tensor`` (``backward()`` is called on it).
     loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
+    #: ``tokens_of(batch) -> int``: what a batch trains on, for a token-weighted merge and the token
+    #: budget (``step_done(tokens=...)``); None: each step counts 1.
+    tokens_of: Callable[[Any], int] | None = None
 
 
 @dataclass
@@ -56,7 +59,8 @@ class WorkerReport:
 def run_training(worker: DilocoWorker, batches: Iterable[Any],
                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
                  max_steps: int | None = None,
-                 after_backward: Callable[[torch.nn.Module], None] | None = None) -> WorkerReport:
+                 after_backward: Callable[[torch.nn.Module], None] | None = None,
+                 tokens_of: Callable[[Any], int] | None = None) -> WorkerReport:
     """Join, then for each batch: zero_grad, loss, backward, step, ``step_done``; leave at the end.
 
     Ends when the run tells the worker to stop, when ``batches`` runs out, or when the
@@ -65,7 +69,8 @@ def run_training(worker: DilocoWorker, batches: Iterable[Any],
     an exception), so the coordinator hears of it at once instead of after a timeout.
 
     ``after_backward(model)`` runs between ``backward`` and ``step`` (a multi-rank
-    worker averages its ranks' gradients there: ``diloco.worker.group``).
+    worker averages its ranks' gradients there: ``diloco.worker.group``). ``tokens_of(batch)``
+    says what each step trained on (``step_done(tokens=...)``; None: one per step).
     """
     started = time.monotonic()
     model, opt = worker.model, worker.inner_optimizer
@@ -95,7 +100,7 @@ def run_training(worker: DilocoWorker, batches: Iterable[Any],
                 losses.append(float(loss.detach()))
                 if report is not None:
                     report(loss=losses[-1], samples=batch_size(batch))
-                if not worker.step_done():
+                if not (worker.step_done(tokens_of(batch)) if tokens_of else worker.step_done()):
                     reason = None
                     break
     finally:

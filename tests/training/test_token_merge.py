@@ -132,3 +132,20 @@ def test_a_worker_sends_the_tokens_it_trained_on_since_its_last_submit():
         with pytest.raises(Exception, match="expected an integer >= 1"):
             w.step_done(tokens=0)
     assert [m.tokens for m in sent if isinstance(m, Submit)] == [3, 40 + 50 + 60]
+
+
+def test_run_training_says_what_each_batch_trained_on_and_the_built_in_entry_counts_its_characters():
+    from diloco.deploy.default_entry import make_setup
+    from diloco.worker import run_training
+    from training_harness import batches, linear, mse_loss
+
+    sent = []
+    with Run(min_workers=1) as r:
+        w = r.worker("w1", linear(0), sync_every=3)
+        post = w.link.post
+        w.link.post = lambda m: (sent.append(m), post(m))[1]
+        in_thread(lambda: run_training(w, batches(0), mse_loss, max_steps=6, tokens_of=lambda batch: 7))
+    assert [m.tokens for m in sent if isinstance(m, Submit)] == [21, 21]
+    setup = make_setup("w1")
+    x, y = next(iter(setup.batches))
+    assert setup.tokens_of((x, y)) == y.numel() > 1
