@@ -10,6 +10,10 @@ overrides, both of which the trace's first record carries.
 The simulation's own randomness during the run (which worker crashes, link
 jitter, ...) comes from a second stream, ``random.Random(f"{seed}/run")``,
 so adding a knob here does not reshuffle every run's fault schedule.
+
+About 440 lines, one file on purpose: the knobs, the order their numbers are
+drawn in and the overrides that replace them must be read together, or a new
+knob drawn in the wrong place silently reshuffles every seed's run.
 """
 
 from __future__ import annotations
