@@ -214,6 +214,7 @@ class WorkerSession:
         self.spec: tuple[TensorSpec, ...] = tuple(spec)
         if not self.spec:
             raise ValueError("the model has no parameters to train")
+        #: W2: the parameter names a Welcome's fragments must cover.
         self._names = frozenset(s.name for s in self.spec)
         #: W11: how long a silent coordinator is waited for before giving up.
         self.coordinator_timeout_s = float(coordinator_timeout_s)
@@ -243,7 +244,7 @@ class WorkerSession:
         self.min_workers: int | None = None
         #: W6: the run is below ``min_workers`` (a pause at the sync point, once fresh).
         self.below_min_workers = False
-        #: W3 heartbeats, W8 retries, W9 resync delay, W12 ask deadline, in heartbeat intervals.
+        #: W3: the run's heartbeat interval; W8's retry, W9's resync delay and W12's ask count in it.
         self.heartbeat_interval_s = DEFAULT_HEARTBEAT_INTERVAL_S
         #: W2: the parameter names of each fragment, in fragment order.
         self.fragments: tuple[tuple[str, ...], ...] = ()
