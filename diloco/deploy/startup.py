@@ -26,6 +26,9 @@ def startup_lines(coordinator: Coordinator, s, address: str, store_host, auth) -
              f"outer {cfg.outer.name} lr {cfg.outer.lr:g} momentum {cfg.outer.momentum:g}"
              f"{momentum_schedule(cfg.outer)}",
              f"  {wire_line(cfg)}"]
+    if cfg.fsm.grace_window_s:
+        lines.append(f"  grace window {cfg.fsm.grace_window_s:g} s: contributions within it merge into one outer "
+                     f"step (their mean); it closes early once every live worker is in, at once on a departure")
     if store_host is not None:
         lines.append(f"  data plane collective: workers all-reduce among themselves (gloo) on the store at "
                      f"{store_host.host}:{store_host.port}; each collective bounded by {cfg.collective_timeout_s:g} s, "

@@ -114,6 +114,12 @@ def test_the_server_flag_sets_the_window_and_a_resume_keeps_or_changes_it(tmp_pa
                                                 grace_window_s=0.0), EventPrinter(out), 10.0, out=out)
     assert changed.config.fsm.grace_window_s == 0.0
     assert "grace window 1.5 s" in _status_text(kept)
+    from diloco.deploy.startup import startup_lines
+
+    lines = startup_lines(kept, ServerSettings(), "tcp://127.0.0.1:5555", None, None)
+    assert any(line.startswith("  grace window 1.5 s: ") for line in lines), lines
+    plain = server_coordinator(ServerSettings(mode="async"), EventPrinter(out), 0.0, out=out)
+    assert not any("grace window" in line for line in startup_lines(plain, ServerSettings(), "tcp://x", None, None))
 
 
 def _status_text(c: Coordinator) -> str:
