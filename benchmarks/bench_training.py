@@ -350,6 +350,24 @@ class _RealDiloco:
         self.workers: dict[str, DilocoWorker] = {}
         self.steps_done: dict[str, int] = {}
 
+    def _paced(self, index: int, worker_id: str, sleep_s: float, more) -> None:
+        """Train while ``more(worker, steps done)``, sleeping ``sleep_s`` after each step (a slower worker)."""
+        w, model, opt, sched, sampler = self._joined_worker(index, worker_id)
+        t_joined = time.perf_counter()
+        done = 0
+        while more(w, done):
+            loss = inner_step(model, opt, sched, sampler, self.s)
+            if sleep_s:
+                time.sleep(sleep_s)
+            done += 1
+            with self.lock:
+                self.losses[done].append(loss)
+            if not w.step_done():
+                break
+        self.span[worker_id] = (t_joined, time.perf_counter())
+        self.steps_done[worker_id] = done
+        w.leave()
+
     def _observe(self, what: str, now_s: float, info: dict) -> None:
         if what == "apply":
             self.apply_sizes.append(len(info["contributors"]))
@@ -596,22 +614,8 @@ class _DyluBench(_RealDiloco):
             now_s=time.monotonic(), observer=self._observe)
 
     def _train(self, index: int, worker_id: str) -> None:
-        s = self.s
-        w, model, opt, sched, sampler = self._joined_worker(index, worker_id)
-        t_joined = time.perf_counter()
-        done = 0
-        while w.rounds_synced < self.rounds:
-            loss = inner_step(model, opt, sched, sampler, s)
-            if index == self.slow:
-                time.sleep(self.slow_s)
-            done += 1
-            with self.lock:
-                self.losses[done].append(loss)
-            if not w.step_done():
-                break
-        self.span[worker_id] = (t_joined, time.perf_counter())
-        self.steps_done[worker_id] = done
-        w.leave()
+        self._paced(index, worker_id, self.slow_s if index == self.slow else 0.0,
+                    lambda w, done: w.rounds_synced < self.rounds)
 
 
 class _GraceBench(_RealDiloco):
@@ -630,22 +634,7 @@ class _GraceBench(_RealDiloco):
             now_s=time.monotonic(), observer=self._observe)
 
     def _train(self, index: int, worker_id: str) -> None:
-        s = self.s
-        w, model, opt, sched, sampler = self._joined_worker(index, worker_id)
-        t_joined = time.perf_counter()
-        done = 0
-        for step in range(1, self.steps + 1):
-            loss = inner_step(model, opt, sched, sampler, s)
-            if self.sleeps[index]:
-                time.sleep(self.sleeps[index])
-            done = step
-            with self.lock:
-                self.losses[step].append(loss)
-            if not w.step_done():
-                break
-        self.span[worker_id] = (t_joined, time.perf_counter())
-        self.steps_done[worker_id] = done
-        w.leave()
+        self._paced(index, worker_id, self.sleeps[index], lambda w, done: done < self.steps)
 
 
 #: ``--grace-sweep``: relative slowness of the 4 workers (extra sleep per inner step, in step times).
