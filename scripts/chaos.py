@@ -811,8 +811,10 @@ def check_workers(soak: "Soak", events: list[dict]) -> tuple[list[str], list[str
         # It gave up at some moment g up to EXIT_S before its exit was seen (a checkpoint to write, an
         # interpreter to end): the coordinator must have been out of its reach from g - limit (3 s spare) to
         # g: out by this script's doing, or behind a fault of the worker's own link (any kind: through a
-        # delayed link a new connection's handshake alone takes several round trips), one after the other.
-        reach = merged(spans + [(b, e) for w, _, _, b, e, _ in soak.partitions if w == wid])
+        # delayed link a new connection's handshake alone takes several round trips), one after the other;
+        # the worker's own freezes count too (the time it did not run is not its silence, W11).
+        reach = merged(spans + [(b, e) for w, _, _, b, e, _ in soak.partitions if w == wid]
+                       + [(b, e) for w, _, b, e, _ in soak.frozen_workers if w == wid])
         covered = any(max(b + limit - 3, wall - EXIT_S) <= min(e, wall) for b, e in reach)
         if rc == 3 and covered:
             continue
@@ -838,12 +840,24 @@ def check_workers(soak: "Soak", events: list[dict]) -> tuple[list[str], list[str
         rejoined(f"worker {wid} (pid {pid}) frozen {seconds:.1f} s", how, back, thawed, "its thaw", end_t,
                  violations, notes)
     hb = soak.args.heartbeat_timeout
+    membership = sorted([(t, w, True) for t, w in joins] + [(t, w, False) for t, w, _ in gone])
     for wid, pid, mode, started, healed, seconds in soak.partitions:
         back = next((t for t, w in joins if w == wid and t >= healed - 1), None)
         if any(w == wid and started - 1 <= t <= (back or healed + 60) for t, w in restarted):
             continue  # killed, or exited (a violation above if it should not have), before it re-joined
+        # A worker still joining when its link was cut (restarted moments before) has nothing to be let go of.
+        member = next((joined for t, w, joined in reversed(membership) if w == wid and t < started), False)
+        if not member:  # it joins once the link lets it: through a slow or half-open one, even before the heal
+            joined = next((t for t, w in joins if w == wid and t >= started), None)
+            rejoined(f"worker {wid} (pid {pid}) {mode} for {seconds:.1f} s", "not yet a member when cut off",
+                     joined if joined is None or joined >= healed else healed, healed, "the heal", end_t,
+                     violations, notes)
+            continue
         coordinator_out = any(b <= healed and started <= e for b, e in spans)
-        how = next((what for t, w, what in gone if w == wid and started <= t <= healed + 5), None)
+        # Let go during the partition or just after the heal, but not by a kill after the heal.
+        killed_after = min((t for t, w in restarted if w == wid and t >= healed - 1), default=math.inf)
+        how = next((what for t, w, what in gone if w == wid and started <= t <= min(healed + 5, killed_after)),
+                   None)
         kind = mode if mode.startswith("cut") else mode.split()[0]
         if kind in SEVERING and seconds > hb + 1:
             # The coordinator heard nothing for longer than the heartbeat timeout (or lost the connection).
