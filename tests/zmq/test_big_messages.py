@@ -158,8 +158,10 @@ def test_a_heartbeat_passes_a_big_submit_queued_before_it_and_a_leave_does_not()
 
 def test_a_result_of_more_parts_than_the_routers_queue_arrives_whole_then_what_follows_it():
     # 600 tensors: 601 parts, over twice the 256 parts libzmq takes per peer (such a Result was
-    # dropped whole, and the reply after it too).
-    tensors = {f"t{i}": torch.full((64,), float(i)) for i in range(600)}
+    # dropped whole, and the reply after it too). 64 KiB each, 39 MB in all: more than the loopback's
+    # socket buffers hold while the worker reads nothing, so libzmq's queue cannot drain into them and
+    # the rest must wait in the endpoint's backlog (with 256-byte tensors a fast machine drained it all).
+    tensors = {f"t{i}": torch.full((16384,), float(i)) for i in range(600)}
     with ZmqCoordinatorEndpoint(LOOPBACK) as server, ZmqWorkerEndpoint(server.address, label="w") as worker:
         worker.send(Heartbeat("w"))
         peer, _ = _recv(server)
