@@ -83,12 +83,16 @@ def test_a_prepared_step_gives_the_bits_of_one_made_at_once(outer, fragments):
 
 @pytest.mark.parametrize("wire_dtype", ["bf16", "int8"])
 def test_a_prepared_step_gives_the_same_bits_with_a_wire_dtype(wire_dtype):
-    _same(_run(True, wire_dtype=wire_dtype), _run(False, wire_dtype=wire_dtype))
+    ticked = _run(True, wire_dtype=wire_dtype)
+    assert ticked[0]._prepared  # the ticks did prepare steps
+    _same(ticked, _run(False, wire_dtype=wire_dtype))  # asserts every param, state and Result equal
 
 
 def test_a_prepared_step_gives_the_same_bits_in_async_mode():
     outer = OuterConfig(name="delayed_nesterov", lr=0.5)
-    _same(_run(True, outer=outer, mode=Mode.ASYNC), _run(False, outer=outer, mode=Mode.ASYNC))
+    ticked = _run(True, outer=outer, mode=Mode.ASYNC)
+    assert ticked[0]._prepared  # the ticks did prepare steps
+    _same(ticked, _run(False, outer=outer, mode=Mode.ASYNC))  # asserts every param, state and Result equal
 
 
 def test_a_refused_step_after_a_prepared_one_puts_back_the_same_values():
