@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import enum
 
+from typing import TYPE_CHECKING
+
 from transitions import Machine, MachineError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 class Phase(str, enum.Enum):
@@ -48,6 +53,8 @@ class PhaseModel:
     """The object the ``transitions`` machine drives; guards read ``below_min_workers``."""
 
     state: Phase
+    #: Installed by the machine: fires a trigger by name; False when its guard refuses.
+    trigger: Callable[[str], bool]
 
     def __init__(self, initial: Phase) -> None:
         self.below_min_workers = True

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from diloco.core.config import DataPlane, FSMConfig, Mode, validate_min_workers
 from diloco.core.effects import (
@@ -319,7 +319,7 @@ class RoundFSM:
         elif self._window_s and self._phase.state is not Phase.STOPPED:
             # P5: a window whose deadline passed closes (if the quorum holds); O(F) per tick.
             expired = [fid for fid, lane in enumerate(self._lanes)
-                       if lane.held and now >= lane.deadline_s]
+                       if lane.held and now >= cast(float, lane.deadline_s)]  # set while held (P5)
             if expired:
                 self._apply_ready(effects, expired)
 
@@ -576,7 +576,7 @@ class RoundFSM:
                 if self._window_s and lane.held:
                     if wid in lane.held:
                         lane.live_held -= 1
-                    if lane.deadline_s > now:
+                    if cast(float, lane.deadline_s) > now:  # set while held (P5)
                         # P5: a departure inside the window releases it (it closes with what it has,
                         # once the quorum allows).
                         lane.deadline_s = now

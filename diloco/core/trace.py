@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from diloco.core import effects as _effects
 from diloco.core.events import EVENT_TYPES, ShutdownRequested, WorkerLeft
 from diloco.core.reasons import LeaveCause, ShutdownKind
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 _EVENTS = {cls.__name__: cls for cls in EVENT_TYPES}
 #: Event fields that are enums (every other field is a plain value).
@@ -64,7 +67,7 @@ def _unplain(value: Any) -> Any:
     return value
 
 
-def event_record(event: object) -> dict:
+def event_record(event: DataclassInstance) -> dict:
     """``event`` as a JSON-able record."""
     record = {"type": type(event).__name__}
     for f in fields(event):
@@ -95,7 +98,7 @@ def event_from_record(record: object) -> object:
         raise TraceError(f"{cls.__name__} record {record!r:.200}: {exc}") from None
 
 
-def effect_record(effect: object) -> list:
+def effect_record(effect: DataclassInstance) -> list:
     """``effect`` as a JSON-able record (see the module doc)."""
     cls = type(effect)
     return [cls.__name__] + [_plain(getattr(effect, f.name)) for f in fields(effect)

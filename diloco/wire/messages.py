@@ -73,12 +73,47 @@ TRANSPORT_ERROR_CODES: dict[str, str] = {
 #: Codes in ``Error`` replies: every ``RejectReason`` of the core (same names and
 #: values, so a reject crosses the wire unchanged) plus ``TRANSPORT_ERROR_CODES``.
 #: Built from both so the two lists can never drift apart. SPEC.md section 11.
-ErrorCode = enum.Enum(
-    "ErrorCode",
-    [(r.name, r.value) for r in RejectReason] + [(name, name.lower()) for name in TRANSPORT_ERROR_CODES],
-    type=str,
-    module=__name__,
-)
+if TYPE_CHECKING:
+    # The same members, spelled out for type checkers (which cannot see the ones built below);
+    # tests/test_typed.py fails when the two differ.
+    class ErrorCode(str, enum.Enum):
+        UNKNOWN_WORKER = "unknown_worker"
+        INVALID_WORKER_ID = "invalid_worker_id"
+        UNKNOWN_FRAGMENT = "unknown_fragment"
+        INVALID_ROUND = "invalid_round"
+        STALE_ROUND = "stale_round"
+        FUTURE_ROUND = "future_round"
+        DUPLICATE = "duplicate"
+        SHUTTING_DOWN = "shutting_down"
+        TOO_MANY_WORKERS = "too_many_workers"
+        HELD_LIMIT = "held_limit"
+        INVALID_MIN_WORKERS = "invalid_min_workers"
+        ALREADY_MEMBER = "already_member"
+        STALE_ATTEMPT = "stale_attempt"
+        INVALID_REPORT = "invalid_report"
+        REDUCING = "reducing"
+        BAD_MESSAGE = "bad_message"
+        PROTOCOL_VERSION = "protocol_version"
+        MODEL_MISMATCH = "model_mismatch"
+        TENSOR_MISMATCH = "tensor_mismatch"
+        TOO_LARGE = "too_large"
+        STOPPED = "stopped"
+        BAD_COMMAND = "bad_command"
+        PARAMS_REQUIRED = "params_required"
+        NON_FINITE = "non_finite"
+        UPDATE_TOO_LARGE = "update_too_large"
+        FORBIDDEN = "forbidden"
+        WRONG_KEY = "wrong_key"
+        BANNED = "banned"
+        KEY_ID_LIMIT = "key_id_limit"
+        START_PARAMS_REQUIRED = "start_params_required"
+else:
+    ErrorCode = enum.Enum(
+        "ErrorCode",
+        [(r.name, r.value) for r in RejectReason] + [(name, name.lower()) for name in TRANSPORT_ERROR_CODES],
+        type=str,
+        module=__name__,
+    )
 
 
 class Command(str, enum.Enum):

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import Literal
+
 import torch
 
 from diloco.wire.endpoints import WorkerEndpoint
@@ -82,7 +84,7 @@ class Worker:
             raise
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         self.close()
         return False  # an exception in the loop propagates, after the clean leave
 

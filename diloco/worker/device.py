@@ -11,7 +11,7 @@ module and those copies; it is not exercised by the tests (they run on CPU).
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -70,7 +70,7 @@ class DeviceGlobal:
     On the CPU it is exactly ``global - local`` in fp32, as before.
     """
 
-    def __init__(self, params: dict[str, torch.Tensor]) -> None:
+    def __init__(self, params: Mapping[str, torch.Tensor]) -> None:
         self.active = any(p.device.type != "cpu" for p in params.values())
         self._copy: dict[str, torch.Tensor] = {}
 
@@ -79,7 +79,7 @@ class DeviceGlobal:
         if self.active:
             self._copy[name] = cpu_value.to(device, torch.float32)
 
-    def pseudo_gradients(self, names, params: dict[str, torch.Tensor],
+    def pseudo_gradients(self, names, params: Mapping[str, torch.Tensor],
                          global_cpu: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``global - local`` for ``names``, as fp32 CPU tensors ready for the wire."""
         if not self.active:

@@ -47,7 +47,7 @@ import enum
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Sequence, TypeVar
+from typing import Any, Mapping, Sequence, TypeVar, cast
 
 from diloco.core.config import Mode
 from diloco.core.reasons import ReleaseOutcome
@@ -288,7 +288,7 @@ class WorkerSession:
         #: submission until the merge (awaited or held).
         self.merge_at: dict[int, int] = {}
         #: W16, W17: fragment -> the params of its applied Result, held until ``merge_at``.
-        self.held: dict[int, object] = {}
+        self.held: dict[int, Mapping[str, Any]] = {}
 
         # -- heartbeats and the quorum at the sync point (W3, W6)
         #: W3: when the last Heartbeat went out (the Welcome counts as one).
@@ -927,8 +927,9 @@ class WorkerSession:
 
     def _carry_out_stop(self, now: float) -> None:
         """W12: ``Stop`` at once if the kind is known, else STOPPING and one heartbeat asks whether to save."""
+        assert self._stop_cmd is not None  # its one caller, _settle, checked
         if self._stop_cmd.kind_known:
-            self._finish(self._stop_cmd.reason, save=self._stop_cmd.save, now=now)
+            self._finish(self._stop_cmd.reason, save=cast(bool, self._stop_cmd.save), now=now)
             return
         self._go(S.STOPPING, now)
         self._heartbeat(now)
@@ -1006,7 +1007,7 @@ class WorkerSession:
             return
         previous, self.state = self.state, state
         if previous is S.PAUSED:
-            self._end_pause(now)
+            self._end_pause(cast(float, now))  # required out of PAUSED (above)
         elif state is S.PAUSED:
             self._paused_since = now
         if state is S.STOPPING:

@@ -85,7 +85,7 @@ import os
 import threading
 import time
 import warnings
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -574,7 +574,7 @@ class DilocoWorker:
             elif isinstance(action, Note):
                 log.log(_LOG_LEVELS.get(action.level, logging.INFO), "worker %s: %s", self.worker_id, action.text)
 
-    def _check_params(self, action: InstallParams | MergeParams, source: str) -> Tensors:
+    def _check_params(self, action: InstallParams | MergeParams, source: str) -> Mapping[str, torch.Tensor]:
         """The action's params checked against the model; a delta (SPEC.md section 11) resolved first.
 
         A delta Result carries new = global + delta: it is resolved against this worker's
@@ -742,6 +742,7 @@ class DilocoWorker:
     # ------------------------------------------------------------------ restore
 
     def _restore(self) -> None:
+        assert self.checkpoint_path is not None  # its one caller checked
         ckpt = restore_worker(self.checkpoint_path, self.worker_id, self.sync_every, self.model,
                               self.inner_optimizer)
         self._global = {}
