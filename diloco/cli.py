@@ -18,6 +18,7 @@ from diloco import __version__
 from diloco.demo import command as demo_command
 from diloco.deploy import check_log as check_log_command
 from diloco.deploy import commands as deploy_commands
+from diloco.deploy import export as export_command
 from diloco.exits import (  # noqa: F401  (re-exported: the exit-code contract, for callers of main)
     EXIT_AUTH_REFUSED,
     EXIT_INTERRUPTED,
@@ -32,7 +33,8 @@ from diloco.planner import command as plan_command
 from diloco.sim import command as sim_command
 
 #: Modules that register subcommands, in the order ``--help`` lists them.
-COMMAND_MODULES = (demo_command, deploy_commands, check_log_command, observe_commands, sim_command, plan_command)
+COMMAND_MODULES = (demo_command, deploy_commands, check_log_command, export_command, observe_commands, sim_command,
+                   plan_command)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -40,12 +40,13 @@ def wait_until(pred: Callable[[], object], timeout_s: float, what: str, interval
 
 
 class Proc:
-    def __init__(self, name: str, args: list[str], log_dir: Path, env: dict) -> None:
+    def __init__(self, name: str, args: list[str], log_dir: Path, env: dict,
+                 program: tuple[str, ...] = ("-m", "diloco")) -> None:
         self.name = name
         self.args = args
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")
-        self.popen = subprocess.Popen([sys.executable, "-m", "diloco", *args], cwd=log_dir, env=env,
+        self.popen = subprocess.Popen([sys.executable, *program, *args], cwd=log_dir, env=env,
                                       stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     @property
@@ -132,9 +133,10 @@ class Cluster:
         """``--key NAME.key_secret --server-key server.key`` for a client using key ``name``."""
         return ["--key", str(self.keys[name][1]), "--server-key", str(self.server_key)]
 
-    def start(self, name: str, args: list[str]) -> Proc:
+    def start(self, name: str, args: list[str], program: tuple[str, ...] = ("-m", "diloco")) -> Proc:
+        """``python -m diloco ARGS`` (or ``python PROGRAM ARGS``: a script) in the test's directory."""
         self._n += 1
-        proc = Proc(f"{self._n:02d}-{name}", args, self.tmp, self.env)
+        proc = Proc(f"{self._n:02d}-{name}", args, self.tmp, self.env, program)
         self.procs.append(proc)
         return proc
 
