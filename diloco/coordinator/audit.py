@@ -19,10 +19,10 @@ import time
 from diloco.coordinator.service import Coordinator
 
 FILENAME = "events.jsonl"
-#: Coordinator events that get a line (membership, quorum, rounds, refusals, discards, the stop), and
+#: Coordinator events that get a line (membership, quorum, rounds, refusals, discards, the stop, data units), and
 #: every input of the machine with its effects (trace validation, ``tracecheck.py``).
 KINDS = frozenset({"join", "left", "dead", "quorum", "apply", "step_refused", "discard", "reconciled", "stop",
-                   "outlier", "input"})
+                   "outlier", "input", "unit", "unit_back", "unit_mismatch", "units_finished"})
 
 
 def last_incarnation(path: pathlib.Path) -> int:

@@ -43,6 +43,7 @@ from diloco.coordinator.access import AccessList
 from diloco.coordinator.config import CoordinatorConfig
 from diloco.coordinator.params import check_tensors
 from diloco.coordinator.budget import TokenBudget
+from diloco.coordinator.units import UnitLedger
 from diloco.coordinator.service import Coordinator, Observer, held_tensors
 from diloco.wire import compression
 from diloco.tensorfile import CheckpointError, flatten, load_tensorfile
@@ -95,6 +96,8 @@ def _meta(coordinator: Coordinator, outer: list) -> dict:
         "journal_seq": coordinator.journal_seq,
         # The token budget and what applied rounds trained on (``budget.py``); absent in older checkpoints.
         "tokens": coordinator.budget.to_dict(),
+        # Data work units: finished bitmaps and the shuffles' progress (``units.py``); absent: none.
+        "units": coordinator.units.to_dict() if coordinator.units.enabled else None,
     }
 
 
@@ -150,6 +153,16 @@ def restore_coordinator(meta: dict, tensors: dict[str, torch.Tensor], now_s: flo
         coordinator.budget = TokenBudget.from_dict(meta.get("tokens", {"budget": coordinator.config.token_budget}))
     except ValueError as exc:
         raise CheckpointError(f"checkpoint metadata is invalid: {exc}") from None
+    saved_units = meta.get("units")
+    if saved_units:
+        try:
+            coordinator.units = UnitLedger.from_dict(saved_units)
+        except ValueError as exc:
+            raise CheckpointError(f"checkpoint metadata is invalid: {exc}") from None
+        wanted = coordinator.config.data_units
+        if wanted != coordinator.units.units:
+            raise CheckpointError(f"the checkpoint's run hands out {coordinator.units.units} data units per "
+                                  f"epoch; it cannot resume with {wanted} (its finished units would not map)")
     coordinator.resumed = True
     run_id = meta.get("run_id")
     coordinator.run_id = run_id if isinstance(run_id, str) else None

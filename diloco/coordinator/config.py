@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from diloco.core import ConfigError, DataPlane, FSMConfig, Mode
 from diloco.coordinator.budget import check_budget
+from diloco.coordinator.units import check_units
 from diloco.outer import OuterConfig
 
 #: ``CoordinatorConfig.merge`` values (``diloco server --merge``).
@@ -49,6 +50,9 @@ class CoordinatorConfig:
     #: ``--token-budget``: stop as ``shutdown --save`` does once applied rounds trained on this many
     #: tokens (``budget.py``); None: no budget. The live budget (``set-token-budget``) is the coordinator's.
     token_budget: int | None = None
+    #: ``--data-units N``: hand out the data as N work units per epoch, each finished exactly once
+    #: (``units.py``; SPEC.md section 12, "Data work units"); 0: off. The hub, one fragment.
+    data_units: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.fsm, FSMConfig):
@@ -74,6 +78,13 @@ class CoordinatorConfig:
             check_budget(self.token_budget)
         except ValueError as exc:
             raise ConfigError("token_budget", self.token_budget, "an integer >= 1, or None") from exc
+        try:
+            check_units(self.data_units)
+        except ValueError as exc:
+            raise ConfigError("data_units", self.data_units, "an integer >= 0 (0: off)") from exc
+        if self.data_units and (self.fsm.data_plane is DataPlane.COLLECTIVE or self.fsm.num_fragments != 1):
+            raise ConfigError("data_units", self.data_units, "0 with the collective plane or several fragments "
+                              "(a unit is one round's data of the whole model: use the hub, one fragment)")
         if self.merge not in MERGES:
             raise ConfigError("merge", self.merge, f"one of {list(MERGES)}")
         if self.merge == "tokens" and self.fsm.data_plane is DataPlane.COLLECTIVE:
@@ -116,7 +127,7 @@ class CoordinatorConfig:
                 "heartbeat_interval_s": self.heartbeat_interval_s, "max_update_norm": self.max_update_norm,
                 "outlier_factor": self.outlier_factor, "wire_dtype": self.wire_dtype, "dylu": self.dylu, "sync_every": self.sync_every,
                 "collective_timeout_s": self.collective_timeout_s, "merge": self.merge,
-                "token_budget": self.token_budget}
+                "token_budget": self.token_budget, "data_units": self.data_units}
 
     @property
     def token_weighted(self) -> bool:
@@ -133,4 +144,5 @@ class CoordinatorConfig:
                    heartbeat_interval_s=d["heartbeat_interval_s"], max_update_norm=d.get("max_update_norm"),
                    outlier_factor=d.get("outlier_factor", 10.0), wire_dtype=d.get("wire_dtype", "fp32"), dylu=d.get("dylu", False),
                    sync_every=d.get("sync_every"), collective_timeout_s=d.get("collective_timeout_s", 0.0),
-                   merge=d.get("merge", "uniform"), token_budget=d.get("token_budget"))
+                   merge=d.get("merge", "uniform"), token_budget=d.get("token_budget"),
+                   data_units=d.get("data_units", 0))

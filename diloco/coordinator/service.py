@@ -64,6 +64,7 @@ from diloco.core import (
 )
 from diloco.coordinator.access import AccessList
 from diloco.coordinator.budget import TokenBudget, check_budget
+from diloco.coordinator.units import NO_UNIT, UnitLedger
 from diloco.coordinator.config import CoordinatorConfig
 from diloco.coordinator.collective import CollectivePlane
 from diloco.coordinator.dylu import SpeedTable
@@ -211,6 +212,8 @@ class Coordinator:
         self._round_tokens: dict[int, int] = {}
         #: The tokens applied rounds trained on, against ``--token-budget`` (``budget.py``).
         self.budget = TokenBudget(config.token_budget)
+        #: Data work units: who holds which, what is in flight, what finished (``units.py``).
+        self.units = UnitLedger(config.data_units)
         #: Observers hear every event fed to the machine and its effects (``"input"``): the audit
         #: log sets it, for trace validation (``tracecheck.py``).
         self.trace_inputs = False
@@ -295,6 +298,7 @@ class Coordinator:
             banned_keys=self.access.banned_key_names(),
             keys=self.access.key_summary(self.fsm.is_member),
             tokens=self.budget.status(),
+            units=self.units.status() if self.units.enabled else None,
         )
         now = self.fsm.now_s
         uptime = max(0.0, now - self.started_s)
@@ -677,6 +681,7 @@ class Coordinator:
                 self._peers.pop(effect.worker_id, None)
                 self.speeds.forget(effect.worker_id)
                 self._notify("dead", now, worker_id=effect.worker_id, last_seen_s=effect.last_seen_s)
+                self._give_back_unit(effect.worker_id, now)
             elif kind is DiscardContribution:
                 self._discard(effect)
                 self._notify("discard", now, worker_id=effect.worker_id, fragment_id=effect.fragment_id,
@@ -698,6 +703,8 @@ class Coordinator:
                 self.collective.forget(event.worker_id)
             self._peers.pop(event.worker_id, None)
             self.speeds.forget(event.worker_id)
+            if not self.fsm.is_member(event.worker_id):
+                self._give_back_unit(event.worker_id, now)
         self._released.clear()
         return effects
 
@@ -724,6 +731,8 @@ class Coordinator:
             params={n: t.clone() for n, t in store.params.items()},
             wire_dtype=self.config.wire_dtype,
             sync_every=self.sync_every_of(effect.worker_id),
+            data_units=self.units.units or None,
+            unit=self._hand_out(effect.worker_id, join.unit),
         )))
         self.stats.bytes_sent += compression.tensor_nbytes(store.params)
         self._notify("join", now, worker_id=effect.worker_id, parked=list(effect.parked))
@@ -787,6 +796,11 @@ class Coordinator:
             self._round_tokens[fid] = self._round_tokens.get(fid, 0) + (submit.tokens or 0)
         else:
             self._held[(fid, effect.worker_id)] = _Held(held_tensors(tensors), effect.round_id, submit.tokens)
+        if self.units.enabled:
+            why = self.units.submitted(effect.worker_id, fid, NO_UNIT if submit.unit is None else submit.unit)
+            if why is not None:  # the contribution counts; its data is not marked trained
+                self._notify("unit_mismatch", self.fsm.now_s, worker_id=effect.worker_id, fragment_id=fid,
+                             round_id=effect.round_id, detail=why)
         if self.recorder is not None:
             self.recorder.contribution(effect.fragment_id, effect.round_id, effect.worker_id, submit)
         out.append((peer, Accepted(effect.fragment_id, effect.round_id)))
@@ -831,6 +845,8 @@ class Coordinator:
                          contributors=list(effect.contributors), tensor=bad)
         else:
             self.budget.add(tokens, now)
+        if self.units.enabled:
+            self._units_of_step(fid, effect.round_id, effect.contributors, bad is None, now)
         # What the Results of this apply carry (SPEC.md section 5, rule 1: they follow it),
         # shared by all its contributors: views of the params, which no later step writes
         # (each moves them to fresh memory first, ``ParamStore.begin_step``), so a Result still
@@ -947,9 +963,35 @@ class Coordinator:
         next_round, released = self._released[effect.fragment_id]
         self.stats.bytes_sent += released.nbytes
         delta = self.delta_results
+        unit = (self._hand_out(effect.worker_id)
+                if self.units.enabled and effect.outcome is ReleaseOutcome.APPLIED else None)
         out.append((peer, Result(effect.fragment_id, effect.round_id, effect.outcome.value, next_round,
                                  released.values, delta, self.config.wire_dtype if delta else "fp32",
-                                 released.scales)))
+                                 released.scales, unit=unit)))
+
+    # -- data work units (``units.py``): handed out with Welcomes and Results, finished by applies
+
+    def _hand_out(self, worker_id: str, claim: int | None = None) -> int | None:
+        if not self.units.enabled:
+            return None
+        unit = self.units.hand_out(worker_id, NO_UNIT if claim is None else claim)
+        self._notify("unit", self.fsm.now_s, worker_id=worker_id, unit=unit)
+        return unit
+
+    def _give_back_unit(self, worker_id: str, now: float) -> None:
+        unit = self.units.released(worker_id)
+        if unit is not None:
+            self._notify("unit_back", now, worker_id=worker_id, unit=unit)
+
+    def _units_of_step(self, fid: int, round_id: int, contributors, applied: bool, now: float) -> None:
+        """An outer step's contributions: their units finish when it applied; else they go back."""
+        if applied:
+            done = self.units.applied(fid, contributors)
+            if done:
+                self._notify("units_finished", now, fragment_id=fid, round_id=round_id, units=done)
+        else:
+            for wid in contributors:
+                self.units.not_applied(fid, wid)
 
     def _reconciled(self, submit: Submit, now: float, answer: str) -> None:
         """A submission for a round this coordinator never opened: the worker is ahead of its durable
@@ -964,6 +1006,7 @@ class Coordinator:
     def _discard(self, effect: DiscardContribution) -> None:
         if self.collective is not None:
             return  # nothing of the pseudo-gradient is here
+        self.units.not_applied(effect.fragment_id, effect.worker_id)
         if self._sync:
             # Discards happen only at a stop (P1), which discards the whole round.
             if self.store is not None:

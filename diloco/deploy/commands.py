@@ -184,6 +184,12 @@ def register(subparsers) -> None:
                         "(what workers pass to step(tokens=...), else their inner steps); `diloco status` shows "
                         "the progress and an ETA, `diloco set-token-budget` changes it (default: none; on "
                         "--resume: the saved one)")
+    p.add_argument("--data-units", type=_non_negative_int, default=None, metavar="N",
+                   help="hand the data out as N work units per epoch (a fleet-wide shuffle): each worker holds one "
+                        "unit per round, a unit is finished when its round applies, a dead worker's unit is handed "
+                        "out again, and no unit is trained twice in an epoch; the worker's loop reads its unit "
+                        "(diloco.Worker.data_unit; the built-in entry does). Hub plane, one fragment, no overlap "
+                        "(default: off; on --resume: the saved run's)")
     p.add_argument("--dylu", action="store_true", default=None,
                    help="DyLU (dynamic local updates): each worker takes H_w = max(1, floor(v_w / v_max * H)) inner "
                         "steps per round, v_w its measured training speed, H --sync-every (needed with it); slower "
@@ -443,6 +449,7 @@ def cmd_server(args) -> int:
         link_timeout_s=args.link_timeout, max_update_norm=args.max_update_norm, wire_dtype=args.wire_dtype,
         outlier_factor=args.outlier_factor,
         dylu=args.dylu, sync_every=args.sync_every, merge=args.merge, token_budget=args.token_budget,
+        data_units=args.data_units,
         auth_dir=args.auth, io_threads=args.io_threads, http=args.http, log_dir=args.log_dir,
         data_plane=args.data_plane, collective_timeout_s=args.collective_timeout,
         trusted_data_network=args.trusted_data_network,

@@ -5,7 +5,9 @@ Model: ``diloco.models`` char transformer (d_model 64, 2 layers, context 64,
 weights (the first worker to join supplies the run's initial params; the
 others must match its shapes). Data: the Python standard library's own source
 text (``diloco.data``, nothing downloaded), 2 MB of it; each worker samples
-its own random windows (seed derived from its worker id: i.i.d. shards).
+its own random windows (seed derived from its worker id: i.i.d. shards), or,
+in a run with data work units (``diloco server --data-units N``), windows of
+the unit the run hands it each round (unit i: the i-th of N equal slices).
 Inner optimizer: AdamW, lr 3e-3. Batch 8: one inner step takes ~20 ms on one
 thread, so with the default H = 20 a round applies every second or so on a
 2-core machine.
@@ -41,6 +43,16 @@ def _tokens(batch) -> int:
     return batch[1].numel()
 
 
+def unit_slice(train: torch.Tensor, index: int, units: int) -> torch.Tensor:
+    """Data unit ``index`` of ``units``: its contiguous share of the train text (with a window's overlap)."""
+    share = train.numel() // units
+    if share < 1 or share + SEQ_LEN + 1 > train.numel():
+        raise ValueError(f"--data-units {units}: the built-in corpus ({train.numel():,} characters) is too small "
+                         f"for that many units (at most {max(1, train.numel() // (SEQ_LEN + 1)):,})")
+    start = index * share
+    return train[start:start + share + SEQ_LEN]
+
+
 def make_setup(worker_id: str = "worker", rank: int = 0) -> TrainingSetup:
     corpus = Corpus.from_stdlib(max_bytes=CORPUS_BYTES)
     model = build_model(ModelConfig(seq_len=SEQ_LEN), seed=0)
@@ -48,4 +60,11 @@ def make_setup(worker_id: str = "worker", rank: int = 0) -> TrainingSetup:
     # Each rank of a multi-rank worker samples its own windows (rank 0 keeps a one-rank worker's stream).
     tags = ("worker", worker_id) if rank == 0 else ("worker", worker_id, "rank", rank)
     batches = BatchSampler(corpus.train, BATCH_SIZE, SEQ_LEN, seed=derive_seed(0, *tags))
-    return TrainingSetup(model=model, optimizer=optimizer, batches=batches, loss_fn=_loss, tokens_of=_tokens)
+
+    def unit_batches(index: int, units: int) -> BatchSampler:
+        # The same windows for a unit whoever trains it: seeded by the unit, not the worker.
+        return BatchSampler(unit_slice(corpus.train, index, units), BATCH_SIZE, SEQ_LEN,
+                            seed=derive_seed(0, "unit", index, units))
+
+    return TrainingSetup(model=model, optimizer=optimizer, batches=batches, loss_fn=_loss, tokens_of=_tokens,
+                         unit_batches=unit_batches)

@@ -25,8 +25,9 @@ class EventPrinter:
         return f"{c.fsm.live_workers} live, min {c.fsm.min_workers}"
 
     def __call__(self, kind: str, now_s: float, info: dict) -> None:
-        if kind == "input":
-            return  # the machine's inputs are for the audit log (trace validation), not for reading
+        if kind in ("input", "unit", "units_finished"):
+            return  # the machine's inputs and each unit handed out or finished are for the audit log
+
         if kind == "join":
             parked = f", parked on {info['parked']}" if info.get("parked") else ""
             heal = f", heals from {info['heal_source']}" if info.get("heal_source") else ""
@@ -80,6 +81,11 @@ class EventPrinter:
                     f"(--token-budget): stopping as shutdown --save does")
         elif kind == "stop":
             line = f"stopped  {info['kind']}"
+        elif kind == "unit_back":
+            line = f"unit     {info['unit']} back from {info['worker_id']}: handed out again"
+        elif kind == "unit_mismatch":
+            line = (f"unit     {info['worker_id']}'s fragment {info['fragment_id']} round {info['round_id']}: "
+                    f"{info['detail']} (counted for the round; its unit not marked trained)")
         else:
             line = f"{kind:8} {info}"
         print(f"{time.strftime('%H:%M:%S')} {line}", file=self.out, flush=True)

@@ -83,6 +83,8 @@ class ServerSettings:
     merge: str | None = None
     #: ``--token-budget N`` (None: not given: no budget, or on resume the saved one).
     token_budget: int | None = None
+    #: ``--data-units N`` (None: not given: none, or on resume the saved run's).
+    data_units: int | None = None
     sync_every: int | None = None
     #: ``--auth DIR``: CURVE keys and roles (``diloco.transport.zmq.auth.ServerAuth``); None: no authentication.
     auth_dir: str | None = None
@@ -160,6 +162,7 @@ def build_config(s: ServerSettings, base: CoordinatorConfig | None = None) -> Co
         dylu = base.dylu if s.dylu is None else s.dylu
         merge = base.merge if s.merge is None else s.merge
         token_budget = base.token_budget if s.token_budget is None else s.token_budget
+        data_units = base.data_units if s.data_units is None else s.data_units
         sync_every = base.sync_every if s.sync_every is None else s.sync_every
         if dylu and sync_every is None:
             raise ServerError("--dylu needs --sync-every H: the inner steps per round of the fastest worker "
@@ -179,7 +182,7 @@ def build_config(s: ServerSettings, base: CoordinatorConfig | None = None) -> Co
         return CoordinatorConfig(fsm=fsm, outer=outer, heartbeat_interval_s=hb_interval, max_update_norm=max_norm,
                                  outlier_factor=outlier_factor,
                                  wire_dtype=wire_dtype, dylu=dylu, sync_every=sync_every, merge=merge,
-                                 token_budget=token_budget,
+                                 token_budget=token_budget, data_units=data_units,
                                  collective_timeout_s=collective_timeout)
     except (ConfigError, ValueError) as exc:
         raise ServerError(str(exc)) from None

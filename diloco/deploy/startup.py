@@ -38,6 +38,10 @@ def startup_lines(coordinator: Coordinator, s, address: str, store_host, auth) -
     if coordinator.budget.budget is not None:
         lines.append(f"  token budget {coordinator.budget.budget:,}: the run stops as shutdown --save does once "
                      f"applied rounds trained on that many ({coordinator.budget.trained:,} so far)")
+    if coordinator.units.enabled:
+        u = coordinator.units.status()
+        lines.append(f"  data units: {u['units']:,} per epoch, handed out one per worker per round, each finished "
+                     f"once its round applies (epoch {u['epoch']}, {u['finished']:,} finished)")
     if cfg.dylu:
         lines.append(f"  DyLU: each worker takes H_w = max(1, floor(v_w / v_max * {cfg.sync_every})) inner steps per "
                      f"round (v: its training speed; the fastest keeps {cfg.sync_every}; no measurement yet: "

@@ -260,7 +260,8 @@ def _run_leader(args, setup, worker_id: str, sync_every: int, info, device, over
     try:
         report = run_training(driver, setup.batches, loss_on_device(printer.loss_fn(setup.loss_fn), device),
                               max_steps=args.max_steps, after_backward=_grad_sync(info),
-                              tokens_of=getattr(setup, "tokens_of", None))
+                              tokens_of=getattr(setup, "tokens_of", None),
+                              unit_batches=getattr(setup, "unit_batches", None))
     except DilocoWorkerError as exc:
         code = getattr(exc, "code", None)
         print(f"diloco worker {worker_id}: {exc}", file=sys.stderr, flush=True)

@@ -167,6 +167,9 @@ class Join:
     #: With ``held_rounds``: the digest of each fragment's params in that state (as ``Result.digest``),
     #: so the coordinator can tell the state its last commits made from any other (C6).
     held_digests: tuple[str, ...] = ()
+    #: Data work units: the unit this worker holds and trains on (a re-join after a coordinator restart
+    #: asks to keep it); None: none, or the run has no units (SPEC.md section 12, "Data work units").
+    unit: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +202,8 @@ class Submit:
     wire_dtype: str = "fp32"
     scales: Tensors = field(default_factory=dict)
     tokens: int | None = None
+    #: Data work units: the unit this pseudo-gradient trained on (the one the worker was handed); None: none.
+    unit: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,6 +273,10 @@ class Welcome:
     #: Collective: per fragment, the last commit (round_id, digest); (-1, "") before any. A member
     #: whose commit Result a coordinator crash swallowed adopts its proposal if it is this one.
     committed: tuple[tuple[int, str], ...] = ()
+    #: Data work units: units per epoch (None: the run has none), and the unit to train on next
+    #: (``epoch * data_units + index``; None: none).
+    data_units: int | None = None
+    unit: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,6 +359,8 @@ class Result:
     #: Collective plane: the committed digest; ``params`` are empty and each member adopts the
     #: params it computed for this round, whose digest this is (SPEC.md C4).
     digest: str = ""
+    #: Data work units: the unit to train on next (outcome "applied"); None: none, or no units.
+    unit: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,6 +71,15 @@ def _tokens(v: Any) -> int | None:
     return v
 
 
+def _unit(v: Any) -> int | None:
+    """A data work unit (``epoch * units + index``) or a count of units: an integer in 0..2^62, or nil."""
+    if v is None:
+        return None
+    if not is_int(v) or not 0 <= v < 1 << 62:
+        raise FieldError("an integer >= 0 (a data work unit), or nil")
+    return v
+
+
 def _sync_every(v: Any) -> int | None:
     """DyLU's H_w (``Welcome``/``HeartbeatReply.sync_every``): an integer in 1..MAX_SYNC_EVERY, or nil."""
     if v is None:
@@ -208,8 +217,10 @@ def _metrics(v: Any) -> dict | None:
 
 #: Fields a sender may leave out (they are then None); encoders omit them when None.
 OPTIONAL_FIELDS: dict[str, frozenset[str]] = {"Heartbeat": frozenset({"metrics"}),
-                                               "Submit": frozenset({"tokens"}),
-                                               "Welcome": frozenset({"sync_every"}),
+                                               "Join": frozenset({"unit"}),
+                                               "Submit": frozenset({"tokens", "unit"}),
+                                               "Welcome": frozenset({"sync_every", "data_units", "unit"}),
+                                               "Result": frozenset({"unit"}),
                                                "HeartbeatReply": frozenset({"sync_every"})}
 
 #: Marks a field that carries tensors: its frames follow the header, listed in the tensor table.
@@ -219,23 +230,24 @@ TENSOR_FIELD = object()
 SCHEMAS: dict[str, dict[str, Any]] = {
     "Join": {"worker_id": _str, "protocol_version": _int, "spec": _spec, "params": TENSOR_FIELD,
              "holds_params": _bool, "held_rounds": _int_tuple,
-             "held_digests": _str_tuple},
+             "held_digests": _str_tuple, "unit": _unit},
     "Heartbeat": {"worker_id": _str, "metrics": _metrics},
     "Submit": {"worker_id": _str, "fragment_id": _int, "round_id": _int, "tensors": TENSOR_FIELD,
-               "wire_dtype": _wire_dtype, "scales": TENSOR_FIELD, "tokens": _tokens},
+               "wire_dtype": _wire_dtype, "scales": TENSOR_FIELD, "tokens": _tokens,
+               "unit": _unit},
     "Leave": {"worker_id": _str},
     "Welcome": {"worker_id": _str, "round_ids": _int_tuple, "parked": _pair_tuple, "mode": _str,
                 "fragments": _names_tuple, "min_workers": _int, "below_min_workers": _bool,
                 "heartbeat_interval_s": _float, "params": TENSOR_FIELD, "wire_dtype": _wire_dtype,
                 "sync_every": _sync_every, "data_plane": _data_plane, "store_port": _port, "heal_source": _str,
                 "heal_prefix": _str, "outer": _plain_map, "collective_timeout_s": _float,
-                "committed": _commits},
+                "committed": _commits, "data_units": _unit, "unit": _unit},
     "HeartbeatReply": {"below_min_workers": _bool, "min_workers": _int, "phase": _str,
                        "command": _enum(Command), "sync_every": _sync_every},
     "Accepted": {"fragment_id": _int, "round_id": _int},
     "Result": {"fragment_id": _int, "round_id": _int, "outcome": _str, "next_round_id": _int,
                "params": TENSOR_FIELD, "delta": _bool, "wire_dtype": _wire_dtype, "scales": TENSOR_FIELD,
-               "digest": _str},
+               "digest": _str, "unit": _unit},
     "Error": {"code": _enum(ErrorCode), "detail": _str, "in_reply_to": _str},
     "AdminRequest": {"command": _str, "args": _plain_map},
     "AdminReply": {"ok": _bool, "data": _plain_map, "error": _str},

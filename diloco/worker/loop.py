@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -30,6 +30,10 @@ class TrainingSetup:
     #: ``tokens_of(batch) -> int``: what a batch trains on, for a token-weighted merge and the token
     #: budget (``step_done(tokens=...)``); None: each step counts 1.
     tokens_of: Callable[[Any], int] | None = None
+    #: ``unit_batches(index, units) -> iterable of batches``: the data of work unit ``index`` of ``units``
+    #: (``diloco server --data-units``); the loop reads the unit the run hands this worker for each round.
+    #: None, or a run without units: ``batches``.
+    unit_batches: Callable[[int, int], Iterable[Any]] | None = None
 
 
 @dataclass
@@ -60,7 +64,8 @@ def run_training(worker: DilocoWorker, batches: Iterable[Any],
                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
                  max_steps: int | None = None,
                  after_backward: Callable[[torch.nn.Module], None] | None = None,
-                 tokens_of: Callable[[Any], int] | None = None) -> WorkerReport:
+                 tokens_of: Callable[[Any], int] | None = None,
+                 unit_batches: Callable[[int, int], Iterable[Any]] | None = None) -> WorkerReport:
     """Join, then for each batch: zero_grad, loss, backward, step, ``step_done``; leave at the end.
 
     Ends when the run tells the worker to stop, when ``batches`` runs out, or when the
@@ -70,7 +75,9 @@ def run_training(worker: DilocoWorker, batches: Iterable[Any],
 
     ``after_backward(model)`` runs between ``backward`` and ``step`` (a multi-rank
     worker averages its ranks' gradients there: ``diloco.worker.group``). ``tokens_of(batch)``
-    says what each step trained on (``step_done(tokens=...)``; None: one per step).
+    says what each step trained on (``step_done(tokens=...)``; None: one per step). With
+    ``unit_batches`` and a run that hands out data units, each round's batches come from the unit
+    the run gave this worker (``unit_batches(index, units)``), read again if the round outlasts it.
     """
     started = time.monotonic()
     model, opt = worker.model, worker.inner_optimizer
@@ -82,7 +89,7 @@ def run_training(worker: DilocoWorker, batches: Iterable[Any],
         worker.join()
         if not worker.stopped:
             reason = "batches_exhausted"
-            it = iter(batches)
+            it = _batches(worker, batches, unit_batches)
             while True:
                 if max_steps is not None and worker.inner_step >= max_steps:
                     reason = "max_steps"
@@ -117,3 +124,32 @@ def run_training(worker: DilocoWorker, batches: Iterable[Any],
         wall_s=time.monotonic() - started,
         losses=losses,
     )
+
+
+def _batches(worker: Any, batches: Iterable[Any],
+             unit_batches: Callable[[int, int], Iterable[Any]] | None) -> Iterator[Any]:
+    """The loop's batches: from the worker's data unit of the moment when the run hands units out and
+    the setup reads them (``data_unit`` changes at sync points only), else from ``batches``."""
+    plain: Iterator[Any] | None = None
+    current, from_unit = None, iter(())
+    while True:
+        unit = getattr(worker, "data_unit", None) if unit_batches is not None else None
+        if unit is None:
+            plain = plain if plain is not None else iter(batches)
+            try:
+                yield next(plain)
+            except StopIteration:
+                return
+            continue
+        if unit != current:
+            current, from_unit = unit, iter(unit_batches(unit[1], worker.units_per_epoch))
+        batch = next(from_unit, _END)
+        if batch is _END:  # the round outlasts the unit: read it again
+            from_unit = iter(unit_batches(unit[1], worker.units_per_epoch))
+            batch = next(from_unit, _END)
+            if batch is _END:
+                raise ValueError(f"unit_batches({unit[1]}, {worker.units_per_epoch}) gave no batch")
+        yield batch
+
+
+_END = object()
