@@ -44,13 +44,13 @@ def _tokens(batch) -> int:
 
 
 def unit_slice(train: torch.Tensor, index: int, units: int) -> torch.Tensor:
-    """Data unit ``index`` of ``units``: its contiguous share of the train text (with a window's overlap)."""
+    """Data unit ``index`` of ``units``: its contiguous share of the train text (at least one window's worth)."""
     share = train.numel() // units
-    if share < 1 or share + SEQ_LEN + 1 > train.numel():
+    if share < SEQ_LEN + 1:
         raise ValueError(f"--data-units {units}: the built-in corpus ({train.numel():,} characters) is too small "
                          f"for that many units (at most {max(1, train.numel() // (SEQ_LEN + 1)):,})")
     start = index * share
-    return train[start:start + share + SEQ_LEN]
+    return train[start:start + share]
 
 
 def make_setup(worker_id: str = "worker", rank: int = 0) -> TrainingSetup:
