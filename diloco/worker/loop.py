@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from diloco.worker.metrics import batch_size
+from diloco.worker.errors import DilocoWorkerError
 from diloco.worker.worker import DilocoWorker
 
 
@@ -142,14 +143,21 @@ def _batches(worker: Any, batches: Iterable[Any],
                 return
             continue
         if unit != current:
-            current, from_unit = unit, iter(unit_batches(unit[1], worker.units_per_epoch))
+            current, from_unit = unit, _read_unit(unit_batches, unit[1], worker.units_per_epoch)
         batch = next(from_unit, _END)
         if batch is _END:  # the round outlasts the unit: read it again
-            from_unit = iter(unit_batches(unit[1], worker.units_per_epoch))
+            from_unit = _read_unit(unit_batches, unit[1], worker.units_per_epoch)
             batch = next(from_unit, _END)
             if batch is _END:
-                raise ValueError(f"unit_batches({unit[1]}, {worker.units_per_epoch}) gave no batch")
+                raise DilocoWorkerError(f"unit_batches({unit[1]}, {worker.units_per_epoch}) gave no batch")
         yield batch
+
+
+def _read_unit(unit_batches: Callable[[int, int], Iterable[Any]], index: int, units: int) -> Iterator[Any]:
+    try:
+        return iter(unit_batches(index, units))
+    except (ValueError, TypeError) as exc:  # the setup cannot read the unit the run handed out
+        raise DilocoWorkerError(f"data unit {index} of {units}: {exc}") from exc
 
 
 _END = object()

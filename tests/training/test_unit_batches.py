@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from diloco.deploy import default_entry
+from diloco.worker.errors import DilocoWorkerError
 from diloco.worker.loop import _batches
 
 
@@ -47,7 +48,7 @@ def test_without_units_the_setups_own_batches_are_used_and_can_run_out():
 def test_a_unit_without_batches_is_an_error_naming_it():
     worker = FakeWorker(2)
     worker.data_unit = (0, 1)
-    with pytest.raises(ValueError, match=r"unit_batches\(1, 2\) gave no batch"):
+    with pytest.raises(DilocoWorkerError, match=r"unit_batches\(1, 2\) gave no batch"):
         next(_batches(worker, [], lambda i, n: []))
 
 
@@ -72,3 +73,7 @@ def test_more_units_than_the_corpus_holds_is_refused_with_the_largest_it_can():
     train = torch.zeros(10_000, dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"too small for that many units \(at most 153\)"):
         default_entry.unit_slice(train, 0, 5_000)
+    worker = FakeWorker(5_000)  # the loop says which unit the setup could not read
+    worker.data_unit = (0, 4)
+    with pytest.raises(DilocoWorkerError, match=r"data unit 4 of 5000: .*at most 153"):
+        next(_batches(worker, [], lambda i, n: default_entry.unit_slice(train, i, n)))
