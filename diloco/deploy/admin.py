@@ -75,6 +75,10 @@ def render_status(status: dict, address: str = "", *, width: int = 120) -> str:
         console.print(f"token budget: {tokens.get('trained', 0):,} of {tokens['budget']:,} tokens trained "
                       f"({100 * (tokens.get('fraction') or 0):.1f} %); {pace} (`diloco set-token-budget` "
                       f"changes it)")
+    units = status.get("units") or {}
+    if units:
+        console.print(f"data units: epoch {units['epoch']}: {units['finished']:,} of {units['units']:,} finished; "
+                      f"{units['held']} held, {units['in_flight']} in flight; {units['epochs_done']} epochs done")
 
     members = Table(title="members", title_justify="left", show_edge=False)
     members.add_column("worker")

@@ -64,6 +64,13 @@ class Worker:
         """True once the run told this worker to stop (or it gave up on the coordinator)."""
         return self.worker.stopped
 
+    @property
+    def data_unit(self) -> tuple[int, int] | None:
+        """``(epoch, index)`` of the data unit to train on now, in a run with ``diloco server --data-units N``
+        (``index`` in 0..N-1 names the data); None otherwise. It changes only at a sync point, so read
+        it after each ``step()``: the coordinator marks it trained once this round applies."""
+        return self.worker.data_unit
+
     def request_stop(self, save: bool = False) -> None:
         """Stop at the next step (thread- and signal-safe)."""
         self.worker.request_stop(save=save)
