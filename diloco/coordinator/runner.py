@@ -64,22 +64,18 @@ def _loop(endpoint: CoordinatorEndpoint, coordinator: Coordinator, durability: D
     saved = False
     stopped_at: float | None = None
     while stop_event is None or not stop_event.is_set():
-        item = endpoint.recv(tick_interval_s)
+        arrival = endpoint.recv(tick_interval_s)
         now = clock()
         rounds_before = coordinator.fsm.rounds_applied
         bans_before = coordinator.access.ban_changes
-        if item is None:
+        if arrival is None:
             out = coordinator.tick(now)
         else:
-            # (peer, message), or (peer, message, identity) from an authenticating transport.
-            peer, message = item[0], item[1]
-            out = coordinator.handle(peer, message, now, identity=item[2] if len(item) > 2 else None)
-        lost_peers = getattr(endpoint, "lost_peers", None)
-        if lost_peers is not None:
-            # A transport that sees connections close reports peers gone for good (SPEC.md R7):
-            # a dead worker is noticed in about a second, not after the heartbeat timeout.
-            for peer in lost_peers():
-                out.extend(coordinator.peer_lost(peer, now))
+            out = coordinator.handle(arrival.peer, arrival.message, now, identity=arrival.identity)
+        # A transport that sees connections close reports peers gone for good (SPEC.md R7):
+        # a dead worker is noticed in about a second, not after the heartbeat timeout.
+        for peer in endpoint.lost_peers():
+            out.extend(coordinator.peer_lost(peer, now))
         if coordinator.stopped and stopped_at is None:
             stopped_at = now
             log.info("run stopped (%s)", coordinator.stop_kind.value)

@@ -4,5 +4,11 @@
 message and a frame may be. ``zmq`` moves frames between processes and
 machines (a ROUTER for the coordinator, DEALERs for workers, with parts,
 limits, reconnects and CURVE keys); ``inproc`` hands objects between threads
-of one process. ``diloco.wire`` decides what the frames mean.
+of one process. ``diloco.wire`` decides what the frames mean. ``Arrival`` is
+what a coordinator-side endpoint of either kind receives: a peer, its message
+and (with keys) its identity.
 """
+
+from diloco.transport.arrival import Arrival
+
+__all__ = ["Arrival"]

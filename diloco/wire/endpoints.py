@@ -12,14 +12,21 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from diloco.transport.arrival import Arrival
 from diloco.wire.messages import Message
 
 
 class CoordinatorEndpoint(Protocol):
     """What the coordinator's driver holds: receive from any peer, reply to one."""
 
-    def recv(self, timeout_s: float) -> tuple[str, Message] | None:
-        """The next (peer, message), or None when ``timeout_s`` passes with nothing."""
+    def recv(self, timeout_s: float) -> Arrival | None:
+        """The next ``Arrival`` (peer, message, identity), or None when ``timeout_s`` passes with nothing.
+
+        ``identity`` is None unless the transport authenticates its peers.
+        """
+
+    def lost_peers(self) -> list[str]:
+        """Peers whose connection is gone for good; a transport that cannot tell returns []."""
 
     def send(self, peer: str, message: Message) -> None:
         """Queue ``message`` for ``peer``; never blocks longer than the transport's send timeout."""
@@ -40,3 +47,6 @@ class WorkerEndpoint(Protocol):
         """
 
     def close(self) -> None: ...
+
+
+__all__ = ["Arrival", "CoordinatorEndpoint", "WorkerEndpoint"]

@@ -23,6 +23,7 @@ import weakref
 from collections import Counter
 from typing import Any
 
+from diloco.transport.arrival import Arrival
 from diloco.transport.base import AuthRefused, TransportError
 from diloco.transport.zmq import framing
 from diloco.transport.zmq.auth import ClientAuth, KeyIdentity, Role, ServerAuth
@@ -119,8 +120,8 @@ class ZmqCoordinatorEndpoint:
     """The coordinator's ROUTER. ``recv`` answers undecodable or forbidden input itself (``Error``) and counts it.
 
     With ``auth`` the socket is a CURVE server (see ``FrameRouter``): every
-    message arrives with its sender's ``KeyIdentity`` (the third element of
-    ``recv``'s result) and each role may send only its own messages.
+    message arrives with its sender's ``KeyIdentity`` (``recv``'s ``Arrival.identity``,
+    None without auth) and each role may send only its own messages.
     """
 
     def __init__(self, bind: str, *, options: ZmqOptions | None = None, monitor: bool = True,
@@ -145,8 +146,8 @@ class ZmqCoordinatorEndpoint:
             "malformed": dict(self.malformed),
         }
 
-    def recv(self, timeout_s: float) -> tuple[str, Message] | tuple[str, Message, KeyIdentity] | None:
-        """The next (peer, message), or (peer, message, identity) with auth; None after ``timeout_s``."""
+    def recv(self, timeout_s: float) -> Arrival | None:
+        """The next ``Arrival`` (its ``identity`` is None without auth); None after ``timeout_s``."""
         deadline = time.monotonic() + max(0.0, timeout_s)
         while True:
             arrival = self.frames.recv(max(0.0, deadline - time.monotonic()))
@@ -156,8 +157,8 @@ class ZmqCoordinatorEndpoint:
             if received is not None:
                 return received
 
-    def _accept(self, arrival):
-        """Decode one arrival and check who sent it; answer and drop what cannot be accepted."""
+    def _accept(self, arrival) -> Arrival | None:
+        """Decode one peer's frames and check who sent it; answer and drop what cannot be accepted."""
         peer, got, identity = arrival.peer, arrival.got, arrival.identity
         if isinstance(got, framing.Refused):
             self.malformed[got.code] += 1
@@ -181,14 +182,14 @@ class ZmqCoordinatorEndpoint:
                              legacy=True)
             return None
         if identity is None:
-            return peer, message
+            return Arrival(peer, message)
         why = forbidden_reason(identity, message)
         if why is not None:
             self.forbidden += 1
             log.warning("refused %s from %s (%s): %s", type(message).__name__, peer, identity.name, why)
             self.frames.send(peer, codec.encode(Error(ErrorCode.FORBIDDEN, why, type(message).__name__)))
             return None
-        return peer, message, identity
+        return Arrival(peer, message, identity)
 
     def lost_peers(self) -> list[str]:
         """Peers whose connection closed and did not come back (``FrameRouter.lost_peers``)."""

@@ -21,6 +21,7 @@ from diloco.coordinator.checkpoint import (
 from diloco.coordinator.runner import serve
 from diloco.tensorfile import CheckpointError, save_tensorfile
 from diloco.testing import join_message, make_coordinator
+from diloco.transport import Arrival
 from diloco.wire.messages import Error, Result, Submit
 
 
@@ -107,7 +108,10 @@ class RecordingEndpoint:
         self.sent: list[tuple[object, int, list[dict]]] = []
 
     def recv(self, timeout_s):
-        return self.items.pop(0) if self.items else None
+        return Arrival(*self.items.pop(0)) if self.items else None
+
+    def lost_peers(self) -> list[str]:
+        return []
 
     def send(self, peer, message) -> None:
         found = find_newest(self.ck)

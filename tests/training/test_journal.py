@@ -28,6 +28,7 @@ from diloco.core import FSMConfig, Mode
 from diloco.outer import OuterConfig
 from diloco.tensorfile import CheckpointError
 from diloco.testing import join_message
+from diloco.transport import Arrival
 from diloco.wire import compression
 from diloco.wire.messages import Result, Submit
 
@@ -46,7 +47,10 @@ class ScriptedEndpoint:
         self.live: dict[int, tuple[dict, list]] = {}
 
     def recv(self, timeout_s):
-        return self.items.pop(0) if self.items else None
+        return Arrival(*self.items.pop(0)) if self.items else None
+
+    def lost_peers(self) -> list[str]:
+        return []
 
     def _durable(self):
         # The journal thread may delete segments and checkpoints (after a background full checkpoint)

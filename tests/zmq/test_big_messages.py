@@ -164,7 +164,7 @@ def test_a_result_of_more_parts_than_the_routers_queue_arrives_whole_then_what_f
     tensors = {f"t{i}": torch.full((16384,), float(i)) for i in range(600)}
     with ZmqCoordinatorEndpoint(LOOPBACK) as server, ZmqWorkerEndpoint(server.address, label="w") as worker:
         worker.send(Heartbeat("w"))
-        peer, _ = _recv(server)
+        peer = _recv(server).peer
         server.send(peer, Result(0, 0, "applied", 1, tensors))
         server.send(peer, HeartbeatReply(False, 1, "running"))
         assert server.stats()["send_backlog_parts"] > 0
@@ -187,7 +187,7 @@ def test_messages_for_a_peer_that_stopped_reading_are_dropped_once_parts_pile_up
     with ZmqCoordinatorEndpoint(LOOPBACK, options=opts) as server, \
             ZmqWorkerEndpoint(server.address, label="w", options=opts) as worker:
         worker.send(Heartbeat("w"))
-        peer, _ = _recv(server)
+        peer = _recv(server).peer
         for i in range(200):  # the worker never reads: 200 MiB will not fit anywhere
             server.send(peer, Result(0, i, "applied", i + 1, payload))
             server.recv(0.001)

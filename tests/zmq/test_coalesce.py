@@ -123,7 +123,7 @@ def test_a_chunked_submit_and_result_cross_the_endpoints_intact():
             got = coord.recv(0.1)
             if got is not None:
                 break
-        peer, msg = got
+        peer, msg, _ = got
         for name, t in tensors.items():
             assert torch.equal(msg.tensors[name], t), name
         coord.send(peer, Result(0, 3, "applied", 4, msg.tensors))

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from diloco.transport.arrival import Arrival
 from diloco.transport.base import TransportClosed, TransportError
 
 COORDINATOR = "coordinator"
@@ -96,13 +97,18 @@ class InprocCoordinatorEndpoint:
         self._net = network
         self._closed = False
 
-    def recv(self, timeout_s: float) -> tuple[str, Any] | None:
+    def recv(self, timeout_s: float) -> Arrival | None:
         if self._closed:
             raise TransportClosed("coordinator endpoint is closed")
         try:
-            return self._net._coordinator_inbox.get(timeout=max(0.0, timeout_s))
+            peer, message = self._net._coordinator_inbox.get(timeout=max(0.0, timeout_s))
         except queue.Empty:
             return None
+        return Arrival(peer, message)
+
+    def lost_peers(self) -> list[str]:
+        """Always []: a queue cannot tell a closed peer from a quiet one (heartbeats tell)."""
+        return []
 
     def send(self, peer: str, message: Any) -> None:
         if self._closed:
