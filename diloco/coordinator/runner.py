@@ -38,9 +38,9 @@ def serve(endpoint: CoordinatorEndpoint, coordinator: Coordinator, *,
           linger_s: float | None = None) -> Coordinator:
     """Run until the run stops (and the linger passes) or ``stop_event`` is set.
 
-    With ``checkpoint_dir``, every step that applied a round (``rounds_applied``
-    moved: applied or refused outer steps) or banned or unbanned a worker is made
-    durable before any of the step's messages is sent (``persist.py``: a full
+    With ``checkpoint_dir``, every step that applied a round (applied or refused
+    outer steps) or banned or unbanned a worker (``Coordinator.take_durable_change``)
+    is made durable before any of the step's messages is sent (``persist.py``: a full
     checkpoint, keeping the newest ``keep`` files, or with ``full_every`` > 1 a
     journal commit and a full checkpoint every ``full_every`` rounds); then the
     step's ``audit`` lines are appended and fsync'd. A failed write raises: nothing
@@ -63,11 +63,12 @@ def _loop(endpoint: CoordinatorEndpoint, coordinator: Coordinator, durability: D
         linger_s = 3 * coordinator.config.heartbeat_interval_s
     saved = False
     stopped_at: float | None = None
+    # What happened before the loop (a resume, a --min-workers given at start) is on disk already
+    # or was never to be: only the loop's own steps are made durable.
+    coordinator.take_durable_change()
     while stop_event is None or not stop_event.is_set():
         arrival = endpoint.recv(tick_interval_s)
         now = clock()
-        rounds_before = coordinator.fsm.rounds_applied
-        bans_before = coordinator.access.ban_changes
         if arrival is None:
             out = coordinator.tick(now)
         else:
@@ -88,8 +89,7 @@ def _loop(endpoint: CoordinatorEndpoint, coordinator: Coordinator, durability: D
                     path = durability.save_now()
                     log.info("checkpoint written to %s", path)
                 saved = True
-        changed = (coordinator.fsm.rounds_applied != rounds_before
-                   or coordinator.access.ban_changes != bans_before)
+        changed = coordinator.take_durable_change()
         if durability is not None and not saved:
             # Persist before announce (SPEC.md section 5): the step's Results go out only once
             # the round they announce is on disk -- and a ban or unban is confirmed to the

@@ -227,8 +227,25 @@ class Coordinator:
         #: (``tick``, ``_prepare_steps``): the params moved to fresh memory (``begin_step``'s
         #: undo values) with the optimizer's state backed up, and what proves both still current.
         self._prepared: dict[int, tuple[Tensors, tuple]] = {}
+        #: (rounds_applied, ban_changes) when ``take_durable_change`` last looked.
+        self._durable_seen = self._durable_marks()
 
     # ------------------------------------------------------------------ state
+
+    def _durable_marks(self) -> tuple[int, int]:
+        return self.fsm.rounds_applied, self.access.ban_changes
+
+    def take_durable_change(self) -> bool:
+        """Whether, since the last call, something happened that a restart must keep.
+
+        That is an outer step applied or refused (``fsm.rounds_applied`` moved) or a ban or
+        an unban (``access.ban_changes`` moved). The runner asks after every step and makes
+        such a step durable before it sends any of the step's messages (SPEC.md section 5).
+        """
+        marks = self._durable_marks()
+        changed = marks != self._durable_seen
+        self._durable_seen = marks
+        return changed
 
     @property
     def delta_results(self) -> bool:

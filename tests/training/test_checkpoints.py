@@ -291,6 +291,26 @@ def test_bans_and_key_bindings_survive_a_restart(tmp_path):
             restore_coordinator({**meta, "access": bad}, tensors, 3.0)
 
 
+def test_the_coordinator_says_which_steps_a_restart_must_keep():
+    """``take_durable_change``: True once after an applied round, a ban or an unban; not for a join."""
+    from diloco.wire.messages import AdminRequest
+
+    c = make_coordinator(min_workers=1)
+    assert c.take_durable_change() is False
+    c.handle("p", join_message("w1", {"w": torch.zeros(4)}), 1.0)
+    assert c.take_durable_change() is False
+    c.handle("p", Submit("w1", 0, 0, {"w": torch.ones(4)}), 2.0)
+    assert c.fsm.rounds_applied == 1
+    assert c.take_durable_change() is True
+    assert c.take_durable_change() is False          # said once
+    c.handle("admin", AdminRequest("kick", {"worker_id": "w2", "ban": True}), 3.0)
+    assert c.take_durable_change() is True
+    c.handle("admin", AdminRequest("unban", {"worker_id": "w2"}), 4.0)
+    assert c.take_durable_change() is True
+    c.handle("admin", AdminRequest("unban", {"worker_id": "w2"}), 5.0)   # not banned: nothing changed
+    assert c.take_durable_change() is False
+
+
 def test_a_ban_and_an_unban_are_on_disk_before_the_operator_hears_of_them(tmp_path):
     from diloco.wire.messages import AdminReply, AdminRequest
 
