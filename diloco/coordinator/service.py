@@ -196,6 +196,10 @@ class Coordinator:
         self.speeds = SpeedTable()
         #: The run's id (``diloco server`` sets it: new at a fresh start, kept across resumes), and clocks.
         self.run_id: str | None = None
+        #: Set by ``diloco server``: the release serving the run and its transport's counters
+        #: (traffic, malformed input, drops), for the status (``version``, ``transport``).
+        self.version: str | None = None
+        self.transport_stats: Callable[[], dict] | None = None
         #: Collective plane (SPEC.md C1-C7): who holds the committed state, group prefixes, heals.
         #: The model never reaches this process then: ``store`` stays None.
         self.collective = (CollectivePlane(config.fsm.num_fragments)
@@ -328,6 +332,10 @@ class Coordinator:
             m["metrics"] = self.metrics.member_view(m["worker_id"], now)
             if self.config.dylu:
                 m["sync_every"] = self.sync_every_of(m["worker_id"])
+        if self.transport_stats is not None:
+            view["transport"] = self.transport_stats()
+        if self.version is not None:
+            view["version"] = self.version
         return view
 
     def _num_params(self) -> int:

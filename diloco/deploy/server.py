@@ -31,7 +31,8 @@ from diloco.core import ConfigError, Mode
 from diloco.deploy.options import DEFAULT_WIRE_DTYPE
 from diloco.deploy.startup import startup_lines
 from diloco.tensorfile import CheckpointError
-from diloco.wire.messages import AdminReply, AdminRequest, Message
+from diloco.wire.endpoints import CoordinatorEndpoint
+from diloco.wire.messages import AdminRequest
 from diloco.wire.zmq import ZmqCoordinatorEndpoint, ZmqOptions
 
 
@@ -98,31 +99,6 @@ class ServerSettings:
     data_plane: str | None = None
     collective_timeout_s: float | None = None
     trusted_data_network: bool = False
-
-
-class _StatusEndpoint:
-    """Adds the transport's counters (malformed input, drops, traffic) to every status reply."""
-
-    def __init__(self, inner: ZmqCoordinatorEndpoint) -> None:
-        self.inner = inner
-
-    def recv(self, timeout_s: float):
-        return self.inner.recv(timeout_s)
-
-    def lost_peers(self) -> list[str]:
-        return self.inner.lost_peers()
-
-    def transport_stats(self) -> dict:
-        return self.inner.stats()
-
-    def send(self, peer: str, message: Message) -> None:
-        if isinstance(message, AdminReply) and "phase" in message.data:
-            message = dataclasses.replace(message, data={**message.data, "transport": self.inner.stats(),
-                                                         "version": __version__})
-        self.inner.send(peer, message)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 def build_config(s: ServerSettings, base: CoordinatorConfig | None = None) -> CoordinatorConfig:
@@ -354,7 +330,9 @@ def run_server(s: ServerSettings, out: TextIO = sys.stdout, stop_event: threadin
             if isinstance(exc, ObserveError):
                 raise ServerError(str(exc)) from None
             raise
-    served = _StatusEndpoint(endpoint)
+    coordinator.version = __version__
+    coordinator.transport_stats = endpoint.stats
+    served: CoordinatorEndpoint = endpoint
     if observing is not None:
         from diloco.observe.observatory import ObservedEndpoint
 

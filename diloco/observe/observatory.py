@@ -195,7 +195,12 @@ class Observatory:
                   for wid, samples in history.workers.items()}
         rounds = [[self.rel(r.t_s), r.fragment_id, r.round_id, r.loss, len(r.contributors)]
                   for r in list(history.rounds)[-CURVE_POINTS:]]
-        transport = self.transport_stats() if self.transport_stats is not None else {}
+        # ``diloco server`` has the coordinator's status carry the transport's counters; read them
+        # once per snapshot, not twice.
+        if "transport" in status:
+            transport = status["transport"]
+        else:
+            transport = self.transport_stats() if self.transport_stats is not None else {}
         snap = {
             **{k: v for k, v in status.items() if k != "members"},
             "members": members,

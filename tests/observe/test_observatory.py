@@ -19,7 +19,7 @@ from diloco.observe.metrics_log import MetricsLog, log_files, read_log
 from diloco.observe.observatory import Observatory
 from diloco.observe.plotlog import PlotLogError, plot_log
 from diloco.testing import joined, make_coordinator
-from diloco.wire.messages import Heartbeat, Submit
+from diloco.wire.messages import AdminRequest, Heartbeat, Submit
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -122,6 +122,24 @@ def test_http_addresses_and_the_loopback_rule():
                           capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert proc.returncode == 2
     assert "--http 0.0.0.0:0: serving the dashboard beyond loopback needs --auth DIR or --insecure" in proc.stderr
+
+
+def test_the_status_carries_the_transport_figures_and_version_the_server_gives_it():
+    """``diloco server`` hands the coordinator its release and its endpoint's counters; the status
+    (admin replies and the dashboard alike) carries them, read when the status is built."""
+    from diloco.deploy.admin import render_status
+
+    c = make_coordinator(0.0, min_workers=1)
+    assert "transport" not in c.status() and "version" not in c.status()   # no server: none to tell
+    calls = []
+    c.version = "9.9"
+    c.transport_stats = lambda: calls.append(1) or {"peers_lost": len(calls)}
+    reply = c.handle("admin", AdminRequest("status"), 1.0)[-1][1]
+    assert reply.data["transport"] == {"peers_lost": 1} and reply.data["version"] == "9.9"
+    assert "diloco 9.9" in render_status(reply.data, "tcp://127.0.0.1:5555")
+    obs = Observatory(c, version="9.9")
+    obs.publish(2.0)
+    assert obs.snapshot()["transport"] == {"peers_lost": 2} and len(calls) == 2   # once per snapshot
 
 
 def test_status_renders_what_an_operator_acts_on():
