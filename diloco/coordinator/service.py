@@ -430,9 +430,8 @@ class Coordinator:
                 self.metrics.record(wid, self.fsm.now_s, msg.metrics)
                 if self.config.dylu:
                     self.speeds.report(wid, msg.metrics.get("train_steps_per_s"))
-        out.append((peer, HeartbeatReply(self.fsm.below_min_workers, self.fsm.min_workers,
-                                         self.fsm.phase.value, command,
-                                         self.sync_every_of(wid) if command is Command.CONTINUE else None)))
+        out.append((peer, self._heartbeat_reply(command, sync_every=self.sync_every_of(wid)
+                                                if command is Command.CONTINUE else None)))
 
     def _on_join(self, peer: str, msg: Join, out: Outgoing) -> None:
         if msg.protocol_version != PROTOCOL_VERSION:
@@ -508,8 +507,7 @@ class Coordinator:
             if self.fsm.is_member(wid):
                 self._step(WorkerLeft(wid, LeaveCause.RESEEDED), out)
             if peer is not None:
-                out.append((peer, HeartbeatReply(self.fsm.below_min_workers, self.fsm.min_workers,
-                                                 self.fsm.phase.value, Command.REJOIN)))
+                out.append((peer, self._heartbeat_reply(Command.REJOIN)))
             self._notify("reseed", self.fsm.now_s, worker_id=wid, starter=join.worker_id, held_rounds=list(held))
 
     def _on_submit(self, peer: str, msg: Submit, out: Outgoing) -> None:
@@ -659,11 +657,16 @@ class Coordinator:
     def _answer_after_stop(self, peer: str, msg: Message, out: Outgoing) -> None:
         if isinstance(msg, Heartbeat):
             command = Command.SAVE_AND_STOP if self._stop_kind is ShutdownKind.SAVE_AND_STOP else Command.STOP
-            out.append((peer, HeartbeatReply(self.fsm.below_min_workers, self.fsm.min_workers,
-                                             Phase.STOPPED.value, command)))
+            out.append((peer, self._heartbeat_reply(command, phase=Phase.STOPPED)))
         elif not isinstance(msg, Leave):
             self._refuse(peer, out, ErrorCode.STOPPED,
                          f"the run has stopped ({self._stop_kind.value}); nothing more is accepted", msg)
+
+    def _heartbeat_reply(self, command: Command, *, phase: Phase | None = None,
+                         sync_every: int | None = None) -> HeartbeatReply:
+        """The quorum as it stands and ``command``; ``phase`` defaults to the machine's."""
+        return HeartbeatReply(self.fsm.below_min_workers, self.fsm.min_workers,
+                              (phase if phase is not None else self.fsm.phase).value, command, sync_every)
 
     def _refuse(self, peer: str, out: Outgoing, code: ErrorCode, detail: str, msg: Message) -> None:
         self.stats.messages_refused += 1
@@ -701,10 +704,7 @@ class Coordinator:
             elif kind is AcceptJoin:
                 self._welcome(effect, peer, join, out, now)
             elif kind is DeclareDead:
-                if self.collective is not None:
-                    self.collective.forget(effect.worker_id)
-                self._peers.pop(effect.worker_id, None)
-                self.speeds.forget(effect.worker_id)
+                self._forget(effect.worker_id)
                 self._notify("dead", now, worker_id=effect.worker_id, last_seen_s=effect.last_seen_s)
                 self._give_back_unit(effect.worker_id, now)
             elif kind is DiscardContribution:
@@ -724,14 +724,20 @@ class Coordinator:
                 self._quorum_changed(None, now)
                 self._notify("stop", now, kind=effect.kind.value)
         if type(event) is WorkerLeft:
-            if self.collective is not None and not self.fsm.is_member(event.worker_id):
-                self.collective.forget(event.worker_id)
-            self._peers.pop(event.worker_id, None)
-            self.speeds.forget(event.worker_id)
+            self._forget(event.worker_id)
             if not self.fsm.is_member(event.worker_id):
                 self._give_back_unit(event.worker_id, now)
         self._released.clear()
         return effects
+
+    def _forget(self, worker_id: str) -> None:
+        """A worker that died or left: its connection and its speed; on the collective plane also its
+        place among the holders of the committed state, once it is no longer a member (a refused
+        leave keeps it; a dead worker never is one)."""
+        if self.collective is not None and not self.fsm.is_member(worker_id):
+            self.collective.forget(worker_id)
+        self._peers.pop(worker_id, None)
+        self.speeds.forget(worker_id)
 
     def _welcome(self, effect: AcceptJoin, peer: str | None, join: Join | None, out: Outgoing, now: float) -> None:
         assert peer is not None and join is not None
