@@ -159,10 +159,13 @@ class RecordingCoordinatorEndpoint:
         self.heartbeats: dict[str, list[float]] = {}
 
     def recv(self, timeout_s: float):
-        item = self._inner.recv(timeout_s)
-        if item is not None and isinstance(item[1], Heartbeat):
-            self.heartbeats.setdefault(item[0], []).append(time.perf_counter())
-        return item
+        arrival = self._inner.recv(timeout_s)
+        if arrival is not None and isinstance(arrival.message, Heartbeat):
+            self.heartbeats.setdefault(arrival.peer, []).append(time.perf_counter())
+        return arrival
+
+    def lost_peers(self) -> list[str]:
+        return self._inner.lost_peers()
 
     def send(self, peer, message) -> None:
         self._inner.send(peer, message)

@@ -142,6 +142,7 @@ def _batches(worker: Any, batches: Iterable[Any],
             except StopIteration:
                 return
             continue
+        assert unit_batches is not None  # a unit is only read with them (above)
         if unit != current:
             current, from_unit = unit, _read_unit(unit_batches, unit[1], worker.units_per_epoch)
         batch = next(from_unit, _END)
