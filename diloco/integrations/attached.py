@@ -71,8 +71,9 @@ class AttachedWorker:
         False: the run told this worker to stop, so the trainer should stop."""
         if not self._joined or self.worker is None:
             return False
+        pending, self._pending_tokens = self._pending_tokens, None  # this step's micro-batches, counted once
         if tokens is None:
-            tokens, self._pending_tokens = self._pending_tokens, None
+            tokens = pending
         if self.worker.stopped:
             return False
         return self.worker.step(tokens)
