@@ -100,3 +100,19 @@ class AttachedWorker:
         if worker is None:
             raise AttributeError(f"{name}: no worker yet (it joins when training begins)")
         return getattr(worker, name)
+
+
+class CallbackControls:
+    """What either trainer callback offers its caller: leave now, and the worker's figures."""
+
+    attached: AttachedWorker
+
+    def close(self) -> None:
+        """Leave the run now (idempotent): after catching an exception from the trainer, for instance."""
+        self.attached.finish()
+
+    @property
+    def worker(self) -> Worker | None:
+        """The ``diloco.Worker`` of the latest training call (``inner_step``, ``rounds_synced``,
+        ``stop_reason``, ...); None before training begins."""
+        return self.attached.worker
