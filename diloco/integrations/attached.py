@@ -71,8 +71,9 @@ class AttachedWorker:
         False: the run told this worker to stop, so the trainer should stop."""
         if not self._joined or self.worker is None:
             return False
+        pending, self._pending_tokens = self._pending_tokens, None  # this step's micro-batches, counted once
         if tokens is None:
-            tokens, self._pending_tokens = self._pending_tokens, None
+            tokens = pending
         if self.worker.stopped:
             return False
         return self.worker.step(tokens)
@@ -99,3 +100,19 @@ class AttachedWorker:
         if worker is None:
             raise AttributeError(f"{name}: no worker yet (it joins when training begins)")
         return getattr(worker, name)
+
+
+class CallbackControls:
+    """What either trainer callback offers its caller: leave now, and the worker's figures."""
+
+    attached: AttachedWorker
+
+    def close(self) -> None:
+        """Leave the run now (idempotent): after catching an exception from the trainer, for instance."""
+        self.attached.finish()
+
+    @property
+    def worker(self) -> Worker | None:
+        """The ``diloco.Worker`` of the latest training call (``inner_step``, ``rounds_synced``,
+        ``stop_reason``, ...); None before training begins."""
+        return self.attached.worker

@@ -30,11 +30,11 @@ try:  # the extra: pip install 'diloco[lightning]'; the older package name works
 except ImportError:  # pragma: no cover - depends on what is installed
     from pytorch_lightning import Callback  # type: ignore[assignment]
 
-from diloco.integrations.attached import AttachedWorker
+from diloco.integrations.attached import AttachedWorker, CallbackControls
 from diloco.wire.endpoints import WorkerEndpoint
 
 
-class DilocoCallback(Callback):
+class DilocoCallback(CallbackControls, Callback):
     """Make the Lightning ``Trainer`` it is given to a DiLoCo worker of the run at ``connect``.
 
     ``sync_every``: optimizer steps per round (H). ``tokens_of(batch) -> int``:
@@ -86,18 +86,6 @@ class DilocoCallback(Callback):
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         self.attached.finish()
-
-    # -- the caller's
-
-    def close(self) -> None:
-        """Leave the run now (idempotent)."""
-        self.attached.finish()
-
-    @property
-    def worker(self):
-        """The ``diloco.Worker`` of the latest ``fit`` (``rounds_synced``, ``stop_reason``, ...);
-        None before training starts."""
-        return self.attached.worker
 
 
 __all__ = ["DilocoCallback"]

@@ -37,12 +37,12 @@ from typing import Any
 
 from transformers import TrainerCallback  # the extra: pip install 'diloco[transformers]'
 
-from diloco.integrations.attached import AttachedWorker
+from diloco.integrations.attached import AttachedWorker, CallbackControls
 from diloco.deploy.export import RunParams, load_run_params
 from diloco.wire.endpoints import WorkerEndpoint
 
 
-class DilocoCallback(TrainerCallback):
+class DilocoCallback(CallbackControls, TrainerCallback):
     """Make the Trainer it is given to a DiLoCo worker of the run at ``connect``.
 
     ``sync_every``: optimizer steps per round (H). ``worker_id`` defaults to
@@ -84,18 +84,6 @@ class DilocoCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         self.attached.finish()
         return control
-
-    # -- the caller's
-
-    def close(self) -> None:
-        """Leave the run now (idempotent): after catching an exception from ``trainer.train()``."""
-        self.attached.finish()
-
-    @property
-    def worker(self):
-        """The ``diloco.Worker`` of the latest ``train()`` (its ``rounds_synced``, ``stop_reason``, ...);
-        None before training begins."""
-        return self.attached.worker
 
     def _tokens_this_step(self, state) -> int | None:
         seen = state.num_input_tokens_seen

@@ -171,6 +171,22 @@ class Cluster:
         status = status or self.status()
         return {m["worker_id"] for m in status["members"]}
 
+    def run_copies(self, code: str, copies: int, timeout_s: float) -> list[tuple[int, str]]:
+        """Run ``code`` (a README block, its address already swapped) as ``copies`` scripts at once;
+        (exit code, output) of each. Any still running at the deadline is killed."""
+        script = self.tmp / "readme_block.py"
+        script.write_text(code)
+        procs = [subprocess.Popen([sys.executable, str(script)], cwd=self.tmp, env=self.env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(copies)]
+        try:
+            outs = [p.communicate(timeout=timeout_s)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        return [(p.returncode, out) for p, out in zip(procs, outs)]
+
     def close(self) -> None:
         for p in self.procs:
             p.close()

@@ -7,8 +7,6 @@ picks a free loopback port). Two copies run at once as two workers.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 from procs import REPO
 
@@ -21,23 +19,12 @@ def readme_own_loop_code() -> str:
     return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
-def test_the_readmes_own_loop_example_runs_as_written(cluster, tmp_path):
+def test_the_readmes_own_loop_example_runs_as_written(cluster):
     code = readme_own_loop_code()
     assert 'connect="tcp://127.0.0.1:5555"' in code and "diloco.Worker(" in code
     cluster.server("--min-workers", "2")
-    script = tmp_path / "own_loop.py"
-    script.write_text(code.replace("tcp://127.0.0.1:5555", cluster.address))
-    procs = [subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=cluster.env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
-    try:
-        outs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out
+    for returncode, out in cluster.run_copies(code.replace("tcp://127.0.0.1:5555", cluster.address), 2, 240):
+        assert returncode == 0, out
         m = re.search(r"(\d+) inner steps, (\d+) rounds synced, loss ([\d.]+)", out)
         assert m, out
         assert (int(m.group(1)), int(m.group(2))) == (200, 4), out

@@ -8,8 +8,6 @@ optimizer steps and rounds the README's settings imply.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -27,24 +25,13 @@ def readme_block(title: str) -> str:
     ("Use it with the Hugging Face Trainer", "transformers", 60, 3),
     ("Use it with Lightning", "lightning", 200, 4),
 ])
-def test_the_readmes_trainer_block_runs_as_written(cluster, tmp_path, title, package, steps, rounds):
+def test_the_readmes_trainer_block_runs_as_written(cluster, title, package, steps, rounds):
     pytest.importorskip(package)
     code = readme_block(title)
     assert 'connect="tcp://127.0.0.1:5555"' in code and "DilocoCallback(" in code
     cluster.server("--min-workers", "2")
-    script = tmp_path / "trainer_block.py"
-    script.write_text(code.replace("tcp://127.0.0.1:5555", cluster.address))
-    procs = [subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=cluster.env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
-    try:
-        outs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out
+    for returncode, out in cluster.run_copies(code.replace("tcp://127.0.0.1:5555", cluster.address), 2, 300):
+        assert returncode == 0, out
         m = re.search(r"(\d+) optimizer steps, (\d+) rounds synced", out)
         assert m and (int(m.group(1)), int(m.group(2))) == (steps, rounds), out
     server = cluster.procs[0]
