@@ -49,15 +49,15 @@ class _Epoch:
     #: Units given back (a death, a leave, a contribution that did not apply): handed out again after the shuffle.
     pool: list[int] = field(default_factory=list)
 
-    @property
-    def finished_count(self) -> int:
-        return sum(bin(b).count("1") for b in self.finished)
+    #: Units finished so far: kept with ``finish`` so an apply need not count the bitmap (O(N)).
+    finished_count: int = 0
 
     def is_finished(self, index: int) -> bool:
         return bool(self.finished[index >> 3] & (1 << (index & 7)))
 
     def finish(self, index: int) -> None:
         self.finished[index >> 3] |= 1 << (index & 7)
+        self.finished_count += 1
 
 
 class UnitLedger:
@@ -176,6 +176,7 @@ class UnitLedger:
                 epoch = ledger._open(int(e["epoch"]))
                 epoch.handed = int(e["handed"])
                 epoch.finished = bytearray.fromhex(e["finished"])
+                epoch.finished_count = sum(bin(b).count("1") for b in epoch.finished)  # once, at a restore
                 epoch.pool = [int(i) for i in e["pool"]]
                 if (len(epoch.finished) != len(epoch.order) + 7 >> 3 or not 0 <= epoch.handed <= ledger.units
                         or any(not 0 <= i < ledger.units or epoch.is_finished(i) for i in epoch.pool)):
