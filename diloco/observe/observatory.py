@@ -55,7 +55,6 @@ class Observatory:
         self.http_address = http_address
         self.t0 = coordinator.started_s
         self.started_at = time.time()
-        self.transport_stats: Callable[[], dict] | None = None
         self._lock = threading.Lock()
         self._published: dict[str, Any] = {}
         self._next_sample = -math.inf
@@ -195,12 +194,8 @@ class Observatory:
                   for wid, samples in history.workers.items()}
         rounds = [[self.rel(r.t_s), r.fragment_id, r.round_id, r.loss, len(r.contributors)]
                   for r in list(history.rounds)[-CURVE_POINTS:]]
-        # ``diloco server`` has the coordinator's status carry the transport's counters; read them
-        # once per snapshot, not twice.
-        if "transport" in status:
-            transport = status["transport"]
-        else:
-            transport = self.transport_stats() if self.transport_stats is not None else {}
+        # ``diloco server`` has the coordinator's status carry the transport's counters (once per snapshot).
+        transport = status.get("transport", {})
         snap = {
             **{k: v for k, v in status.items() if k != "members"},
             "members": members,
@@ -252,9 +247,6 @@ class ObservedEndpoint:
     def __init__(self, inner, observatory: Observatory) -> None:
         self.inner = inner
         self.observatory = observatory
-        stats = getattr(inner, "transport_stats", None)
-        if callable(stats):
-            observatory.transport_stats = stats
 
     def recv(self, timeout_s: float):
         self.observatory.maybe_sample()
