@@ -9,16 +9,21 @@ makes the very same operations on one block of each tensor at a time, so that th
 are still in the cache for the next operation (and the temporary is one block): each element goes
 through the same kernels with the same scalars, so the result is the same bit for bit (tests
 compare it with ``opt.step()`` on odd sizes, with one thread and two). It also proves the new params
-finite on the way (``all_finite`` by block). Anything else (Adam, plain SGD, delayed Nesterov, the
+finite on the way (``all_finite`` by block), and writes the new params and momentum to fresh memory,
+not over the old: the memory left behind is the undo of a refused step and what the last Results are
+still sent from, so neither needs a copy of the model made ahead. Anything else (Adam, plain SGD, delayed Nesterov, the
 first step, which creates the momentum, hooks) is left to ``opt.step()``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from diloco.outer import DelayedNesterov, OPTIMIZERS, OuterConfig, OuterConfigError, build_outer_optimizer
 from diloco.outer import all_finite
+from diloco.wire import buffers
 
 #: Elements per block: four fp32 blocks (the param, its momentum, its gradient and the temporary)
 #: of 256 KiB fit the L2 cache; larger blocks gained nothing, smaller ones pay torch's per-call cost.
@@ -45,52 +50,92 @@ def _nesterov_group(opt: torch.optim.Optimizer) -> dict | None:
     return g
 
 
+@dataclass
+class BlockedStep:
+    """What ``step_in_blocks`` did: the first param left non-finite (or None), and the memory the
+    params and their momentum left, which still holds their values from before the step."""
+
+    bad: str | None
+    #: The params' values before the step, on the memory they left (a Result may still be sent from it).
+    before: dict[str, torch.Tensor]
+    _moved: list[tuple[torch.Tensor, torch.Tensor]]  # (live tensor, the memory it left)
+
+    def undo(self) -> None:
+        """Put the params and the momentum back on the memory they left: the values before, bit for bit."""
+        for live, old in self._moved:
+            live.data = old
+
+
 def step_in_blocks(opt: torch.optim.Optimizer, params: dict[str, torch.Tensor],
-                   grad: dict[str, torch.Tensor]) -> tuple[bool, str | None]:
-    """``opt.step()`` with ``grad`` as the params' gradients, made block by block when ``opt`` is a plain
-    Nesterov SGD whose momentum exists: (True, the first param left non-finite or None). (False, None)
-    when it does not apply: nothing was changed, step as usual."""
+                   grad: dict[str, torch.Tensor]) -> BlockedStep | None:
+    """``opt.step()`` with ``grad`` as the params' gradients, made block by block into fresh memory when
+    ``opt`` is a plain Nesterov SGD whose momentum exists; None when it does not apply (nothing was
+    changed: step as usual).
+
+    The new params and momentum are written to fresh memory (``buffers``) and the tensors moved onto
+    it (the objects stay: the optimizer's state is keyed by them). Nothing the step reads is written,
+    so the memory left behind is both the exact undo of a refused step and what the last Results are
+    still sent from, with no copy made for either.
+    """
     group = _nesterov_group(opt)
     if group is None or len(group["params"]) != len(params):
-        return False, None
+        return None
     ids = {id(p) for p in group["params"]}
     work = []
     for name, p in params.items():
         g = grad.get(name)
         buf = opt.state.get(p, {}).get("momentum_buffer")
         if id(p) not in ids or not isinstance(g, torch.Tensor) or not isinstance(buf, torch.Tensor):
-            return False, None
+            return None
         for t in (p, g, buf):
             if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or t.shape != p.shape:
-                return False, None
+                return None
         if p.numel() and len({p.data_ptr(), g.data_ptr(), buf.data_ptr()}) < 3:
-            return False, None  # aliased: let torch do what it does
-        work.append((name, p.detach().view(-1), g.detach().view(-1), buf.view(-1)))
+            return None  # aliased: let torch do what it does
+        work.append((name, p, g.detach(), buf))
     lr, momentum, dampening = group["lr"], group["momentum"], group["dampening"]
     bad = None
+    before: dict[str, torch.Tensor] = {}
+    moved: list[tuple[torch.Tensor, torch.Tensor]] = []
     with torch.no_grad():
         largest = max((p.numel() for _, p, _, _ in work), default=0)
         scratch = torch.empty(min(BLOCK, largest))
         # The blocks' sums go into one tensor: no small tensors stay allocated across the loop.
         sums = torch.empty(-(-largest // BLOCK))
         for name, p, g, buf in work:
-            n = p.numel()
+            old_p, old_buf = p.detach(), buf.detach()
+            new_p, new_buf = buffers.empty_like(old_p), buffers.empty_like(old_buf)
+            po, bo, gf, pn, bn = (t.view(-1) for t in (old_p, old_buf, g, new_p, new_buf))
+            n = po.numel()
             blocks = 0
             for start in range(0, n, BLOCK):
                 end = min(n, start + BLOCK)
-                pb, gb, bb = p[start:end], g[start:end], buf[start:end]
-                # torch.optim.SGD, _single_tensor_sgd, for one block: the same calls, the same scalars.
-                bb.mul_(momentum).add_(gb, alpha=1 - dampening)
-                t = torch.add(gb, bb, alpha=momentum, out=scratch[:end - start])
-                pb.add_(t, alpha=-lr)
+                gb, nb = gf[start:end], bn[start:end]
+                # torch.optim.SGD, _single_tensor_sgd, for one block: the same kernels, the same scalars
+                # (``buf.mul_(m).add_(g)``, ``t = g.add(buf, alpha=m)``, ``p.add_(t, alpha=-lr)``), each
+                # result written to the fresh memory instead of over its input.
+                torch.mul(bo[start:end], momentum, out=nb).add_(gb, alpha=1 - dampening)
+                t = torch.add(gb, nb, alpha=momentum, out=scratch[:end - start])
+                pb = torch.add(po[start:end], t, alpha=-lr, out=pn[start:end])
                 torch.sum(pb, 0, keepdim=True, out=sums[blocks:blocks + 1])
                 blocks += 1
+            p.data, buf.data = new_p, new_buf
+            before[name] = old_p
+            moved += [(p, old_p), (buf, old_buf)]
             if bad is None and blocks and not bool(torch.isfinite(sums[:blocks]).all()):
                 # A block's sum that is not finite: a bad element, or finite values that overflow.
                 if not all_finite(p):
                     bad = name
-    return True, bad
+    return BlockedStep(bad, before, moved)
 
 
-__all__ = ["BLOCK", "DelayedNesterov", "OPTIMIZERS", "OuterConfig", "OuterConfigError", "build_outer_optimizer",
-           "step_in_blocks"]
+def blocked_step_applies(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``step_in_blocks`` will step ``opt`` (as far as the optimizer says: a plain Nesterov
+    SGD whose momentum exists), so that nothing need be prepared for ``opt.step()``."""
+    group = _nesterov_group(opt)
+    return group is not None and all(
+        isinstance(opt.state.get(p, {}).get("momentum_buffer"), torch.Tensor) for p in group["params"])
+
+
+__all__ = ["BLOCK", "BlockedStep", "DelayedNesterov", "OPTIMIZERS", "OuterConfig", "OuterConfigError", "build_outer_optimizer",
+           "blocked_step_applies", "step_in_blocks"]

@@ -72,7 +72,7 @@ from diloco.coordinator.metrics import MetricsHistory
 from diloco.core import trace
 from diloco.coordinator.outliers import OutlierGuard
 from diloco.outer import OptimizerBackup, build_outer_optimizer
-from diloco.coordinator.outer import step_in_blocks
+from diloco.coordinator.outer import blocked_step_applies, step_in_blocks
 from diloco.coordinator.params import (
     describe_mismatch,
     NonFinite,
@@ -898,19 +898,19 @@ class Coordinator:
                      contributors=list(effect.contributors))
 
     def _prepare_steps(self) -> None:
-        """Make the part of one fragment's next outer step that does not depend on its input, ahead:
-        move its params to fresh memory holding the same values (``begin_step``) and back its
-        optimizer's state up. Two model-sized copies (about 120 ms at 100M parameters) that
-        ``outer_step`` would otherwise make after the round's last contribution, on the round's
-        critical path. Values and bits are unchanged: the params keep their values, and
-        ``outer_step`` uses the preparation only while nothing has changed the params or the
-        optimizer's state since (``_step_key``); else it makes them itself, as a journal replay does.
-        One fragment per call, so that an idle tick stays short."""
+        """Make the part of one fragment's next outer step that does not depend on its input, ahead,
+        when that step goes to ``opt.step()`` (``step_in_blocks`` needs nothing made ahead): move its
+        params to fresh memory holding the same values (``begin_step``) and back its optimizer's state
+        up. Two model-sized copies that ``outer_step`` would otherwise make after the round's last
+        contribution, on the round's critical path. Values and bits are unchanged: the params keep
+        their values, and ``outer_step`` uses the preparation only while nothing has changed the
+        params or the optimizer's state since (``_step_key``); else it makes them itself, as a journal
+        replay does. One fragment per call, so that an idle tick stays short."""
         store = self.store
         if store is None or self.collective is not None or self.stopped:
             return
         for fid in range(len(self._optimizers)):
-            if fid in self._prepared:
+            if fid in self._prepared or blocked_step_applies(self._optimizers[fid]):
                 continue
             before = store.begin_step(fid)
             self._optimizer_backups[fid].take(self._optimizers[fid])
@@ -937,26 +937,33 @@ class Coordinator:
         params = self.store.fragment_params(fid)
         opt = self._optimizers[fid]
         # Finite contributions can still step to an infinity (a huge mean times lr and
-        # momentum): keep what to restore, step, and check before anything is released.
-        # The step changes a fresh copy of the params (``begin_step``: the old memory, which
-        # the last Results may still be sent from, is left as it is and is the undo) and the
-        # optimizer's state is backed up into buffers kept from step to step.
-        opt_before = self._optimizer_backups[fid]
-        prepared = self._prepared.pop(fid, None)
-        if prepared is not None and prepared[1] == self._step_key(fid):
-            before = prepared[0]  # made while idle (``_prepare_steps``): the same values, bit for bit
+        # momentum): keep what to restore, step, and check before anything is released. The
+        # params' memory, which the last Results may still be sent from, is never written: a
+        # plain Nesterov step is made block by block into fresh memory (``outer.step_in_blocks``,
+        # the same bits), and leaves the old memory as the undo; any other step changes a fresh
+        # copy of the params (``begin_step``) with the optimizer's state backed up.
+        blocked = step_in_blocks(opt, params, grad)
+        if blocked is not None:
+            self._prepared.pop(fid, None)
+            before, bad, undo = blocked.before, blocked.bad, blocked.undo
         else:
-            before = self.store.begin_step(fid)
-            opt_before.take(opt)
-        # A plain Nesterov step is made block by block, to the same bits (``outer.step_in_blocks``).
-        stepped, bad = step_in_blocks(opt, params, grad)
-        if not stepped:
+            opt_before = self._optimizer_backups[fid]
+            prepared = self._prepared.pop(fid, None)
+            if prepared is not None and prepared[1] == self._step_key(fid):
+                before = prepared[0]  # made while idle (``_prepare_steps``): the same values, bit for bit
+            else:
+                before = self.store.begin_step(fid)
+                opt_before.take(opt)
             for name, p in params.items():
                 p.grad = grad[name]
             opt.step()
             for p in params.values():
                 p.grad = None
             bad = next((n for n, p in params.items() if not all_finite(p)), None)
+
+            def undo() -> None:
+                self.store.undo_step(fid, before)
+                opt_before.restore(opt)
         delta = None
         if self.delta_results and bad is None:
             # The params every worker will hold: old + decode(encode(delta)), bit for bit.
@@ -969,8 +976,7 @@ class Coordinator:
             # SPEC.md section 12, "Non-finite steps": undo the step exactly; the round still
             # counts as applied (the core emitted ApplyRound) and its contributions are
             # discarded; the Results carry the unchanged params.
-            self.store.undo_step(fid, before)
-            opt_before.restore(opt)
+            undo()
         return bad, delta
 
     def _release(self, effect: ReleaseWorker, out: Outgoing) -> None:

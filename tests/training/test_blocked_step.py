@@ -29,9 +29,10 @@ def _run(params, grads, blocked: bool, config: OuterConfig):
     opt = build_outer_optimizer(list(params.values()), config, 2)
     used = []
     for grad in grads:
-        done, bad = step_in_blocks(opt, params, grad) if blocked else (False, None)
-        used.append(done)
-        if not done:
+        step = step_in_blocks(opt, params, grad) if blocked else None
+        used.append(step is not None)
+        bad = None if step is None else step.bad
+        if step is None:
             for n, p in params.items():
                 p.grad = grad[n]
             opt.step()
@@ -69,15 +70,21 @@ def test_a_step_to_a_non_finite_value_names_the_first_such_tensor():
     params, grads = _state(1)
     p = {n: t.clone() for n, t in params.items()}
     opt = build_outer_optimizer(list(p.values()), OuterConfig(), 2)
-    assert step_in_blocks(opt, p, grads[0]) == (False, None)  # no momentum yet
+    assert step_in_blocks(opt, p, grads[0]) is None  # no momentum yet
     for n, t in p.items():
         t.grad = grads[0][n]
     opt.step()
     huge = {n: g.clone() for n, g in grads[1].items()}
     huge["odd"][3, 5] = float("inf")
     huge["big"][-1] = 3e38  # finite, but the step overflows
-    assert step_in_blocks(opt, p, huge) == (True, "big")
+    values = {n: t.clone() for n, t in p.items()}
+    momentum = {n: opt.state[t]["momentum_buffer"].clone() for n, t in p.items()}
+    step = step_in_blocks(opt, p, huge)
+    assert step is not None and step.bad == "big"
     assert not bool(torch.isfinite(p["big"]).all()) and not bool(torch.isfinite(p["odd"]).all())
+    step.undo()  # the params and the momentum are back, bit for bit
+    for n, t in p.items():
+        assert torch.equal(t, values[n]) and torch.equal(opt.state[t]["momentum_buffer"], momentum[n]), n
     # Finite values whose block sums overflow are still finite.
     q = {n: t.clone() for n, t in params.items()}
     opt = build_outer_optimizer(list(q.values()), OuterConfig(lr=1e-3, momentum=0.5), 2)
@@ -85,7 +92,31 @@ def test_a_step_to_a_non_finite_value_names_the_first_such_tensor():
         t.grad = torch.zeros_like(t)
     opt.step()
     q["big"].fill_(3e38)
-    assert step_in_blocks(opt, q, {n: torch.zeros_like(t) for n, t in q.items()}) == (True, None)
+    step = step_in_blocks(opt, q, {n: torch.zeros_like(t) for n, t in q.items()})
+    assert step is not None and step.bad is None
+
+
+def test_the_blocked_step_writes_fresh_memory_and_leaves_the_old_values_in_place():
+    """What the step read is never written: the memory the params and momentum left holds their values
+    from before (a Result may still be sent from it), and is what ``before`` hands out."""
+    params, grads = _state(3)
+    p = {n: t.clone() for n, t in params.items()}
+    opt = build_outer_optimizer(list(p.values()), OuterConfig(), 2)
+    for n, t in p.items():
+        t.grad = grads[0][n]
+    opt.step()
+    views = {n: t.detach() for n, t in p.items()}  # what a Result of the last round holds
+    kept = {n: t.clone() for n, t in p.items()}
+    buffers_before = {n: opt.state[t]["momentum_buffer"].detach() for n, t in p.items()}
+    momentum_kept = {n: b.clone() for n, b in buffers_before.items()}
+    step = step_in_blocks(opt, p, grads[1])
+    assert step is not None and step.bad is None
+    for n in SHAPES:
+        assert torch.equal(views[n], kept[n]) and torch.equal(step.before[n], kept[n]), n
+        assert torch.equal(buffers_before[n], momentum_kept[n]), n
+        if p[n].numel():
+            assert p[n].data_ptr() != views[n].data_ptr(), n
+            assert not torch.equal(p[n], kept[n]), n  # the step did change the values
 
 
 def test_the_mean_made_block_by_block_gives_the_same_bits():

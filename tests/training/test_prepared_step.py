@@ -1,7 +1,8 @@
 """An outer step prepared while the loop is idle gives the very bits of one made at once (``Coordinator.tick``).
 
 ``tick`` (the runner calls it when its transport had nothing for a tick) prepares one fragment's next
-outer step: the params moved to fresh memory holding the same values (``ParamStore.begin_step``) and
+outer step when ``opt.step()`` will make it (a plain Nesterov step with momentum is made into fresh
+memory, ``outer.step_in_blocks``, and needs nothing made ahead): the params moved to fresh memory holding the same values (``ParamStore.begin_step``) and
 the optimizer's state backed up. ``outer_step`` uses that only while nothing has changed the params
 or the optimizer's state since; the params, the optimizer's state, the Results and the undo of a
 refused step are bit for bit those of a coordinator that never ticked (as a journal replay does not).
@@ -77,15 +78,19 @@ def _same(x, y) -> None:
 def test_a_prepared_step_gives_the_bits_of_one_made_at_once(outer, fragments):
     config = OuterConfig(name=outer, lr=0.5 if outer != "adam" else 0.01)
     ticked = _run(True, outer=config, fragments=fragments)
-    assert ticked[0]._prepared  # the ticks did prepare steps (and the steps used them, below)
+    # The ticks did prepare steps (and the steps used them, below); Nesterov's steps after its first
+    # are made into fresh memory, with nothing prepared.
+    assert bool(ticked[0]._prepared) == (outer != "nesterov")
     _same(ticked, _run(False, outer=config, fragments=fragments))
 
 
+@pytest.mark.parametrize("outer", ["nesterov", "adam"])
 @pytest.mark.parametrize("wire_dtype", ["bf16", "int8"])
-def test_a_prepared_step_gives_the_same_bits_with_a_wire_dtype(wire_dtype):
-    ticked = _run(True, wire_dtype=wire_dtype)
-    assert ticked[0]._prepared  # the ticks did prepare steps
-    _same(ticked, _run(False, wire_dtype=wire_dtype))  # asserts every param, state and Result equal
+def test_a_prepared_step_gives_the_same_bits_with_a_wire_dtype(wire_dtype, outer):
+    config = OuterConfig(name=outer, lr=0.5 if outer != "adam" else 0.01)
+    ticked = _run(True, wire_dtype=wire_dtype, outer=config)
+    assert bool(ticked[0]._prepared) == (outer != "nesterov")
+    _same(ticked, _run(False, wire_dtype=wire_dtype, outer=config))  # asserts every param, state and Result equal
 
 
 def test_a_prepared_step_gives_the_same_bits_in_async_mode():
@@ -95,14 +100,41 @@ def test_a_prepared_step_gives_the_same_bits_in_async_mode():
     _same(ticked, _run(False, outer=outer, mode=Mode.ASYNC))  # asserts every param, state and Result equal
 
 
-def test_a_refused_step_after_a_prepared_one_puts_back_the_same_values():
-    ticked, plain = _run(True, huge_at=2), _run(False, huge_at=2)
+@pytest.mark.parametrize("outer", ["nesterov", "sgd"])
+def test_a_refused_step_puts_back_the_same_values(outer):
+    config = OuterConfig(name=outer, lr=1.5)  # lr x 3e38 overflows
+    ticked, plain = _run(True, huge_at=2, outer=config), _run(False, huge_at=2, outer=config)
     assert ticked[0].stats.steps_refused == plain[0].stats.steps_refused == 1
     _same(ticked, plain)
+    # And the same as a run whose step never happened: the refused round left no trace.
+    skipped = _run(False, rounds=2, outer=config)
+    refused, _ = _run(False, rounds=3, huge_at=2, outer=config)
+    assert refused.stats.steps_refused == 1 and refused.stats.rounds_applied == 3
+    for n in P0:
+        assert torch.equal(refused.store.params[n], skipped[0].store.params[n]), n
+    for sx, sy in zip(refused.optimizer_states(), skipped[0].optimizer_states()):
+        for k in sx["state"]:
+            for key, v in sx["state"][k].items():
+                w = sy["state"][k][key]
+                assert torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w, (k, key)
+
+
+def test_the_blocked_step_keeps_what_was_released():
+    """A plain Nesterov step writes fresh memory: the Results of the round before keep their values."""
+    c, results = _run(False, rounds=2)
+    released = results[-1][2].params
+    kept = {n: t.clone() for n, t in released.items()}
+    c.handle("w1", Submit("w1", 0, 2, grads(7, list(P0))), 10.0)
+    out = c.handle("w2", Submit("w2", 0, 2, grads(8, list(P0))), 10.0)
+    assert any(isinstance(m, Result) for _, m in out) and c.stats.rounds_applied == 3
+    assert not c._prepared
+    for n, t in released.items():
+        assert torch.equal(t, kept[n])  # the Results of the round before kept their values
+        assert not torch.equal(c.store.params[n], kept[n])
 
 
 def test_the_preparation_keeps_the_values_and_what_was_released():
-    c, results = _run(True, rounds=2)
+    c, results = _run(True, rounds=2, outer=OuterConfig(name="sgd", lr=0.5))
     released = results[-1][2].params
     kept = {n: t.clone() for n, t in released.items()}
     values = {n: p.clone() for n, p in c.store.params.items()}
@@ -118,8 +150,9 @@ def test_the_preparation_keeps_the_values_and_what_was_released():
 
 
 def test_a_preparation_that_is_no_longer_current_is_not_used():
-    c, _ = _run(True, rounds=2)
-    plain, _ = _run(False, rounds=2)
+    config = OuterConfig(name="sgd", lr=0.5)
+    c, _ = _run(True, rounds=2, outer=config)
+    plain, _ = _run(False, rounds=2, outer=config)
     c.tick(10.0)
     assert 0 in c._prepared
     for coordinator in (c, plain):  # something changes the params after the preparation
