@@ -17,6 +17,7 @@ first step, which creates the momentum, hooks) is left to ``opt.step()``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -50,32 +51,69 @@ def _nesterov_group(opt: torch.optim.Optimizer) -> dict | None:
     return g
 
 
+#: The in-place step is taken only when its bound on every new value stays under this (fp32's largest
+#: value is 3.4e38): the margin covers the rounding of the few operations a value goes through.
+IN_PLACE_LIMIT = 1e38
+#: Each bound carried to the next step grows by this factor: every fp32 operation may round up by
+#: 2^-24 of its value, and a value goes through three.
+_ROUNDING = 1 + 1e-6
+
+
+@dataclass(frozen=True)
+class Magnitudes:
+    """Bounds on the largest absolute value of a fragment's params and of its momentum, valid while
+    ``key`` still identifies their tensors (their memory and version counters: anything that writes
+    them, a restore, a heal, a replay, changes it)."""
+
+    params: float
+    momentum: float
+    key: tuple
+
+
+def _key(work: list) -> tuple:
+    return tuple((p.data_ptr(), p._version, buf.data_ptr(), buf._version) for _, p, _, buf in work)
+
+
 @dataclass
 class BlockedStep:
-    """What ``step_in_blocks`` did: the first param left non-finite (or None), and the memory the
-    params and their momentum left, which still holds their values from before the step."""
+    """What ``step_in_blocks`` did: the first param left non-finite (or None), how, and what to undo."""
 
     bad: str | None
-    #: The params' values before the step, on the memory they left (a Result may still be sent from it).
+    #: True: the params and momentum were stepped in place (proven finite beforehand: nothing to undo).
+    in_place: bool
+    #: The params' values before the step, on the memory they left (fresh-memory steps only; a
+    #: Result may still be sent from it).
     before: dict[str, torch.Tensor]
+    #: For the next step, or None when the caller asked for none or the step left a non-finite value.
+    magnitudes: Magnitudes | None
     _moved: list[tuple[torch.Tensor, torch.Tensor]]  # (live tensor, the memory it left)
 
     def undo(self) -> None:
         """Put the params and the momentum back on the memory they left: the values before, bit for bit."""
+        if self.in_place:
+            raise RuntimeError("an outer step made in place has nothing to undo: its bound proved it finite")
         for live, old in self._moved:
             live.data = old
 
 
-def step_in_blocks(opt: torch.optim.Optimizer, params: dict[str, torch.Tensor],
-                   grad: dict[str, torch.Tensor]) -> BlockedStep | None:
-    """``opt.step()`` with ``grad`` as the params' gradients, made block by block into fresh memory when
-    ``opt`` is a plain Nesterov SGD whose momentum exists; None when it does not apply (nothing was
-    changed: step as usual).
+def step_in_blocks(opt: torch.optim.Optimizer, params: dict[str, torch.Tensor], grad: dict[str, torch.Tensor],
+                   *, grad_bound: float | None = None, magnitudes: Magnitudes | None = None,
+                   overwrite: bool = False) -> BlockedStep | None:
+    """``opt.step()`` with ``grad`` as the params' gradients, made block by block when ``opt`` is a plain
+    Nesterov SGD whose momentum exists; None when it does not apply (nothing was changed: step as usual).
 
-    The new params and momentum are written to fresh memory (``buffers``) and the tensors moved onto
-    it (the objects stay: the optimizer's state is keyed by them). Nothing the step reads is written,
-    so the memory left behind is both the exact undo of a refused step and what the last Results are
-    still sent from, with no copy made for either.
+    A refused step (a non-finite value) must be undone exactly, and the memory of params handed out
+    in a Result must not be written while it may still be sent. So by default the new params and
+    momentum are written to fresh memory (``buffers``) and the tensors moved onto it (the objects
+    stay: the optimizer's state is keyed by them); the memory left behind is both the undo and what
+    the last Results are sent from, with no copy made for either.
+
+    In place, which writes two model-sized streams fewer (fresh memory is read in before it is
+    written), when both hold: ``overwrite`` (the caller knows nothing else holds the params' memory),
+    and the bounds prove every new value finite, so that there is nothing to undo: ``grad_bound`` at
+    least every ``|grad|`` and ``magnitudes`` from the last step, still current. With ``grad_bound``
+    the step returns the magnitudes for the next one: measured on a fresh-memory step, carried forward
+    from the bounds on an in-place one.
     """
     group = _nesterov_group(opt)
     if group is None or len(group["params"]) != len(params):
@@ -94,14 +132,45 @@ def step_in_blocks(opt: torch.optim.Optimizer, params: dict[str, torch.Tensor],
             return None  # aliased: let torch do what it does
         work.append((name, p, g.detach(), buf))
     lr, momentum, dampening = group["lr"], group["momentum"], group["dampening"]
+    if overwrite and grad_bound is not None and magnitudes is not None and magnitudes.key == _key(work):
+        # |buf'| <= m |buf| + |g|, |t| <= |g| + m |buf'|, |p'| <= |p| + lr |t| (dampening is 0).
+        new_momentum = momentum * magnitudes.momentum + grad_bound
+        new_params = magnitudes.params + lr * (grad_bound + momentum * new_momentum)
+        if max(new_momentum, new_params) * _ROUNDING < IN_PLACE_LIMIT:  # False for a NaN or an infinity
+            _step_in_place(work, lr, momentum, dampening)
+            carried = Magnitudes(new_params * _ROUNDING, new_momentum * _ROUNDING, _key(work))
+            return BlockedStep(None, True, {}, carried, [])
+    return _step_to_fresh_memory(work, lr, momentum, dampening, measure=grad_bound is not None)
+
+
+def _step_in_place(work: list, lr: float, momentum: float, dampening: float) -> None:
+    with torch.no_grad():
+        largest = max((p.numel() for _, p, _, _ in work), default=0)
+        scratch = torch.empty(min(BLOCK, largest))
+        for _name, p, g, buf in work:
+            pf, gf, bf = p.detach().view(-1), g.view(-1), buf.view(-1)
+            n = pf.numel()
+            for start in range(0, n, BLOCK):
+                end = min(n, start + BLOCK)
+                pb, gb, bb = pf[start:end], gf[start:end], bf[start:end]
+                # torch.optim.SGD, _single_tensor_sgd, for one block: the same calls, the same scalars.
+                bb.mul_(momentum).add_(gb, alpha=1 - dampening)
+                t = torch.add(gb, bb, alpha=momentum, out=scratch[:end - start])
+                pb.add_(t, alpha=-lr)
+
+
+def _step_to_fresh_memory(work: list, lr: float, momentum: float, dampening: float, *,
+                          measure: bool) -> BlockedStep:
     bad = None
     before: dict[str, torch.Tensor] = {}
     moved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    largest_params = largest_momentum = 0.0
     with torch.no_grad():
         largest = max((p.numel() for _, p, _, _ in work), default=0)
         scratch = torch.empty(min(BLOCK, largest))
         # The blocks' sums go into one tensor: no small tensors stay allocated across the loop.
         sums = torch.empty(-(-largest // BLOCK))
+        extremes = torch.empty(4 * -(-largest // BLOCK)) if measure else None
         for name, p, g, buf in work:
             old_p, old_buf = p.detach(), buf.detach()
             new_p, new_buf = buffers.empty_like(old_p), buffers.empty_like(old_buf)
@@ -111,13 +180,17 @@ def step_in_blocks(opt: torch.optim.Optimizer, params: dict[str, torch.Tensor],
             for start in range(0, n, BLOCK):
                 end = min(n, start + BLOCK)
                 gb, nb = gf[start:end], bn[start:end]
-                # torch.optim.SGD, _single_tensor_sgd, for one block: the same kernels, the same scalars
-                # (``buf.mul_(m).add_(g)``, ``t = g.add(buf, alpha=m)``, ``p.add_(t, alpha=-lr)``), each
-                # result written to the fresh memory instead of over its input.
+                # The same kernels and scalars as the in-place step, each result written to the fresh
+                # memory instead of over its input.
                 torch.mul(bo[start:end], momentum, out=nb).add_(gb, alpha=1 - dampening)
                 t = torch.add(gb, nb, alpha=momentum, out=scratch[:end - start])
                 pb = torch.add(po[start:end], t, alpha=-lr, out=pn[start:end])
                 torch.sum(pb, 0, keepdim=True, out=sums[blocks:blocks + 1])
+                if extremes is not None:  # while the block is in the cache
+                    torch.aminmax(pb, out=(extremes[4 * blocks:4 * blocks + 1].view(()),
+                                           extremes[4 * blocks + 1:4 * blocks + 2].view(())))
+                    torch.aminmax(nb, out=(extremes[4 * blocks + 2:4 * blocks + 3].view(()),
+                                           extremes[4 * blocks + 3:4 * blocks + 4].view(())))
                 blocks += 1
             p.data, buf.data = new_p, new_buf
             before[name] = old_p
@@ -126,7 +199,14 @@ def step_in_blocks(opt: torch.optim.Optimizer, params: dict[str, torch.Tensor],
                 # A block's sum that is not finite: a bad element, or finite values that overflow.
                 if not all_finite(p):
                     bad = name
-    return BlockedStep(bad, before, moved)
+            if extremes is not None and blocks:
+                e = extremes[:4 * blocks].view(blocks, 4).abs().amax(0)
+                largest_params = max(largest_params, float(e[0]), float(e[1]))
+                largest_momentum = max(largest_momentum, float(e[2]), float(e[3]))
+    magnitudes = None
+    if measure and bad is None and math.isfinite(largest_momentum):
+        magnitudes = Magnitudes(largest_params, largest_momentum, _key(work))
+    return BlockedStep(bad, False, before, magnitudes, moved)
 
 
 def blocked_step_applies(opt: torch.optim.Optimizer) -> bool:
@@ -137,5 +217,5 @@ def blocked_step_applies(opt: torch.optim.Optimizer) -> bool:
         isinstance(opt.state.get(p, {}).get("momentum_buffer"), torch.Tensor) for p in group["params"])
 
 
-__all__ = ["BLOCK", "BlockedStep", "DelayedNesterov", "OPTIMIZERS", "OuterConfig", "OuterConfigError", "build_outer_optimizer",
+__all__ = ["BLOCK", "BlockedStep", "IN_PLACE_LIMIT", "Magnitudes", "DelayedNesterov", "OPTIMIZERS", "OuterConfig", "OuterConfigError", "build_outer_optimizer",
            "blocked_step_applies", "step_in_blocks"]

@@ -137,6 +137,10 @@ class ParamStore:
         #: Token-weighted rounds: the sum of the weights, and the first contribution's tokens (the unit).
         self._weights: list[float] = [0.0] * num_fragments
         self._unit: list[int | None] = [None] * num_fragments
+        #: The largest L2 norm among the round's contributions, None once one came without its norm;
+        #: ``take_mean`` turns it into a bound on the mean (``mean_bound``).
+        self._largest_norm: list[float | None] = [0.0] * num_fragments
+        self._mean_bound: list[float | None] = [None] * num_fragments
         self.bytes_received = 0
 
     def fragment_params(self, fragment_id: int) -> Tensors:
@@ -202,7 +206,10 @@ class ParamStore:
         return total ** 0.5
 
     # -- sync rounds: running sums (float64, see the module docstring)
-    def accumulate(self, fragment_id: int, tensors: Tensors, tokens: int | None = None) -> None:
+    def accumulate(self, fragment_id: int, tensors: Tensors, tokens: int | None = None,
+                   norm: float | None = None) -> None:
+        # ``norm``: the contribution's L2 norm when the checks computed it (``check_submission``); it
+        # bounds every element, and so the round's largest bounds its mean (``mean_bound``).
         # ``tokens`` (a token-weighted merge, SPEC.md section 12): the contribution enters with the weight
         # tokens / the round's first contribution's tokens, so weights stay near 1 and the weighted sum
         # has the plain sum's range; ``take_mean`` divides by the weights' sum. None: weight 1.
@@ -229,6 +236,9 @@ class ParamStore:
         else:
             for n, t in tensors.items():
                 s[n].add_(t.detach(), alpha=alpha)
+        largest = self._largest_norm[fragment_id]
+        known = largest is not None and norm is not None and math.isfinite(norm)
+        self._largest_norm[fragment_id] = max(largest, norm) if known else None
         self._counts[fragment_id] += 1
         self.bytes_received += sum(t.numel() * t.element_size() for t in tensors.values())
 
@@ -240,6 +250,10 @@ class ParamStore:
                 f"fragment {fragment_id}: {count} contributions summed but the round lists {contributors}"
             )
         weighted, total = self._unit[fragment_id] is not None, self._weights[fragment_id]
+        largest = self._largest_norm[fragment_id]
+        # The mean is a convex combination of the contributions, each element at most its L2 norm; the
+        # factor 2 covers the rounding of the norms and of the scaled sum of up to MAX_SUMMED terms.
+        self._mean_bound[fragment_id] = None if largest is None else 2.0 * largest
         self.reset_sum(fragment_id)
         divisor = total if weighted else contributors
         # Divide first, then undo the scale: sum / k is at most fp32's largest value * 2^-20. Block by
@@ -250,7 +264,13 @@ class ParamStore:
                 flat[start:start + MEAN_BLOCK].div_(divisor).mul_(1.0 / SUM_SCALE)
         return s
 
+    def mean_bound(self, fragment_id: int) -> float | None:
+        """A bound on every element of the last mean ``take_mean`` gave, or None when a contribution to
+        it came without its norm (an outer step that knows it can be made in place, ``outer.step_in_blocks``)."""
+        return self._mean_bound[fragment_id]
+
     def reset_sum(self, fragment_id: int) -> None:
+        self._largest_norm[fragment_id] = 0.0
         self._sums[fragment_id] = None
         self._counts[fragment_id] = 0
         self._weights[fragment_id] = 0.0

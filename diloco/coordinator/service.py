@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -72,7 +73,7 @@ from diloco.coordinator.metrics import MetricsHistory
 from diloco.core import trace
 from diloco.coordinator.outliers import OutlierGuard
 from diloco.outer import OptimizerBackup, build_outer_optimizer
-from diloco.coordinator.outer import blocked_step_applies, step_in_blocks
+from diloco.coordinator.outer import Magnitudes, blocked_step_applies, step_in_blocks
 from diloco.coordinator.params import (
     describe_mismatch,
     NonFinite,
@@ -188,6 +189,12 @@ class Coordinator:
         #: ApplyRound in this step: params or an encoded delta). Results carry these copies,
         #: never the live tensors (see ``_release``).
         self._released: dict[int, tuple[int, compression.Encoded]] = {}
+        #: fragment -> weak references to the views of its params its last Results carry: while one is
+        #: alive (a transport still sending, a driver holding the message), the params' memory must keep
+        #: its values, and the next outer step writes fresh memory (``outer.step_in_blocks``).
+        self._handed_out: dict[int, list[weakref.ref]] = {}
+        #: fragment -> bounds on its params and momentum after its last blocked step (``outer.Magnitudes``).
+        self._magnitudes: dict[int, Magnitudes | None] = {}
         #: Key bindings and bans (``access.py``); checkpoints save and restore them.
         self.access = AccessList()
         #: Workers' training figures from their heartbeats and per applied round (bounded; never the core's).
@@ -561,7 +568,7 @@ class Coordinator:
                                  norm=norm if math.isfinite(norm) else str(norm), detail=why)
                     return
             effects = self._step(ContributionSubmitted(wid, fid, msg.round_id), out, peer=peer, submit=msg,
-                                 tensors=tensors)
+                                 tensors=tensors, norm=checked_norm if checked_norm is not None else norm)
             if norm is not None and any(type(e) is AcceptContribution for e in effects):
                 self.outliers.accepted(fid, norm)
             return
@@ -675,7 +682,7 @@ class Coordinator:
     # ---------------------------------------------------------------- effects
 
     def _step(self, event, out: Outgoing, *, peer: str | None = None, join: Join | None = None,
-              submit: Submit | None = None, tensors: Tensors | None = None,
+              submit: Submit | None = None, tensors: Tensors | None = None, norm: float | None = None,
               report: ReduceReport | None = None) -> list:
         effects = self.fsm.step(event)
         now = self.fsm.now_s
@@ -689,7 +696,7 @@ class Coordinator:
         for effect in effects:
             kind = type(effect)
             if kind is AcceptContribution:
-                self._accept(effect, submit, tensors, peer, out)
+                self._accept(effect, submit, tensors, peer, out, norm)
             elif kind is ReleaseWorker:
                 self._release(effect, out)
             elif kind is ApplyRound:
@@ -808,7 +815,7 @@ class Coordinator:
                      attempt=effect.attempt, reason=effect.reason.value)
 
     def _accept(self, effect: AcceptContribution, submit: Submit | None, tensors: Tensors | None,
-                peer: str | None, out: Outgoing) -> None:
+                peer: str | None, out: Outgoing, norm: float | None = None) -> None:
         assert submit is not None and tensors is not None and peer is not None
         self.stats.contributions_accepted += 1
         if self.collective is not None:
@@ -822,7 +829,7 @@ class Coordinator:
         self.stats.bytes_received += nbytes(submit.tensors) + nbytes(submit.scales)
         fid = effect.fragment_id
         if self._sync:
-            self.store.accumulate(fid, tensors, submit.tokens if self.config.token_weighted else None)
+            self.store.accumulate(fid, tensors, submit.tokens if self.config.token_weighted else None, norm)
             self._summed.setdefault(fid, []).append((effect.round_id, effect.worker_id))
             self._round_tokens[fid] = self._round_tokens.get(fid, 0) + (submit.tokens or 0)
         else:
@@ -849,8 +856,10 @@ class Coordinator:
         store = self.store
         assert store is not None
         fid = effect.fragment_id
+        grad_bound = None
         if self._sync:
             grad = store.take_mean(fid, len(effect.contributors))
+            grad_bound = store.mean_bound(fid)
             inputs = self._summed.pop(fid, [])
             tokens = self._round_tokens.pop(fid, 0)
         elif len(effect.contributors) == 1:
@@ -869,7 +878,7 @@ class Coordinator:
             grad = store.take_mean(fid, len(inputs))
         if self.recorder is not None:
             self.recorder.step(fid, inputs, grad)
-        bad, delta = self.outer_step(fid, grad)
+        bad, delta = self.outer_step(fid, grad, grad_bound)
         if bad is not None:
             self.stats.steps_refused += 1
             self._notify("step_refused", now, fragment_id=fid, round_id=effect.round_id,
@@ -885,6 +894,7 @@ class Coordinator:
         # step (async, held contributions) releases its own.
         if not self.delta_results:
             released = compression.Encoded(store.released(fid), {})
+            self._handed_out[fid] = [weakref.ref(t) for t in released.values.values()]
         elif bad is not None or delta is None:  # params unchanged: a zero delta
             released = compression.encode({n: torch.zeros_like(t) for n, t in store.fragment_params(fid).items()},
                                           self.config.wire_dtype)
@@ -927,22 +937,28 @@ class Coordinator:
         groups = [repr(sorted((k, v) for k, v in g.items() if k != "params")) for g in opt.param_groups]
         return tuple(params), tuple(state), tuple(groups)
 
-    def outer_step(self, fid: int, grad: Tensors) -> tuple[str | None, compression.Encoded | None]:
+    def outer_step(self, fid: int, grad: Tensors,
+                   grad_bound: float | None = None) -> tuple[str | None, compression.Encoded | None]:
         """Step fragment ``fid``'s outer optimizer on ``grad``: (the first non-finite tensor or None, the
-        encoded delta the Results carry on a bf16/int8 run, else None).
+        encoded delta the Results carry on a bf16/int8 run, else None). ``grad_bound``: at least every
+        element's magnitude, when known (``ParamStore.mean_bound``), for a step made in place.
 
         Deterministic: the same params, optimizer state and ``grad`` give the same bits, which
         is what lets a write-ahead log replay a round (``journal.py``).
         """
         params = self.store.fragment_params(fid)
         opt = self._optimizers[fid]
-        # Finite contributions can still step to an infinity (a huge mean times lr and
-        # momentum): keep what to restore, step, and check before anything is released. The
-        # params' memory, which the last Results may still be sent from, is never written: a
-        # plain Nesterov step is made block by block into fresh memory (``outer.step_in_blocks``,
-        # the same bits), and leaves the old memory as the undo; any other step changes a fresh
-        # copy of the params (``begin_step``) with the optimizer's state backed up.
-        blocked = step_in_blocks(opt, params, grad)
+        # Finite contributions can still step to an infinity (a huge mean times lr and momentum):
+        # the step must be undone exactly, and the params' memory, which the last Results may still
+        # be sent from, must keep its values. A plain Nesterov step is made block by block
+        # (``outer.step_in_blocks``, the same bits): in place when no Result holds the params' memory
+        # any more and bounds prove it finite, else into fresh memory, leaving the old as the undo.
+        # Any other step changes a fresh copy of the params (``begin_step``) with the optimizer's
+        # state backed up.
+        overwrite = not self.delta_results and all(ref() is None for ref in self._handed_out.get(fid, ()))
+        blocked = step_in_blocks(opt, params, grad, grad_bound=None if self.delta_results else grad_bound,
+                                 magnitudes=self._magnitudes.get(fid), overwrite=overwrite)
+        self._magnitudes[fid] = None if blocked is None else blocked.magnitudes
         if blocked is not None:
             self._prepared.pop(fid, None)
             before, bad, undo = blocked.before, blocked.bad, blocked.undo
