@@ -77,7 +77,7 @@ class WorkerWorld(Protocol):
     def emit(self, record: dict, line: str | None = None) -> None:
         """Append a record to the trace (``line``: its JSON, when the caller formatted it)."""
 
-    def send(self, w: SimWorker, msg: Any, lose: str = "") -> None:
+    def send(self, w: SimWorker, msg: Any) -> None:
         """Put a message of ``w`` on its link to the coordinator."""
 
     def open_connection(self, w: SimWorker) -> None:
