@@ -2,10 +2,12 @@
 
 One seed derives every knob (``config.derive_config``); simulated time only;
 the real ``RoundFSM``, ``Coordinator`` and ``WorkerSession`` run unchanged
-while the network, the worker processes and the faults are simulated
-(``simulation``, ``worker``); the checker
-judges SPEC.md's invariants from the trace alone (``checker``); any failure
-replays from its seed, and ``--replay`` proves a trace reproduces byte for byte.
+while time, the network, the worker processes and the faults are simulated:
+``simulation`` builds one run from separate pieces (``scheduler``, ``network``,
+``coord_process``, ``faults``, ``worker``, ``collective``) that talk through the
+Protocols of ``world``; the checker judges SPEC.md's invariants from the trace
+alone (``checker``); any failure replays from its seed, and ``--replay`` proves
+a trace reproduces byte for byte.
 
     diloco sim --seed 7 --trace run.jsonl --plot run.png
     diloco sim --replay run.jsonl

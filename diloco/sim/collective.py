@@ -8,12 +8,13 @@ endpoint with a data-plane thread and real gloo groups. The simulator cannot run
 or sockets, so this module models the same logic in simulated time:
 
 * ``SimGloo``, the data network: gloo groups formed on the coordinator's rendezvous store
-  (``SimGloo.gen``: the store lives in the coordinator's process, so a crashed and
-  restarted coordinator is a new store; a worker's store client does not reconnect --
-  torch's ``TCPStore`` client fails with "Broken pipe" after its server restarted, and
-  ``GroupCache`` keeps the client), and the collectives on a formed group: every rank
-  must arrive (in each rank's own order of operations, as gloo matches them), a dead
-  rank breaks the group, a timeout on one rank tears it down for all;
+  (``SimGloo.gen``: the store lives in the coordinator's process, which tells it when it
+  dies and restarts, so a crashed and restarted coordinator is a new store; a worker's
+  store client does not reconnect -- torch's ``TCPStore`` client fails with "Broken
+  pipe" after its server restarted, and ``GroupCache`` keeps the client), and the
+  collectives on a formed group: every rank must arrive (in each rank's own order of
+  operations, as gloo matches them), a dead rank breaks the group, a timeout on one rank
+  tears it down for all;
 * ``SimEndpoint``, one per worker incarnation, the ``CollectiveEndpoint``'s logic: the
   session's ``Submit`` keeps the pseudo-gradient here and goes out without tensors; a
   ``ReduceOrder``, a ``HealOrder``, a heal from the ``Welcome``'s source and the start of
@@ -22,19 +23,23 @@ or sockets, so this module models the same logic in simulated time:
   where the real thread blocks. The replica is the real ``diloco.collective.replica.Replica``
   (the outer step, the digest, commit and rollback).
 
-Faults of this plane (``diloco.sim.config.REDUCE_FAULT_KINDS``), drawn per reduce job from
-the run's stream while the safety phase lasts: a member dies inside the reduce (before the
-collective or after it, before its report), its report is lost, it proposes from a
-different mean (another digest), its collective fails (it reports failure), or its data
-plane wedges after the collective for longer than the reduce timeout (it keeps heartbeating;
-only the core's timeout ends the attempt). A heal fails when its source is dead, frozen,
-busy past the timeout or its store client is broken.
+``SimGloo`` needs only the clock; a ``SimEndpoint`` uses the rest of the simulation only
+through its ``world.PlaneWorld`` (the clock, the trace, its worker's link, the reduce
+faults) and talks to its own worker (``SimWorker.later``, ``deliver_local``).
+
+Faults of this plane (``diloco.sim.config.REDUCE_FAULT_KINDS``), drawn per reduce job by the
+fault injector (``PlaneWorld.reduce_fault``) while the safety phase lasts: a member dies
+inside the reduce (before the collective or after it, before its report), its report is
+lost, it proposes from a different mean (another digest), its collective fails (it reports
+failure), or its data plane wedges after the collective for longer than the reduce timeout
+(it keeps heartbeating; only the core's timeout ends the attempt). A heal fails when its
+source is dead, frozen, busy past the timeout or its store client is broken.
 
 Every replica change is traced as an ``adopt`` record (``src``: ``commit``, ``heal`` or
 ``start``), the only place a worker takes an outer step: the checker holds each against the
 coordinator's commits.
 
-Why one file of about 730 lines: it is the simulated counterpart of one worker's collective
+Why one file of about 750 lines: it is the simulated counterpart of one worker's collective
 data plane (its endpoint, its data thread, its group and heal transfers) and of the gloo
 groups they meet in; every part reads the same simulated worker and group state.
 """
@@ -49,7 +54,7 @@ import torch
 
 from diloco.collective.replica import Replica
 from diloco.outer import OuterConfig
-from diloco.sim.config import COLLECTIVE_HEAL_ATTEMPTS, COLLECTIVE_HEAL_TIMEOUTS, REDUCE_FAULT_KINDS
+from diloco.sim.config import COLLECTIVE_HEAL_ATTEMPTS, COLLECTIVE_HEAL_TIMEOUTS
 from diloco.sim.trace import hash_values
 from diloco.wire.messages import (
     Error,
@@ -66,8 +71,8 @@ from diloco.wire.messages import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from diloco.sim.simulation import Simulation
     from diloco.sim.worker import SimWorker
+    from diloco.sim.world import Clock, PlaneWorld
 
 #: While a party of a rendezvous is frozen (SIGSTOP), its peers' transfer waits; checked this often.
 _FROZEN_POLL_S = 0.05
@@ -141,24 +146,28 @@ class SimGroup:
 class SimGloo:
     """The workers' data network and the coordinator's rendezvous store (see the module doc)."""
 
-    def __init__(self, sim: "Simulation") -> None:
-        self.sim = sim
+    def __init__(self, clock: Clock, group_build_s: float) -> None:
+        self._clock = clock
+        self._group_build_s = group_build_s
         #: The store's generation: a new one whenever the coordinator's process is gone.
         self.gen = 0
+        #: Whether the coordinator's process, and so its store, is up.
+        self.store_up = True
         self._forming: dict[tuple[int, str], _Meeting] = {}
         self._groups_of: dict[int, list[SimGroup]] = collections.defaultdict(list)
         self._gid = 0
 
-    @property
-    def store_up(self) -> bool:
-        return self.sim.coord is not None
-
     def store_lost(self) -> None:
         """The coordinator's process is gone, and its store with it: rendezvous in progress fail."""
+        self.store_up = False
         self.gen += 1
         forming, self._forming = self._forming, {}
         for meeting in forming.values():
             self._break(meeting, SimCollectiveError("the store's connection was reset"))
+
+    def store_restarted(self) -> None:
+        """A restarted coordinator's process serves a new store (clients of the old one stay broken)."""
+        self.store_up = True
 
     # -- meetings
 
@@ -167,7 +176,7 @@ class SimGloo:
         key = (self.gen, prefix)
         meeting = self._forming.get(key)
         if meeting is None or meeting.broken:
-            meeting = _Meeting(size, "form", self.sim.cfg.group_build_s)
+            meeting = _Meeting(size, "form", self._group_build_s)
             self._forming[key] = meeting
         waiter = Waiter()
         if meeting.size != size or rank in meeting.parties or not 0 <= rank < size:
@@ -200,7 +209,7 @@ class SimGloo:
 
     def _ready(self, meeting: _Meeting) -> None:
         meeting.completing = True
-        self.sim.schedule(self.sim.now + meeting.delay_s, self._complete, meeting)
+        self._clock.schedule(self._clock.now + meeting.delay_s, self._complete, meeting)
 
     def _complete(self, meeting: _Meeting) -> None:
         if meeting.broken:
@@ -214,7 +223,7 @@ class SimGloo:
             return
         if any(ep.w.frozen for ep in eps):
             # A stopped process neither sends nor receives: the transfer resumes when it thaws.
-            self.sim.schedule(self.sim.now + _FROZEN_POLL_S, self._complete, meeting)
+            self._clock.schedule(self._clock.now + _FROZEN_POLL_S, self._complete, meeting)
             return
         if meeting.kind == "form":
             self._gid += 1
@@ -300,11 +309,12 @@ Job = Generator[tuple, object, None]
 class SimEndpoint:
     """One worker incarnation's collective plane: ``CollectiveEndpoint``'s logic in simulated time."""
 
-    def __init__(self, worker: "SimWorker") -> None:
+    def __init__(self, worker: SimWorker, world: PlaneWorld, gloo: SimGloo) -> None:
         self.w = worker
-        self.sim = worker.sim
-        self.gloo: SimGloo = worker.sim.gloo
-        self.cfg = worker.sim.cfg
+        self.world = world
+        self.clock = world.clock
+        self.gloo = gloo
+        self.cfg = world.cfg
         self.alive = True
         self.collective = False
         self.replica: Replica | None = None
@@ -353,7 +363,7 @@ class SimEndpoint:
         elif isinstance(message, Submit) and self.collective:
             self._pending[message.fragment_id] = (message.round_id, dict(message.tensors))
             message = dataclasses.replace(message, tensors={}, scales={})
-        self.sim.send_from_worker(self.w, message)
+        self.world.send(self.w, message)
 
     def incoming(self, msg, mid: int):
         """What the session should see of ``msg`` (None: nothing, or later).
@@ -566,13 +576,13 @@ class SimEndpoint:
             return  # aborted (or superseded) before it started: no collective on a broken group
         pending = self._pending.get(fid)
         replica = self.replica
-        fault = self._draw_fault(order)
+        fault = self.world.reduce_fault(self.w, order)
         ok, vote, detail = False, "", ""
         if replica is None or pending is None or pending[0] != rid or wid not in order.group:
             detail = f"no pseudo-gradient of fragment {fid} round {rid} on this worker"
         else:
-            if fault == "reduce_crash" and self.sim.rng.random() < 0.5:
-                self.sim.crash_in_reduce(self.w, "before the collective")
+            if fault == "reduce_crash" and self.world.crash_before_collective():
+                self.world.crash_in_reduce(self.w, "before the collective")
                 return
             try:
                 group = yield from self._get_group(order.prefix, order.group.index(wid), len(order.group))
@@ -596,12 +606,12 @@ class SimEndpoint:
                 self._drop_group()
                 detail = str(exc)
             if fault == "reduce_crash":
-                self.sim.crash_in_reduce(self.w, "after the collective, before the report")
+                self.world.crash_in_reduce(self.w, "after the collective, before the report")
                 return
             if fault == "wedge":
                 yield ("sleep", self.cfg.wedge_factor * self.cfg.reduce_timeout_s)
         report = ReduceReport(wid, fid, rid, order.attempt, ok, vote, detail[:1000])
-        self.sim.send_from_worker(self.w, report, lose="fault" if fault == "report_lost" else "")
+        self.world.send(self.w, report, lose="fault" if fault == "report_lost" else "")
         yield ("wait", verdict.waiter, None, None)
         if not ok:
             return
@@ -649,7 +659,7 @@ class SimEndpoint:
             group = yield from self._build(order.prefix, 0, 2, COLLECTIVE_HEAL_TIMEOUTS * self._timeout_s)
             yield from self._heal_transfer(group, state)
         except SimCollectiveError as exc:
-            self.sim.emit({"k": "fault", "t": self.sim.now, "what": "heal_failed", "w": self.w.wid,
+            self.world.emit({"k": "fault", "t": self.clock.now, "what": "heal_failed", "w": self.w.wid,
                            "to": order.joiner, "why": str(exc)})
 
     def _heal_transfer(self, group: SimGroup, state) -> Generator:
@@ -672,7 +682,7 @@ class SimEndpoint:
             self.replica = self._new_replica(welcome, params, round_ids, states)
         except SimCollectiveError as exc:
             self._heal_attempts += 1
-            self.sim.emit({"k": "fault", "t": self.sim.now, "what": "heal_failed", "w": self.w.wid,
+            self.world.emit({"k": "fault", "t": self.clock.now, "what": "heal_failed", "w": self.w.wid,
                            "from": welcome.heal_source, "attempt": self._heal_attempts, "why": str(exc)})
             if self._heal_attempts >= COLLECTIVE_HEAL_ATTEMPTS or self._last_join is None:
                 self._welcome_withheld = False
@@ -680,8 +690,8 @@ class SimEndpoint:
                                                                   f"{welcome.heal_source!r}: {exc}", "Join"))
                 return
             # Join again: the coordinator names another source (or the same one, recovered).
-            self.sim.send_from_worker(self.w, Leave(self.w.wid))
-            self.sim.send_from_worker(self.w, self._last_join)
+            self.world.send(self.w, Leave(self.w.wid))
+            self.world.send(self.w, self._last_join)
             return
         self._heal_attempts = 0
         self._welcome_withheld = False
@@ -712,25 +722,13 @@ class SimEndpoint:
 
     # ------------------------------------------------------------------ helpers
 
-    def _draw_fault(self, order: ReduceOrder) -> str | None:
-        cfg, sim = self.cfg, self.sim
-        # ``reduce_fault_p`` is per attempt: each of its k members draws with p / k.
-        if cfg.reduce_fault_p <= 0 or sim.phase != "safety" or \
-                sim.rng.random() >= cfg.reduce_fault_p / max(1, len(order.group)):
-            return None
-        kind = sim.rng.choices(REDUCE_FAULT_KINDS, weights=cfg.reduce_fault_weights)[0]
-        sim.count_fault(kind)
-        sim.emit({"k": "fault", "t": sim.now, "what": kind, "w": self.w.wid, "f": order.fragment_id,
-                  "r": order.round_id, "a": order.attempt})
-        return kind
-
     def _adopted(self, fid: int, src: str, digest: str = "", source: str = "", mid: int | None = None,
                  via: str = "") -> None:
         """Trace a change of this replica's committed state of fragment ``fid`` (the checker's C4)."""
         replica = self.replica
         names = replica.fragments[fid]
         h = hash_values((n, replica.params[n].reshape(-1).tolist()) for n in names)
-        rec = {"k": "adopt", "t": self.sim.now, "w": self.w.wid, "p": self.w.peer,
+        rec = {"k": "adopt", "t": self.clock.now, "w": self.w.wid, "p": self.w.peer,
                "m": self._cause_mid if mid is None else mid, "f": fid, "r": replica.round_ids[fid], "h": h,
                "src": src}
         if digest:
@@ -739,7 +737,7 @@ class SimEndpoint:
             rec["from"] = source
         if via:
             rec["via"] = via  # an orphan proposal adopted on a Welcome's last commits
-        self.sim.emit(rec)
+        self.world.emit(rec)
 
     def _new_replica(self, welcome: Welcome, params, round_ids, states) -> Replica:
         outer = OuterConfig(**welcome.outer) if welcome.outer else OuterConfig()

@@ -16,10 +16,14 @@ The network follows what ZeroMQ over TCP allows:
   ``peer_lost`` only sometimes (``peer_lost_p``), in FIFO order after the
   connection's last message; otherwise only the heartbeat timeout finds it.
 
-It also owns how messages look on the wire and in the trace: ``_encode`` (a message's
-fields, ``h``/``v`` for tensors) and ``Network._freeze`` (the copy of the tensors a
-coordinator message carries). ``Network`` is a mixin of ``Simulation``: it uses the
-host's ``now``, ``rng``, ``cfg``, ``stats``, ``emit``, ``schedule`` and ``_coord_call``.
+``Network`` owns the links, the message ids, the partitions (which the fault injector
+sets and heals) and every ``send``/``recv``/``drop`` record. It gets the clock, the
+run's random stream, the trace and the stats in its constructor, and reaches the
+coordinator only through ``world.CoordinatorPort``: a delivered message becomes one
+coordinator step there, whose sends come back through ``send_to_worker``. It also owns
+how messages look on the wire and in the trace: ``_encode`` (a message's fields,
+``h``/``v`` for tensors) and ``freeze`` (the copy of the tensors a coordinator message
+carries).
 """
 
 from __future__ import annotations
@@ -50,7 +54,12 @@ from diloco.wire.messages import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
+    import random
+    from typing import Callable
+
+    from diloco.sim.simulation import SimStats
     from diloco.sim.worker import SimWorker
+    from diloco.sim.world import Clock, CoordinatorPort
 
 COORDINATOR = "coordinator"
 ADMIN = "admin"
@@ -62,9 +71,20 @@ def _tensor_fields_frozen(tensors: dict) -> dict:
 
 
 class Network:
-    """The links between the worker processes and the coordinator (a mixin of ``Simulation``)."""
+    """The links between the worker processes and the coordinator."""
 
-    def _init_network(self) -> None:
+    def __init__(self, clock: Clock, rng: random.Random, *, jitter: float, peer_lost_p: float, stats: SimStats,
+                 emit: Callable[..., None], port: CoordinatorPort) -> None:
+        self._clock = clock
+        # Bound methods kept as attributes: the hot path calls them once or more per event.
+        self._schedule = clock.schedule
+        self._random = rng.random
+        self._jitter = jitter
+        self._peer_lost_p = peer_lost_p
+        self.stats = stats
+        self.emit = emit
+        self._port = port
+        self._step_coord = port.step
         self._mid = 0
         #: peer -> the "not before" delivery time of each direction of its link (FIFO).
         self._up_last: dict[str, float] = {}
@@ -74,6 +94,8 @@ class Network:
         self.peers: dict[str, SimWorker] = {}
         self._peer_wid: dict[str, str] = {}
         self._peer_delay: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ connections
 
     def open_connection(self, w: SimWorker) -> None:
         """A worker process connects (once: every incarnation keeps its connection for life)."""
@@ -86,13 +108,40 @@ class Network:
         peer = w.peer
         if self.peers.get(peer) is w:
             del self.peers[peer]
-            if notice and self.rng.random() < self.cfg.peer_lost_p:
-                t = max(self.now + w.link_delay_s, self._up_last.get(peer, 0.0))
+            if notice and self._random() < self._peer_lost_p:
+                t = max(self._clock.now + w.link_delay_s, self._up_last.get(peer, 0.0))
                 self._up_last[peer] = t
-                self.schedule(t, self._peer_lost, peer)
+                self._schedule(t, self._peer_lost, peer)
+
+    # ------------------------------------------------------------------ partitions (the fault injector's)
+
+    def partition(self, wids: list[str]) -> None:
+        """Cut ``wids`` off the coordinator (partitions nest: each heals on its own)."""
+        for wid in wids:
+            self._partitioned[wid] = self._partitioned.get(wid, 0) + 1
+
+    def heal_partition(self, wids: list[str]) -> list[str]:
+        """End one partition of ``wids``; returns those it reconnects (in no other partition)."""
+        healed = []
+        for wid in wids:
+            n = self._partitioned.get(wid, 0)
+            if n > 1:
+                self._partitioned[wid] = n - 1
+            elif n == 1:
+                del self._partitioned[wid]
+                healed.append(wid)
+        return healed
+
+    def heal_all_partitions(self) -> list[str]:
+        """End every partition; returns the worker ids that were cut off."""
+        healed = [wid for wid, n in self._partitioned.items() if n]
+        self._partitioned.clear()
+        return healed
+
+    # ------------------------------------------------------------------ worker -> coordinator
 
     def _delay(self, base: float) -> float:
-        # base + exponential jitter with mean cfg.jitter * base (random.expovariate, inlined), capped.
+        # base + exponential jitter with mean jitter * base (random.expovariate, inlined), capped.
         d = base - _log(1.0 - self._random()) * self._jitter * base
         return d if d < MAX_LINK_DELAY_S else MAX_LINK_DELAY_S
 
@@ -103,31 +152,72 @@ class Network:
         self._mid += 1
         mid = self._mid
         peer = w.peer
+        now = self._clock.now
         self.stats.messages_sent += 1
         if lose:
-            self._drop_from_worker(mid, peer, msg, self.now, lose)
+            self._drop_from_worker(mid, peer, msg, now, lose)
             return
         if self._partitioned and self._partitioned.get(w.wid):
-            self._drop_from_worker(mid, peer, msg, self.now, "partition")
+            self._drop_from_worker(mid, peer, msg, now, "partition")
             return
-        t = self.now + self._delay(w.link_delay_s)
+        t = now + self._delay(w.link_delay_s)
         last = self._up_last.get(peer, 0.0)
         if t < last:
             t = last
         self._up_last[peer] = t
-        self.schedule(t, self._deliver_to_coord, (mid, peer, msg, self.now))
+        self._schedule(t, self._deliver_to_coord, (mid, peer, msg, now))
 
     def _drop_from_worker(self, mid: int, peer: str, msg, sent_s: float, why: str) -> None:
         self.stats.messages_dropped += 1
-        rec = {"k": "drop", "t": self.now, "m": mid, "src": peer, "dst": COORDINATOR, "ts": sent_s, "why": why}
+        rec = {"k": "drop", "t": self._clock.now, "m": mid, "src": peer, "dst": COORDINATOR, "ts": sent_s,
+               "why": why}
         rec.update(_encode(msg))
         self.emit(rec)
 
-    def _send_to_worker(self, peer: str, msg, fields: dict | None) -> None:
+    def _deliver_to_coord(self, arg) -> None:
+        mid, peer, msg, sent_s = arg
+        if self._partitioned and self._partitioned.get(self._peer_wid[peer]):
+            self._drop_from_worker(mid, peer, msg, sent_s, "partition")
+            return
+        coord = self._port.coord
+        if coord is None:
+            self._drop_from_worker(mid, peer, msg, sent_s, "coordinator down")
+            return
+        self.stats.messages_delivered += 1
+        now = self._clock.now
+        header = {"k": "recv", "t": now, "m": mid, "src": peer, "dst": COORDINATOR, "ts": sent_s}
+        if type(msg) is Heartbeat:
+            # The commonest record: formatted by hand (ids and peer names never need escaping).
+            header["type"] = "Heartbeat"
+            header["worker_id"] = msg.worker_id
+            line = (f'{{"k":"recv","t":{now!r},"m":{mid},"src":"{peer}","dst":"coordinator","ts":{sent_s!r},'
+                    f'"type":"Heartbeat","worker_id":"{msg.worker_id}","s":')
+        else:
+            header.update(_encode(msg))
+            line = None
+        self._step_coord(header, coord.handle, peer, msg, now, line=line)
+
+    def _peer_lost(self, peer: str) -> None:
+        coord = self._port.coord
+        if coord is None or self._partitioned.get(self._peer_wid[peer]):
+            return
+        now = self._clock.now
+        self._step_coord({"k": "lost", "t": now, "peer": peer}, coord.peer_lost, peer, now)
+
+    # ------------------------------------------------------------------ coordinator -> worker
+
+    def send_admin_reply(self, step: int, msg) -> None:
+        """Trace the coordinator's reply to an admin command (the admin channel has no link)."""
+        self._mid += 1
+        rec = {"k": "send", "t": self._clock.now, "s": step, "m": self._mid, "src": COORDINATOR, "dst": ADMIN}
+        rec.update(_encode(msg))
+        self.emit(rec)
+
+    def send_to_worker(self, peer: str, msg, fields: dict | None, step: int) -> None:
+        """Trace a coordinator message of step ``step`` (``fields``: its record, from ``freeze``) and send it."""
         self._mid += 1
         mid = self._mid
-        now = self.now
-        step = self._step
+        now = self._clock.now
         typ = type(msg)
         head = f'{{"k":"send","t":{now!r},"s":{step},"m":{mid},"src":"coordinator","dst":"{peer}",'
         if typ is HeartbeatReply:
@@ -138,7 +228,7 @@ class Network:
                        "phase": msg.phase, "command": command},
                       f'{head}"type":"HeartbeatReply","below_min_workers":{_JSON_BOOL[below]},'
                       f'"min_workers":{msg.min_workers},"phase":"{msg.phase}","command":"{command}"}}')
-            self._transmit(peer, mid, msg)
+            self._transmit(peer, mid, msg, now)
             return
         rec = {"k": "send", "t": now, "s": step, "m": mid, "src": COORDINATOR, "dst": peer}
         rec.update(fields)
@@ -149,32 +239,20 @@ class Network:
                            f'"outcome":"{msg.outcome}","next_round_id":{msg.next_round_id},"h":"{fields["h"]}"}}')
         else:
             self.emit(rec)
-        self._transmit(peer, mid, msg)
+        self._transmit(peer, mid, msg, now)
 
-    def _transmit(self, peer: str, mid: int, msg) -> None:
+    def _transmit(self, peer: str, mid: int, msg, now: float) -> None:
         self.stats.messages_sent += 1
         wid = self._peer_wid.get(peer)
         if wid is None or (self._partitioned and self._partitioned.get(wid)):
             self.record_drop(mid, COORDINATOR, peer, msg, "partition" if wid else "unknown peer")
             return
-        t = self.now + self._delay(self._peer_delay[peer])
+        t = now + self._delay(self._peer_delay[peer])
         last = self._down_last.get(peer, 0.0)
         if t < last:
             t = last
         self._down_last[peer] = t
-        self.schedule(t, self._deliver_to_worker, (mid, peer, wid, msg))
-
-    def record_drop(self, mid: int, src: str, dst: str, msg, why: str) -> None:
-        self.stats.messages_dropped += 1
-        self.emit({"k": "drop", "t": self.now, "m": mid, "src": src, "dst": dst, "type": type(msg).__name__,
-                   "why": why})
-
-    def record_recv(self, mid: int, src: str, dst: str, msg) -> None:
-        self.stats.messages_delivered += 1
-        now = self.now
-        typ = type(msg).__name__
-        self.emit({"k": "recv", "t": now, "m": mid, "src": src, "dst": dst, "type": typ},
-                  f'{{"k":"recv","t":{now!r},"m":{mid},"src":"{src}","dst":"{dst}","type":"{typ}"}}')
+        self._schedule(t, self._deliver_to_worker, (mid, peer, wid, msg))
 
     def _deliver_to_worker(self, arg) -> None:
         mid, peer, wid, msg = arg
@@ -191,62 +269,50 @@ class Network:
         self.record_recv(mid, COORDINATOR, peer, msg)
         w.on_message(mid, msg)
 
-    def _deliver_to_coord(self, arg) -> None:
-        mid, peer, msg, sent_s = arg
-        if self._partitioned and self._partitioned.get(self._peer_wid[peer]):
-            self._drop_from_worker(mid, peer, msg, sent_s, "partition")
-            return
-        if self.coord is None:
-            self._drop_from_worker(mid, peer, msg, sent_s, "coordinator down")
-            return
+    def record_drop(self, mid: int, src: str, dst: str, msg, why: str) -> None:
+        self.stats.messages_dropped += 1
+        self.emit({"k": "drop", "t": self._clock.now, "m": mid, "src": src, "dst": dst, "type": type(msg).__name__,
+                   "why": why})
+
+    def record_recv(self, mid: int, src: str, dst: str, msg) -> None:
         self.stats.messages_delivered += 1
-        now = self.now
-        header = {"k": "recv", "t": now, "m": mid, "src": peer, "dst": COORDINATOR, "ts": sent_s}
-        if type(msg) is Heartbeat:
-            # The commonest record: formatted by hand (ids and peer names never need escaping).
-            header["type"] = "Heartbeat"
-            header["worker_id"] = msg.worker_id
-            line = (f'{{"k":"recv","t":{now!r},"m":{mid},"src":"{peer}","dst":"coordinator","ts":{sent_s!r},'
-                    f'"type":"Heartbeat","worker_id":"{msg.worker_id}","s":')
-        else:
-            header.update(_encode(msg))
-            line = None
-        self._coord_call(header, self.coord.handle, peer, msg, now, line=line)
+        now = self._clock.now
+        typ = type(msg).__name__
+        self.emit({"k": "recv", "t": now, "m": mid, "src": src, "dst": dst, "type": typ},
+                  f'{{"k":"recv","t":{now!r},"m":{mid},"src":"{src}","dst":"{dst}","type":"{typ}"}}')
 
-    def _peer_lost(self, peer: str) -> None:
-        if self.coord is None or self._partitioned.get(self._peer_wid[peer]):
-            return
-        self._coord_call({"k": "lost", "t": self.now, "peer": peer}, self.coord.peer_lost, peer, self.now)
 
-    def _freeze(self, msg, cache: dict):
-        """Copy the tensors a message carries, as the wire would (the coordinator's are live)."""
-        typ = type(msg)
-        if typ is Result:
-            params = msg.params
-            if not params:
-                return msg, _encode(msg)
-            key = tuple(id(t) for t in params.values())
-            hit = cache.get(key)
-            if hit is None:
-                frozen = _tensor_fields_frozen(params)
-                hit = (frozen, hash_values((n, t.tolist()) for n, t in frozen.items()))
-                cache[key] = hit
-            frozen, h = hit
-            msg = Result(msg.fragment_id, msg.round_id, msg.outcome, msg.next_round_id, frozen)
-            return msg, {"type": "Result", "fragment_id": msg.fragment_id, "round_id": msg.round_id,
-                         "outcome": msg.outcome, "next_round_id": msg.next_round_id, "h": h}
-        if typ is Welcome:
-            if msg.data_plane == "collective":
-                return msg, _encode(msg)  # no params: the joiner heals from a member (SPEC.md C6)
-            frozen = _tensor_fields_frozen(msg.params)
-            values = {n: t.tolist() for n, t in frozen.items()}
-            hf = [hash_values((n, values[n]) for n in names) for names in msg.fragments]
-            msg = dataclasses.replace(msg, params=frozen)
-            rec = _encode(msg)
-            rec["hf"] = hf
-            return msg, rec
-        return msg, _encode(msg)
+def freeze(msg, cache: dict):
+    """Copy the tensors a coordinator message carries, as the wire would (the coordinator's are live).
 
+    Returns the copy and its trace fields; ``cache`` shares one copy among the sends of one step.
+    """
+    typ = type(msg)
+    if typ is Result:
+        params = msg.params
+        if not params:
+            return msg, _encode(msg)
+        key = tuple(id(t) for t in params.values())
+        hit = cache.get(key)
+        if hit is None:
+            frozen = _tensor_fields_frozen(params)
+            hit = (frozen, hash_values((n, t.tolist()) for n, t in frozen.items()))
+            cache[key] = hit
+        frozen, h = hit
+        msg = Result(msg.fragment_id, msg.round_id, msg.outcome, msg.next_round_id, frozen)
+        return msg, {"type": "Result", "fragment_id": msg.fragment_id, "round_id": msg.round_id,
+                     "outcome": msg.outcome, "next_round_id": msg.next_round_id, "h": h}
+    if typ is Welcome:
+        if msg.data_plane == "collective":
+            return msg, _encode(msg)  # no params: the joiner heals from a member (SPEC.md C6)
+        frozen = _tensor_fields_frozen(msg.params)
+        values = {n: t.tolist() for n, t in frozen.items()}
+        hf = [hash_values((n, values[n]) for n in names) for names in msg.fragments]
+        msg = dataclasses.replace(msg, params=frozen)
+        rec = _encode(msg)
+        rec["hf"] = hf
+        return msg, rec
+    return msg, _encode(msg)
 
 
 # --------------------------------------------------------------------------- encoding

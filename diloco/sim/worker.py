@@ -3,10 +3,12 @@
 Each incarnation of a worker process owns a ``diloco.worker.session.WorkerSession``,
 the same pure machine ``DilocoWorker`` drives, and does no protocol logic of its
 own: this class is only the environment around it. It turns simulated time into
-the session's events and carries out the actions the session returns, in order:
+the session's events and carries out the actions the session returns, in order.
+Everything it uses of the rest of the simulation is its ``world.WorkerWorld``
+(the clock, the trace, its link, its supervisor, the model):
 
 * the "model" is a handful of small float32 tensors and never trains: an inner
-  step is a timer of ``Simulation.segment_time``. The session runs with
+  step is a timer of ``WorkerWorld.segment_time``. The session runs with
   ``sync_every`` = the number of fragments, so each inner step closes the next
   fragment in turn (schedule offsets 1..F). ``step_done`` after each step; the
   next one starts while ``session.may_train``;
@@ -14,7 +16,7 @@ the session's events and carries out the actions the session returns, in order:
   go out on time), every ``TICK_S`` while joining or stopping (join resends,
   the stop's save question);
 * ``Send`` goes on the simulated network; ``SendJoinWithParams`` sends a Join
-  carrying ``Simulation.initial_params``; ``SubmitFragment`` sends
+  carrying the model's initial params (``WorkerWorld.model``); ``SubmitFragment`` sends
   ``seeded_update``, a seeded function of (seed, worker id, fragment, round), so
   a run's numbers depend on the seed alone; ``InstallParams`` copies the params
   in (the sim worker never trains, so its params *are* its global copy and
@@ -29,10 +31,11 @@ the session's events and carries out the actions the session returns, in order:
   exit its supervisor retries; any other means a worker got something it
   could not use, and the run fails (``SimWorkerFailure``).
 
-On a collective run (``SimConfig.data_plane``) ``plane`` (``diloco.sim.collective.SimEndpoint``)
-stands where ``CollectiveEndpoint`` stands in the real worker: every message of the session
-goes out through it, every coordinator message comes in through it, and what it hands the
-session later (a healed Welcome, a commit's Result) arrives through ``deliver_local``.
+On a collective run (``SimConfig.data_plane``) ``plane`` (``diloco.sim.collective.SimEndpoint``,
+from ``WorkerWorld.endpoint``) stands where ``CollectiveEndpoint`` stands in the real
+worker: every message of the session goes out through it, every coordinator message comes
+in through it, and what it hands the session later (a healed Welcome, a commit's Result)
+arrives through ``deliver_local``.
 
 A process keeps one connection for its life, as the real worker keeps one
 ZeroMQ DEALER socket with a fixed routing id: re-joins, resyncs and a
@@ -50,7 +53,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from diloco.sim.collective import SimEndpoint
 from diloco.sim.trace import hash_values
 from diloco.wire.messages import PROTOCOL_VERSION, Heartbeat, Join, Submit
 from diloco.worker.actions import (
@@ -66,7 +68,8 @@ from diloco.worker.session import WorkerSession
 from diloco.worker.states import WorkerState
 
 if TYPE_CHECKING:  # pragma: no cover
-    from diloco.sim.simulation import Simulation
+    from diloco.sim.collective import SimEndpoint
+    from diloco.sim.world import WorkerWorld
 
 # Timer kinds (indexes into SimWorker.tokens).
 TICK, TRAIN = 0, 1
@@ -107,9 +110,14 @@ def seeded_update(seed: int, worker_id: str, fragment_id: int, round_id: int,
 class SimWorker:
     """One incarnation of a worker process (a restart is a new incarnation with the same id)."""
 
-    def __init__(self, sim: "Simulation", worker_id: str, incarnation: int, link_delay_s: float,
+    def __init__(self, world: WorkerWorld, worker_id: str, incarnation: int, link_delay_s: float,
                  speed: float, checkpoint: dict | None = None) -> None:
-        self.sim = sim
+        self.world = world
+        # The world's clock and its calls of every event, kept as attributes (the hot path).
+        self.clock = world.clock
+        self._schedule = world.clock.schedule
+        self._emit = world.emit
+        self._send = world.send
         self.wid = worker_id
         self.inc = incarnation
         self.link_delay_s = link_delay_s
@@ -123,8 +131,8 @@ class SimWorker:
         self._buffer: list = []
         self._deferred: list = []
         self.tokens = [0, 0]
-        self.session = WorkerSession(worker_id, sim.cfg.num_fragments, sim.param_spec,
-                                     coordinator_timeout_s=sim.cfg.coordinator_timeout_s)
+        self.session = WorkerSession(worker_id, world.cfg.num_fragments, world.model.spec,
+                                     coordinator_timeout_s=world.cfg.coordinator_timeout_s)
         self.params: dict[str, torch.Tensor] = {}
         if checkpoint is not None:
             self.session.restore(**checkpoint["session"])
@@ -137,24 +145,24 @@ class SimWorker:
         self._stop: Stop | None = None
         self._fail: Fail | None = None
         #: Collective plane: what ``CollectiveEndpoint`` does around the session (``collective.py``).
-        self.plane: SimEndpoint | None = SimEndpoint(self) if sim.cfg.collective else None
+        self.plane: SimEndpoint | None = world.endpoint(self)
 
     # ------------------------------------------------------------ plumbing
 
     def set_state(self, state: str) -> None:
         if state != self.state:
             self.state = state
-            now = self.sim.now
-            self.sim.emit({"k": "worker", "t": now, "w": self.wid, "p": self.peer, "state": state},
+            now = self.clock.now
+            self._emit({"k": "worker", "t": now, "w": self.wid, "p": self.peer, "state": state},
                           f'{{"k":"worker","t":{now!r},"w":"{self.wid}","p":"{self.peer}","state":"{state}"}}')
 
     def arm(self, kind: int, delay_s: float) -> None:
         self.tokens[kind] += 1
-        self.sim.schedule(self.sim.now + delay_s, self._timer, (kind, self.tokens[kind]))
+        self._schedule(self.clock.now + delay_s, self._timer, (kind, self.tokens[kind]))
 
     def _arm_tick(self) -> None:
         s = self.session
-        now = self.sim.now
+        now = self.clock.now
         if s.state in _MEMBER:
             due = self._hb_due
             if due <= now:  # (a heartbeat the session did not send when due: ask again an interval on)
@@ -165,7 +173,7 @@ class SimWorker:
 
     def later(self, delay_s: float, fn, arg) -> None:
         """Run ``fn(arg)`` in this process ``delay_s`` from now (not if it died; after a freeze ends)."""
-        self.sim.schedule(self.sim.now + delay_s, self._call, (fn, arg))
+        self._schedule(self.clock.now + delay_s, self._call, (fn, arg))
 
     def _call(self, item) -> None:
         if not self.alive:
@@ -185,7 +193,7 @@ class SimWorker:
         kind, token = arg
         if token != self.tokens[kind]:
             return
-        now = self.sim.now
+        now = self.clock.now
         if kind == TICK:
             self._run(self.session.tick(now))
             if self.alive:
@@ -197,17 +205,17 @@ class SimWorker:
     # ------------------------------------------------------------ the session's actions
 
     def _run(self, actions: list) -> None:
-        sim = self.sim
+        world = self.world
         for a in actions:
             typ = type(a)
             if typ is Send:
                 msg = a.message
                 if type(msg) is Heartbeat:
-                    self._hb_due = sim.now + self.session.heartbeat_interval_s + _HB_SLACK_S
+                    self._hb_due = self.clock.now + self.session.heartbeat_interval_s + _HB_SLACK_S
                 if self.plane is not None:
                     self.plane.send(msg)
                 else:
-                    sim.send_from_worker(self, msg)
+                    self._send(self, msg)
             elif typ is StateChanged:
                 self.set_state(a.state.value)
                 if a.state not in _MEMBER:
@@ -215,27 +223,28 @@ class SimWorker:
                         self._arm_tick()  # joining or stopping: tick at the finer period now
                 elif a.previous is WorkerState.JOINING:
                     # A Welcome restarts the heartbeat clock (W3).
-                    self._hb_due = sim.now + self.session.heartbeat_interval_s + _HB_SLACK_S
+                    self._hb_due = self.clock.now + self.session.heartbeat_interval_s + _HB_SLACK_S
                     self._arm_tick()
             elif typ is SubmitFragment:
                 fid, rid = a.fragment_id, a.round_id
-                tensors = seeded_update(sim.cfg.seed, self.wid, fid, rid, self.session.fragments[fid],
-                                        sim.param_sizes)
+                tensors = seeded_update(world.cfg.seed, self.wid, fid, rid, self.session.fragments[fid],
+                                        world.model.sizes)
                 # Tokens: the inner steps of its round (H_w under DyLU), for a token-weighted merge.
                 submit = Submit(self.wid, fid, rid, tensors, tokens=self.session.sync_every)
                 if self.plane is not None:
                     self.plane.send(submit)
                 else:
-                    sim.send_from_worker(self, submit)
+                    self._send(self, submit)
             elif typ is InstallParams:
                 self._install(a)
             elif typ is SendJoinWithParams:
+                model = world.model
                 if self.plane is not None:
                     # As DilocoWorker: the model's params (here, what it last installed, if all of it).
-                    params = self.params if set(self.params) == set(sim.initial_params) else sim.initial_params
-                    self.plane.send(Join(self.wid, PROTOCOL_VERSION, sim.param_spec, dict(params)))
+                    params = self.params if set(self.params) == set(model.params) else model.params
+                    self.plane.send(Join(self.wid, PROTOCOL_VERSION, model.spec, dict(params)))
                 else:
-                    sim.send_from_worker(self, Join(self.wid, PROTOCOL_VERSION, sim.param_spec, sim.initial_params))
+                    self._send(self, Join(self.wid, PROTOCOL_VERSION, model.spec, model.params))
             elif typ is Stop:
                 self._stop = a
             elif typ is Fail:
@@ -247,7 +256,7 @@ class SimWorker:
             self._failed()
         elif self.alive and not self._stepping and self.session.may_train:
             self._stepping = True
-            self.arm(TRAIN, sim.segment_time(self))
+            self.arm(TRAIN, world.segment_time(self))
 
     def _install(self, a: InstallParams) -> None:
         params = a.params
@@ -257,14 +266,14 @@ class SimWorker:
         if self.plane is not None:
             return  # collective: the replica's changes are traced (collective.py), not their copies
         h = hash_values((n, params[n].tolist()) for n in names)
-        now, mid, fid = self.sim.now, self._mid, a.fragment_id
-        self.sim.emit({"k": "adopt", "t": now, "w": self.wid, "m": mid, "f": fid, "h": h},
+        now, mid, fid = self.clock.now, self._mid, a.fragment_id
+        self._emit({"k": "adopt", "t": now, "w": self.wid, "m": mid, "f": fid, "h": h},
                       f'{{"k":"adopt","t":{now!r},"w":"{self.wid}","m":{mid},"f":{fid},"h":"{h}"}}')
 
     def _stopped(self) -> None:
         stop, self._stop = self._stop, None
         s = self.session
-        now = self.sim.now
+        now = self.clock.now
         if stop.save:
             self.checkpoint = {
                 "session": dict(fragments=s.fragments, round_ids=list(s.round_ids), next_close=list(s.next_close),
@@ -276,7 +285,7 @@ class SimWorker:
         self._run(s.leave(now))  # as run_training does on its way out: Leave, unless the run ended it
         self._exit(notice=False)
         if stop.reason == "coordinator_unreachable":
-            self.sim.worker_exited(self, "coordinator_unreachable")
+            self.world.exited(self, "coordinator_unreachable")
 
     def _failed(self) -> None:
         fail, self._fail = self._fail, None
@@ -286,7 +295,7 @@ class SimWorker:
         # A join refused for a reason that passes (the run is full), or a joiner that could not
         # heal after COLLECTIVE_HEAL_ATTEMPTS tries: the process exits with an error, and its
         # supervisor starts it again.
-        self.sim.worker_exited(self, fail.code)
+        self.world.exited(self, fail.code)
 
     def _exit(self, *, notice: bool) -> None:
         self.tokens[TICK] += 1
@@ -297,13 +306,13 @@ class SimWorker:
         self._deferred = []
         if self.plane is not None:
             self.plane.close()
-        self.sim.close_connection(self, notice=notice)
+        self.world.close_connection(self, notice=notice)
 
     # ------------------------------------------------------------ lifecycle (the simulation's calls)
 
     def start(self) -> None:
-        self.sim.open_connection(self)
-        self._run(self.session.start(self.sim.now))
+        self.world.open_connection(self)
+        self._run(self.session.start(self.clock.now))
         if self.alive:
             self._arm_tick()
 
@@ -313,7 +322,7 @@ class SimWorker:
 
     def leave(self) -> None:
         """The process is asked to stop (SIGTERM): the session stops, and leaves on the way out."""
-        self._run(self.session.request_stop(self.sim.now))
+        self._run(self.session.request_stop(self.clock.now))
 
     def freeze(self) -> None:
         self.frozen = True
@@ -328,9 +337,9 @@ class SimWorker:
         deferred, self._deferred = self._deferred, []
         for mid, peer, src, message in buffered:
             if not self.alive or peer != self.peer:
-                self.sim.record_drop(mid, src, peer, message, "closed")
+                self.world.record_drop(mid, src, peer, message, "closed")
                 continue
-            self.sim.record_recv(mid, src, peer, message)
+            self.world.record_recv(mid, src, peer, message)
             self.on_message(mid, message)
         for arg in deferred:
             if len(arg) == 2 and callable(arg[0]):
@@ -347,7 +356,7 @@ class SimWorker:
             msg = self.plane.incoming(msg, mid)
             if msg is None or not self.alive:
                 return
-        self._run(self.session.on_message(msg, self.sim.now))
+        self._run(self.session.on_message(msg, self.clock.now))
 
     def deliver_local(self, msg, mid: int | None = None) -> None:
         """A message the collective plane hands the session (a healed Welcome, a commit's Result)."""
@@ -355,4 +364,4 @@ class SimWorker:
             return
         if mid is not None:
             self._mid = mid
-        self._run(self.session.on_message(msg, self.sim.now))
+        self._run(self.session.on_message(msg, self.clock.now))
