@@ -229,8 +229,8 @@ class _HubProbe:
         ("check", "checks: names, shapes, dtypes, finiteness (check_submission)"),
         ("accumulate", "running sum: ParamStore.accumulate"),
         ("mean", "mean: ParamStore.take_mean"),
-        ("outer_rest", "outer step: backups of params and optimizer state (unless made in idle ticks)"),
-        ("opt_step", "outer step: Nesterov step (step_in_blocks, with its finiteness; else torch.optim)"),
+        ("outer_rest", "outer step: the rest (for torch.optim's step: backups, unless made in idle ticks)"),
+        ("opt_step", "outer step: Nesterov step (step_in_blocks: in place or to fresh memory; or torch.optim)"),
         ("finite", "outer step: finiteness of the new params (torch.optim's step only)"),
         ("snapshot", "Result snapshot of the new params"),
         ("fsm", "everything else in Coordinator.handle (FSM, messages)"),
@@ -329,12 +329,16 @@ class _HubProbe:
             original_apply = service_mod.Coordinator._apply
             original_handle = service_mod.Coordinator.handle
 
-            def outer_step(coordinator, fid, grad):
+            def outer_step(coordinator, fid, grad, *args):
                 t = time.perf_counter()
                 before = dict(probe.round)
+                where = [p.data_ptr() for p in coordinator.store.fragment_params(fid).values()]
                 try:
-                    return original_outer(coordinator, fid, grad)
+                    return original_outer(coordinator, fid, grad, *args)
                 finally:
+                    # The params' memory unchanged: the step was made in place (``outer.step_in_blocks``).
+                    same = where == [p.data_ptr() for p in coordinator.store.fragment_params(fid).values()]
+                    probe._add("in_place", 1.0 if same else 0.0)
                     inner = sum(probe.round.get(k, 0.0) - before.get(k, 0.0) for k in ("opt_step", "finite"))
                     probe._add("outer_step", time.perf_counter() - t)
                     probe._add("outer_rest", time.perf_counter() - t - inner)
@@ -1280,6 +1284,9 @@ def hub_report(coord_rounds: list, step_s: float, profile: bool) -> tuple[list[s
     lines.append(f"    {'sum':86} {total:8.1f}")
     prepare = med([r.get("prepare", 0.0) for r in reports]) * 1000
     lines.append(f"    {'not on the round path: the next step prepared in idle ticks (_prepare_steps)':86} {prepare:8.1f}")
+    in_place = sum(r.get("in_place", 0.0) for r in reports)
+    lines.append(f"    outer steps made in place (no Result held the params' memory; bounds proved them finite): "
+                 f"{in_place:.0f} of {len(reports)}")
     user = med([r["cpu_user"] for r in reports])
     sys_s = med([r["cpu_sys"] for r in reports])
     main = med([r["main_cpu"] for r in reports])

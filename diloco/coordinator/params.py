@@ -141,6 +141,8 @@ class ParamStore:
         #: ``take_mean`` turns it into a bound on the mean (``mean_bound``).
         self._largest_norm: list[float | None] = [0.0] * num_fragments
         self._mean_bound: list[float | None] = [None] * num_fragments
+        #: A round's last contribution and its scale, left by ``accumulate(last=True)`` to ``take_mean``.
+        self._last: list[tuple[Tensors, float] | None] = [None] * num_fragments
         self.bytes_received = 0
 
     def fragment_params(self, fragment_id: int) -> Tensors:
@@ -207,12 +209,18 @@ class ParamStore:
 
     # -- sync rounds: running sums (float64, see the module docstring)
     def accumulate(self, fragment_id: int, tensors: Tensors, tokens: int | None = None,
-                   norm: float | None = None) -> None:
-        # ``norm``: the contribution's L2 norm when the checks computed it (``check_submission``); it
-        # bounds every element, and so the round's largest bounds its mean (``mean_bound``).
-        # ``tokens`` (a token-weighted merge, SPEC.md section 12): the contribution enters with the weight
-        # tokens / the round's first contribution's tokens, so weights stay near 1 and the weighted sum
-        # has the plain sum's range; ``take_mean`` divides by the weights' sum. None: weight 1.
+                   norm: float | None = None, *, last: bool = False) -> None:
+        """Add a contribution to fragment ``fragment_id``'s running sum.
+
+        ``norm``: the contribution's L2 norm when the checks computed it (``check_submission``); it
+        bounds every element, and so the round's largest bounds its mean (``mean_bound``).
+        ``tokens`` (a token-weighted merge, SPEC.md section 12): the contribution enters with the weight
+        tokens / the round's first contribution's tokens, so weights stay near 1 and the weighted sum
+        has the plain sum's range; ``take_mean`` divides by the weights' sum. None: weight 1.
+        ``last``: the caller knows the round's mean is taken next (its outer step follows), so the
+        addition is left to ``take_mean``, which makes it in the same pass as the division: the sum is
+        read and written once less, on the round's critical path, for the same bits.
+        """
         weight = 1.0
         if tokens is not None:
             unit = self._unit[fragment_id]
@@ -221,6 +229,15 @@ class ParamStore:
             weight = tokens / unit
         self._weights[fragment_id] += weight
         alpha = SUM_SCALE * weight
+        largest = self._largest_norm[fragment_id]
+        known = largest is not None and norm is not None and math.isfinite(norm)
+        self._largest_norm[fragment_id] = max(largest, norm) if known else None
+        self._counts[fragment_id] += 1
+        self.bytes_received += sum(t.numel() * t.element_size() for t in tensors.values())
+        if last:
+            self._last[fragment_id] = ({n: t.detach().to(torch.float32).reshape(-1) for n, t in tensors.items()},
+                                       alpha)
+            return
         # A scaled fp32 sum: each contribution enters multiplied by SUM_SCALE = 2^-20, so
         # at most 2^20 finite fp32 contributions (the core allows at most 1,000,000
         # workers) can never sum past fp32's largest value. Scaling by a power of two is
@@ -236,16 +253,11 @@ class ParamStore:
         else:
             for n, t in tensors.items():
                 s[n].add_(t.detach(), alpha=alpha)
-        largest = self._largest_norm[fragment_id]
-        known = largest is not None and norm is not None and math.isfinite(norm)
-        self._largest_norm[fragment_id] = max(largest, norm) if known else None
-        self._counts[fragment_id] += 1
-        self.bytes_received += sum(t.numel() * t.element_size() for t in tensors.values())
 
     def take_mean(self, fragment_id: int, contributors: int) -> Tensors:
         """The mean pseudo-gradient of the round (fp32), and reset the sum. ``contributors`` must match."""
-        s, count = self._sums[fragment_id], self._counts[fragment_id]
-        if s is None or count != contributors:
+        s, count, last = self._sums[fragment_id], self._counts[fragment_id], self._last[fragment_id]
+        if (s is None and last is None) or count != contributors:
             raise RuntimeError(
                 f"fragment {fragment_id}: {count} contributions summed but the round lists {contributors}"
             )
@@ -256,12 +268,26 @@ class ParamStore:
         self._mean_bound[fragment_id] = None if largest is None else 2.0 * largest
         self.reset_sum(fragment_id)
         divisor = total if weighted else contributors
+        if s is None:  # the round's only contribution was left to this pass
+            s = {n: buffers.empty(self.params[n].shape) for n in last[0]}
         # Divide first, then undo the scale: sum / k is at most fp32's largest value * 2^-20. Block by
-        # block, so that the second operation finds the block in the cache (elementwise: the same bits).
-        for t in s.values():
+        # block, so that each operation finds the block in the cache (elementwise: the same bits as
+        # whole-tensor operations), the last contribution's addition (``accumulate(last=True)``) first.
+        for n, t in s.items():
             flat = t.view(-1)
+            if last is None:
+                for start in range(0, flat.numel(), MEAN_BLOCK):
+                    flat[start:start + MEAN_BLOCK].div_(divisor).mul_(1.0 / SUM_SCALE)
+                continue
+            src, alpha = last[0][n], last[1]
+            first = count == 1
             for start in range(0, flat.numel(), MEAN_BLOCK):
-                flat[start:start + MEAN_BLOCK].div_(divisor).mul_(1.0 / SUM_SCALE)
+                block, end = flat[start:start + MEAN_BLOCK], start + MEAN_BLOCK
+                if first:
+                    torch.mul(src[start:end], alpha, out=block)
+                else:
+                    block.add_(src[start:end], alpha=alpha)
+                block.div_(divisor).mul_(1.0 / SUM_SCALE)
         return s
 
     def mean_bound(self, fragment_id: int) -> float | None:
@@ -270,6 +296,7 @@ class ParamStore:
         return self._mean_bound[fragment_id]
 
     def reset_sum(self, fragment_id: int) -> None:
+        self._last[fragment_id] = None
         self._largest_norm[fragment_id] = 0.0
         self._sums[fragment_id] = None
         self._counts[fragment_id] = 0

@@ -151,6 +151,14 @@ class StepRecorder(Protocol):
         they were summed; async: the one held contribution). ``grad`` is not changed by the step."""
 
 
+def _closes_round(effects: list, i: int) -> bool:
+    """Whether the contribution ``effects[i]`` accepts is its round's last: an ApplyRound of the same
+    fragment and round that lists its worker follows it among the effects of the same step."""
+    accept = effects[i]
+    return any(type(e) is ApplyRound and e.fragment_id == accept.fragment_id and e.round_id == accept.round_id
+               and accept.worker_id in e.contributors for e in effects[i + 1:])
+
+
 def held_tensors(tensors: Tensors) -> Tensors:
     """An async contribution as it is held until it applies: fp32 copies (a replay makes the same)."""
     return {n: t.detach().to(torch.float32).clone() for n, t in tensors.items()}
@@ -693,10 +701,10 @@ class Coordinator:
             # Observers hear of the leave before what it caused (quorum and phase changes,
             # an apply, a stop), as they hear of a DeclareDead: in effect order (SPEC.md 5.3).
             self._notify("left", now, worker_id=event.worker_id, cause=event.cause.value)
-        for effect in effects:
+        for i, effect in enumerate(effects):
             kind = type(effect)
             if kind is AcceptContribution:
-                self._accept(effect, submit, tensors, peer, out, norm)
+                self._accept(effect, submit, tensors, peer, out, norm, _closes_round(effects, i))
             elif kind is ReleaseWorker:
                 self._release(effect, out)
             elif kind is ApplyRound:
@@ -815,7 +823,7 @@ class Coordinator:
                      attempt=effect.attempt, reason=effect.reason.value)
 
     def _accept(self, effect: AcceptContribution, submit: Submit | None, tensors: Tensors | None,
-                peer: str | None, out: Outgoing, norm: float | None = None) -> None:
+                peer: str | None, out: Outgoing, norm: float | None = None, closes: bool = False) -> None:
         assert submit is not None and tensors is not None and peer is not None
         self.stats.contributions_accepted += 1
         if self.collective is not None:
@@ -829,7 +837,9 @@ class Coordinator:
         self.stats.bytes_received += nbytes(submit.tensors) + nbytes(submit.scales)
         fid = effect.fragment_id
         if self._sync:
-            self.store.accumulate(fid, tensors, submit.tokens if self.config.token_weighted else None, norm)
+            # ``closes``: this round's outer step follows, whose mean makes the addition in its own pass.
+            self.store.accumulate(fid, tensors, submit.tokens if self.config.token_weighted else None, norm,
+                                  last=closes)
             self._summed.setdefault(fid, []).append((effect.round_id, effect.worker_id))
             self._round_tokens[fid] = self._round_tokens.get(fid, 0) + (submit.tokens or 0)
         else:

@@ -128,3 +128,32 @@ def test_the_mean_made_block_by_block_gives_the_same_bits():
     mean = store.take_mean(0, 3)
     for n in SHAPES:
         assert torch.equal(mean[n], expected[n]), n
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("tokens", [None, [300, 100, 250, 7]])
+def test_the_last_contribution_added_in_the_means_pass_gives_the_same_bits(k, tokens):
+    """``accumulate(last=True)`` leaves the addition to ``take_mean``, made block by block with the division."""
+    params, grads = _state(4)
+    fused, plain = ParamStore(params, 1), ParamStore(params, 1)
+    for i, g in enumerate(grads[:k]):
+        t = None if tokens is None else tokens[i]
+        fused.accumulate(0, g, t, last=i == k - 1)
+        plain.accumulate(0, g, t)
+    assert fused.pending_count(0) == plain.pending_count(0) == k
+    a, b = fused.take_mean(0, k), plain.take_mean(0, k)
+    for n in SHAPES:
+        assert torch.equal(a[n], b[n]), n
+    assert fused.pending_count(0) == 0 and fused._last[0] is None
+
+
+def test_only_an_accept_its_own_rounds_apply_follows_is_left_to_the_mean():
+    from diloco.coordinator.service import _closes_round
+    from diloco.core.effects import AcceptContribution, ApplyRound
+
+    accept = AcceptContribution("w2", 0, 3)
+    assert _closes_round([accept, ApplyRound(0, 3, ("w1", "w2"))], 0)
+    assert not _closes_round([ApplyRound(0, 3, ("w1", "w2")), accept], 1)  # an apply before it
+    assert not _closes_round([accept, ApplyRound(0, 2, ("w1", "w2"))], 0)  # another round's
+    assert not _closes_round([accept, ApplyRound(1, 3, ("w1", "w2"))], 0)  # another fragment's
+    assert not _closes_round([accept, ApplyRound(0, 3, ("w1", "w3"))], 0)  # not listing it

@@ -107,8 +107,8 @@ def test_the_outer_step_is_fp32_on_the_decoded_mean_and_the_result_is_the_encode
                                 outlier_factor=0.0), P0, "a", "b")  # huge on purpose: the layer beneath the bound
     summed = []
     accumulate = c.store.accumulate
-    c.store.accumulate = lambda fid, t, *rest: (summed.append({n: x.dtype for n, x in t.items()}),
-                                                  accumulate(fid, t, *rest))
+    c.store.accumulate = lambda fid, t, *rest, **kw: (summed.append({n: x.dtype for n, x in t.items()}),
+                                                  accumulate(fid, t, *rest, **kw))
     g = torch.Generator().manual_seed(1)
     grads = {wid: {n: torch.randn(t.shape, generator=g) for n, t in P0.items()} for wid in "ab"}
     assert isinstance(only(c.handle("a", _encoded_submit("a", grads["a"], "int8"), 0.0), Accepted), Accepted)
