@@ -96,6 +96,15 @@ def _tune() -> None:
     keep_freed_memory()
 
 
+#: The torch threads of the hub's coordinator and of the floor's router (``--hub-threads``), handed to
+#: the spawned processes through the environment; workers and gloo ranks always run one.
+HUB_THREADS_ENV = "DILOCO_BENCH_HUB_THREADS"
+
+
+def _hub_threads() -> int:
+    return int(os.environ.get(HUB_THREADS_ENV, "1"))
+
+
 def shapes_for(n_params: int) -> list[tuple[int, ...]]:
     """A model-like mix: four large matrices (chunked on the wire) and several small tensors."""
     big = n_params * 9 // 40  # 4 x 22.5% = 90%
@@ -123,7 +132,7 @@ def diloco_coordinator(addr_q, stop_ev, n_workers: int, chunk_bytes: int, auth_d
                        io_threads: int = 1, report_q=None, profile: bool = False) -> None:
     _tune()
     import torch
-    torch.set_num_threads(1)
+    torch.set_num_threads(_hub_threads())
     from diloco.coordinator import Coordinator, CoordinatorConfig
     from diloco.coordinator.runner import serve
     from diloco.core import FSMConfig
@@ -465,7 +474,7 @@ def raw_router(addr_q, n_workers: int, rounds: int, marks_q=None) -> None:
     _tune()
     import torch
     import zmq
-    torch.set_num_threads(1)
+    torch.set_num_threads(_hub_threads())
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.linger = 0
@@ -1350,6 +1359,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--raw-chunk-mb", type=float, default=4.0, help="the floor's frame size, MiB (default 4)")
     ap.add_argument("--workers", type=int, default=N_WORKERS,
                     help=f"worker processes of the outer step (default {N_WORKERS})")
+    ap.add_argument("--hub-threads", type=int, default=1,
+                    help="torch threads of the hub's coordinator and, alike, of the floor's router (default 1; "
+                         "diloco server itself runs torch's default, one per core)")
     ap.add_argument("--hb-workers", type=int, default=100)
     ap.add_argument("--hb-clients", type=int, default=4, help="processes holding the heartbeat sockets")
     ap.add_argument("--hb-interval", type=float, default=0.1, help="seconds between one socket's heartbeats")
@@ -1362,6 +1374,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="ZeroMQ I/O threads of the coordinator with CURVE (default 2, as `diloco server --auth`)")
     args = ap.parse_args(argv)
     globals()["N_WORKERS"] = args.workers  # the driver's count; each process gets its own as an argument
+    if args.hub_threads < 1:
+        ap.error(f"--hub-threads {args.hub_threads}: expected at least 1")
+    os.environ[HUB_THREADS_ENV] = str(args.hub_threads)  # the spawned processes read it (``_hub_threads``)
     ctx = mp.get_context("spawn")
     if args.collective:
         return main_collective(args, ctx)
