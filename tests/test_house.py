@@ -35,3 +35,92 @@ def test_the_check_finds_a_long_file_without_a_reason(tmp_path):
     (tmp_path / "pkg" / "explained.py").write_text('"""Does things.\n\nAbout 500 lines: one machine.\n"""\n' + body)
     (tmp_path / "pkg" / "short.py").write_text("x = 1\n")
     assert long_files_without_a_reason(tmp_path / "pkg") == ["pkg/quiet.py: 501 lines"]
+
+
+def _module_imports(root: Path) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports when it is imported: ``import`` and ``from ... import``
+    at module level or in a class body, not under ``if TYPE_CHECKING`` nor inside a function (those run
+    later, and cannot make an import circle)."""
+    modules = {}
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+
+    def scan(module: str, node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    package = module.split(".") if modules[module].name == "__init__.py" else module.split(".")[:-1]
+                    package = package[:len(package) - (child.level - 1)]
+                    base = ".".join(package + ([base] if base else []))
+                for alias in child.names:
+                    target = f"{base}.{alias.name}"
+                    if target in modules:
+                        graph[module].add(target)
+                    elif base in modules:
+                        graph[module].add(base)
+            elif isinstance(child, ast.Import):
+                graph[module].update(a.name for a in child.names if a.name in modules)
+            scan(module, child)
+
+    for module, path in modules.items():
+        scan(module, ast.parse(path.read_text(encoding="utf-8")))
+    return graph
+
+
+def import_circles(root: Path) -> list[list[str]]:
+    """Every set of the package's modules that import each other in a circle (strongly connected, > 1)."""
+    graph = _module_imports(root)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_no_module_imports_itself_through_others():
+    assert import_circles(PACKAGE) == []
+
+
+def test_the_check_finds_an_import_circle(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg.sub import b\n")
+    (pkg / "sub" / "b.py").write_text("from ..c import C\n")
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import d\n"
+                              "import pkg.a\nclass C: ...\n")
+    (pkg / "d.py").write_text("def later():\n    from pkg import c\n")  # lazy: no circle
+    assert import_circles(pkg) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
