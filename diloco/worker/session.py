@@ -248,6 +248,12 @@ class WorkerSession:
         self.heartbeat_interval_s = DEFAULT_HEARTBEAT_INTERVAL_S
         #: W2: the parameter names of each fragment, in fragment order.
         self.fragments: tuple[tuple[str, ...], ...] = ()
+        #: Data work units (SPEC.md section 12, U1-U5): units per epoch (None: the run hands out none),
+        #: from the Welcome taken ...
+        self.units_per_epoch: int | None = None
+        #: ... and the unit held (``epoch * units + index``), from it, then each Result naming one; a
+        #: Join names it, to keep its data across a re-join (U4).
+        self.unit: int | None = None
 
         # -- the schedule (W2, W4, W7, W19; SPEC.md section 14, "Schedule")
         #: H in force: the worker's own until a DyLU coordinator's H_w is adopted (W19).
@@ -422,6 +428,8 @@ class WorkerSession:
         if self.state is None or self.state is S.STOPPED:
             return []
         self._heard(now)
+        if isinstance(msg, Result) and msg.unit is not None:
+            self.unit = msg.unit  # the next round's data, whatever the Result is taken for
         if self.state is S.JOINING:
             self._on_message_joining(msg, now)
         elif isinstance(msg, HeartbeatReply):
@@ -541,8 +549,9 @@ class WorkerSession:
         self._send_join(now)
 
     def _send_join(self, now: float) -> None:
-        """W1: send ``Join(worker_id, PROTOCOL_VERSION, spec)``, no params: the one place a Join is built."""
-        self._send(Join(self.worker_id, PROTOCOL_VERSION, self.spec), now)
+        """W1: send ``Join(worker_id, PROTOCOL_VERSION, spec)``, no params, naming the data unit held (a
+        re-join asks to keep it, SPEC.md U4): the one place a Join is built."""
+        self._send(Join(self.worker_id, PROTOCOL_VERSION, self.spec, unit=self.unit), now)
         self._last_join = now
 
     def _tick_joining(self, now: float, busy: bool) -> None:
@@ -607,6 +616,7 @@ class WorkerSession:
         self.below_min_workers = bool(msg.below_min_workers)
         self.heartbeat_interval_s = float(msg.heartbeat_interval_s)
         self.target_sync_every = _valid_h(getattr(msg, "sync_every", None))
+        self.units_per_epoch, self.unit = msg.data_units, msg.unit
         self._place_on_schedule(ids_same, same_layout)
         self.waiting = {int(f): int(r) for f, r in msg.parked}
         self.merge_at.clear()  # W18: a parked contribution has no overlap window (nothing is held: W17)

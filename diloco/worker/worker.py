@@ -79,7 +79,6 @@ Errors the run answers with (``model_mismatch``, ``non_finite``, ...) raise
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import math
 import os
@@ -167,10 +166,6 @@ class DilocoWorker:
         #: Tokens trained since the start (``step_done``), and where each fragment's last Submit left it.
         self._tokens_since = 0
         self._tokens_at_submit: dict[int, int] = {}
-        #: Data work units (SPEC.md section 12): units per epoch (None: the run has none), and the unit this
-        #: worker trains on now (``epoch * units + index``), from its Welcome, then each applied Result.
-        self.units_per_epoch: int | None = None
-        self._unit: int | None = None
         self._params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
         spec = tuple(TensorSpec(n, tuple(p.shape), "float32") for n, p in self._params.items())
         self.session = WorkerSession(worker_id, sync_every, spec, coordinator_timeout_s=coordinator_timeout_s,
@@ -321,13 +316,19 @@ class DilocoWorker:
         return dict(self._global)
 
     @property
+    def units_per_epoch(self) -> int | None:
+        """Data work units per epoch of the run (``diloco server --data-units``), or None: it hands out none."""
+        return self.session.units_per_epoch
+
+    @property
     def data_unit(self) -> tuple[int, int] | None:
         """Data work units: ``(epoch, index)`` of the unit to train on now (``index`` in 0..N-1 names the
         data); None when the run hands out none (``diloco server --data-units``). It changes only at a
         sync point: read it after each ``step_done``."""
-        if self._unit is None or not self.units_per_epoch:
+        unit, units = self.session.unit, self.session.units_per_epoch
+        if unit is None or not units:
             return None
-        return divmod(self._unit, self.units_per_epoch)
+        return divmod(unit, units)
 
     @property
     def stopped(self) -> bool:
@@ -504,9 +505,6 @@ class DilocoWorker:
                     actions = self._took(self.session.on_message(msg, self._clock()))
                     if isinstance(msg, Welcome) and any(isinstance(a, InstallParams) for a in actions):
                         self.wire_dtype = msg.wire_dtype  # adopted with the Welcome the session took
-                        self.units_per_epoch, self._unit = msg.data_units, msg.unit
-                    elif isinstance(msg, Result) and msg.unit is not None:
-                        self._unit = msg.unit  # the next round's data
                 self._run(actions)
                 msg = self.link.recv(0.0)
         sending, receiving = self.link.transport_activity()
@@ -562,8 +560,6 @@ class DilocoWorker:
                 continue
             if isinstance(action, Send):
                 message = action.message
-                if isinstance(message, Join) and self._unit is not None:
-                    message = dataclasses.replace(message, unit=self._unit)  # a re-join asks to keep its data
                 if on_training_thread:
                     self.link.post(message)
                 else:
@@ -578,7 +574,8 @@ class DilocoWorker:
                 self._submit(action)
             elif isinstance(action, SendJoinWithParams):
                 params = {n: p.detach().to("cpu", torch.float32).clone() for n, p in self._params.items()}
-                self.link.post(Join(self.worker_id, PROTOCOL_VERSION, self.session.spec, params, unit=self._unit))
+                self.link.post(Join(self.worker_id, PROTOCOL_VERSION, self.session.spec, params,
+                                    unit=self.session.unit))
                 self.bytes_sent += compression.tensor_nbytes(params)
             elif isinstance(action, Stop):
                 self._stop(action)
@@ -669,7 +666,7 @@ class DilocoWorker:
         tokens = self._tokens_since - self._tokens_at_submit.get(fid, 0)
         self._tokens_at_submit[fid] = self._tokens_since
         self.link.post(Submit(self.worker_id, fid, action.round_id, enc.values, self.wire_dtype, enc.scales,
-                              tokens if tokens > 0 else None, unit=self._unit))
+                              tokens if tokens > 0 else None, unit=self.session.unit))
         self.bytes_sent += enc.nbytes
 
     @property

@@ -934,3 +934,31 @@ def test_spec_section_14_names_only_tests_that_exist():
         for name in names:
             assert fnmatch.filter(tests, name), f"{rule} names {name}, which matches no test"
             assert name.startswith(f"test_{rule.lower()}_"), f"{rule} names {name}"
+
+
+# --------------------------------------------------------------------------- data work units (SPEC.md U1-U5)
+
+
+def test_units_the_session_holds_the_unit_it_was_handed_and_names_it_when_it_joins_again():
+    s = WorkerSession(WID, 2, SPEC)
+    s.start(0.0)
+    assert s.unit is None and s.units_per_epoch is None
+    s.on_message(dataclasses.replace(welcome(), data_units=8, unit=11), 0.0)
+    assert (s.units_per_epoch, s.unit) == (8, 11)  # epoch 1, unit 3
+    s.step_done(0.1)
+    s.step_done(0.2)
+    s.on_message(dataclasses.replace(result(0, 0), unit=12), 0.3)
+    assert s.unit == 12
+    s.on_message(dataclasses.replace(result(0, 5), unit=13), 0.4)  # stale: the unit handed out still counts
+    assert s.unit == 13
+    joins = [a.message for a in s.on_message(reply(command=Command.REJOIN), 0.5)
+             if isinstance(a, Send) and isinstance(a.message, Join)]
+    assert joins and joins[0].unit == 13  # a re-join asks to keep its data
+
+
+def test_units_a_run_without_units_joins_without_one():
+    s = joined()
+    assert s.unit is None and s.units_per_epoch is None
+    joins = [a.message for a in s.on_message(reply(command=Command.REJOIN), 0.5)
+             if isinstance(a, Send) and isinstance(a.message, Join)]
+    assert joins and joins[0] == Join(WID, PROTOCOL_VERSION, SPEC)
