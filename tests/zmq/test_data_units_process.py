@@ -30,8 +30,10 @@ def _finished_total(cluster) -> int:
 
 def _kill_holding(cluster, server, worker, worker_id: str) -> int:
     """SIGKILL a worker that holds a unit; wait for the coordinator to give that unit back."""
-    held = re.findall(rf'"event":"unit"[^\n]*"worker_id":"{worker_id}","unit":(\d+)', _log(cluster))
-    assert held, f"{worker_id} was never handed a unit"
+    # With min_workers 1 the others may finish units before this one is even welcomed (a loaded
+    # machine): wait until it was handed one.
+    pattern = rf'"event":"unit"[^\n]*"worker_id":"{worker_id}","unit":(\d+)'
+    wait_until(lambda: re.search(pattern, _log(cluster)) is not None, 60, f"{worker_id} handed a unit")
     worker.kill9()
     m = server.wait_for(rf"unit\s+(\d+) back from {worker_id}: handed out again", 30)
     return int(m.group(1))
