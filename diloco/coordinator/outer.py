@@ -9,9 +9,10 @@ makes the very same operations on one block of each tensor at a time, so that th
 are still in the cache for the next operation (and the temporary is one block): each element goes
 through the same kernels with the same scalars, so the result is the same bit for bit (tests
 compare it with ``opt.step()`` on odd sizes, with one thread and two). It also proves the new params
-finite on the way (``all_finite`` by block), and writes the new params and momentum to fresh memory,
-not over the old: the memory left behind is the undo of a refused step and what the last Results are
-still sent from, so neither needs a copy of the model made ahead. Anything else (Adam, plain SGD, delayed Nesterov, the
+finite on the way (``all_finite`` by block). It writes the new params and momentum to fresh memory
+(the memory left behind is the undo of a refused step and what the last Results are still sent from,
+so neither needs a copy of the model made ahead), or in place once no Result holds that memory and
+bounds prove the step finite beforehand (``step_in_blocks``). Anything else (Adam, plain SGD, delayed Nesterov, the
 first step, which creates the momentum, hooks) is left to ``opt.step()``.
 """
 
@@ -217,5 +218,5 @@ def blocked_step_applies(opt: torch.optim.Optimizer) -> bool:
         isinstance(opt.state.get(p, {}).get("momentum_buffer"), torch.Tensor) for p in group["params"])
 
 
-__all__ = ["BLOCK", "BlockedStep", "IN_PLACE_LIMIT", "Magnitudes", "DelayedNesterov", "OPTIMIZERS", "OuterConfig", "OuterConfigError", "build_outer_optimizer",
-           "blocked_step_applies", "step_in_blocks"]
+__all__ = ["BLOCK", "BlockedStep", "DelayedNesterov", "IN_PLACE_LIMIT", "Magnitudes", "OPTIMIZERS", "OuterConfig",
+           "OuterConfigError", "blocked_step_applies", "build_outer_optimizer", "step_in_blocks"]

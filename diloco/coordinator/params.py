@@ -275,18 +275,15 @@ class ParamStore:
         # whole-tensor operations), the last contribution's addition (``accumulate(last=True)``) first.
         for n, t in s.items():
             flat = t.view(-1)
-            if last is None:
-                for start in range(0, flat.numel(), MEAN_BLOCK):
-                    flat[start:start + MEAN_BLOCK].div_(divisor).mul_(1.0 / SUM_SCALE)
-                continue
-            src, alpha = last[0][n], last[1]
-            first = count == 1
+            src = None if last is None else last[0][n]
             for start in range(0, flat.numel(), MEAN_BLOCK):
-                block, end = flat[start:start + MEAN_BLOCK], start + MEAN_BLOCK
-                if first:
-                    torch.mul(src[start:end], alpha, out=block)
-                else:
-                    block.add_(src[start:end], alpha=alpha)
+                block = flat[start:start + MEAN_BLOCK]
+                if src is not None:
+                    part = src[start:start + MEAN_BLOCK]
+                    if count == 1:  # the round's only contribution: the sum starts here
+                        torch.mul(part, last[1], out=block)
+                    else:
+                        block.add_(part, alpha=last[1])
                 block.div_(divisor).mul_(1.0 / SUM_SCALE)
         return s
 
