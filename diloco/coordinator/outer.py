@@ -99,7 +99,7 @@ class BlockedStep:
 
 def step_in_blocks(opt: torch.optim.Optimizer, params: dict[str, torch.Tensor], grad: dict[str, torch.Tensor],
                    *, grad_bound: float | None = None, magnitudes: Magnitudes | None = None,
-                   overwrite: bool = False) -> BlockedStep | None:
+                   overwrite: bool = False, undo_kept: bool = False) -> BlockedStep | None:
     """``opt.step()`` with ``grad`` as the params' gradients, made block by block when ``opt`` is a plain
     Nesterov SGD whose momentum exists; None when it does not apply (nothing was changed: step as usual).
 
@@ -115,6 +115,10 @@ def step_in_blocks(opt: torch.optim.Optimizer, params: dict[str, torch.Tensor], 
     least every ``|grad|`` and ``magnitudes`` from the last step, still current. With ``grad_bound``
     the step returns the magnitudes for the next one: measured on a fresh-memory step, carried forward
     from the bounds on an in-place one.
+
+    ``undo_kept``: the caller kept an exact undo of its own (the params' old values elsewhere and the
+    optimizer's state backed up, ``Coordinator._prepare_steps``) and nothing else holds the params'
+    memory: in place, checked for finiteness as it goes; the caller undoes a refused step.
     """
     group = _nesterov_group(opt)
     if group is None or len(group["params"]) != len(params):
@@ -133,24 +137,30 @@ def step_in_blocks(opt: torch.optim.Optimizer, params: dict[str, torch.Tensor], 
             return None  # aliased: let torch do what it does
         work.append((name, p, g.detach(), buf))
     lr, momentum, dampening = group["lr"], group["momentum"], group["dampening"]
+    if undo_kept:
+        return BlockedStep(_step_in_place(work, lr, momentum, dampening, check=True), True, {}, None, [])
     if overwrite and grad_bound is not None and magnitudes is not None and magnitudes.key == _key(work):
         # |buf'| <= m |buf| + |g|, |t| <= |g| + m |buf'|, |p'| <= |p| + lr |t| (dampening is 0).
         new_momentum = momentum * magnitudes.momentum + grad_bound
         new_params = magnitudes.params + lr * (grad_bound + momentum * new_momentum)
         if max(new_momentum, new_params) * _ROUNDING < IN_PLACE_LIMIT:  # False for a NaN or an infinity
-            _step_in_place(work, lr, momentum, dampening)
+            _step_in_place(work, lr, momentum, dampening, check=False)
             carried = Magnitudes(new_params * _ROUNDING, new_momentum * _ROUNDING, _key(work))
             return BlockedStep(None, True, {}, carried, [])
     return _step_to_fresh_memory(work, lr, momentum, dampening, measure=grad_bound is not None)
 
 
-def _step_in_place(work: list, lr: float, momentum: float, dampening: float) -> None:
+def _step_in_place(work: list, lr: float, momentum: float, dampening: float, *, check: bool) -> str | None:
+    """The step over the old values; with ``check``, the first param left non-finite (else None)."""
+    bad = None
     with torch.no_grad():
         largest = max((p.numel() for _, p, _, _ in work), default=0)
         scratch = torch.empty(min(BLOCK, largest))
-        for _name, p, g, buf in work:
+        sums = torch.empty(-(-largest // BLOCK))
+        for name, p, g, buf in work:
             pf, gf, bf = p.detach().view(-1), g.view(-1), buf.view(-1)
             n = pf.numel()
+            blocks = 0
             for start in range(0, n, BLOCK):
                 end = min(n, start + BLOCK)
                 pb, gb, bb = pf[start:end], gf[start:end], bf[start:end]
@@ -158,6 +168,12 @@ def _step_in_place(work: list, lr: float, momentum: float, dampening: float) -> 
                 bb.mul_(momentum).add_(gb, alpha=1 - dampening)
                 t = torch.add(gb, bb, alpha=momentum, out=scratch[:end - start])
                 pb.add_(t, alpha=-lr)
+                if check:
+                    torch.sum(pb, 0, keepdim=True, out=sums[blocks:blocks + 1])
+                    blocks += 1
+            if bad is None and blocks and not bool(torch.isfinite(sums[:blocks]).all()) and not all_finite(p):
+                bad = name  # a block's sum not finite: a bad element, or finite values that overflow
+    return bad
 
 
 def _step_to_fresh_memory(work: list, lr: float, momentum: float, dampening: float, *,

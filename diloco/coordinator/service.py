@@ -919,7 +919,8 @@ class Coordinator:
 
     def _prepare_steps(self) -> None:
         """Make the part of one fragment's next outer step that does not depend on its input, ahead,
-        when that step goes to ``opt.step()`` (``step_in_blocks`` needs nothing made ahead): move its
+        when that step goes to ``opt.step()`` or needs the params' old values (a bf16/int8 run's delta;
+        otherwise ``step_in_blocks`` needs nothing made ahead): move its
         params to fresh memory holding the same values (``begin_step``) and back its optimizer's state
         up. Two model-sized copies that ``outer_step`` would otherwise make after the round's last
         contribution, on the round's critical path. Values and bits are unchanged: the params keep
@@ -930,8 +931,8 @@ class Coordinator:
         if store is None or self.collective is not None or self.stopped:
             return
         for fid in range(len(self._optimizers)):
-            if fid in self._prepared or blocked_step_applies(self._optimizers[fid]):
-                continue
+            if fid in self._prepared or (blocked_step_applies(self._optimizers[fid]) and not self.delta_results):
+                continue  # a blocked step into fresh memory or in place needs nothing made ahead
             before = store.begin_step(fid)
             self._optimizer_backups[fid].take(self._optimizers[fid])
             self._prepared[fid] = (before, self._step_key(fid))
@@ -965,27 +966,32 @@ class Coordinator:
         # any more and bounds prove it finite, else into fresh memory, leaving the old as the undo.
         # Any other step changes a fresh copy of the params (``begin_step``) with the optimizer's
         # state backed up.
+        opt_before = self._optimizer_backups[fid]
+        prepared = self._prepared.pop(fid, None)
+        # Made while idle (``_prepare_steps``) and still current: the same values, bit for bit.
+        kept = prepared[0] if prepared is not None and prepared[1] == self._step_key(fid) else None
         overwrite = not self.delta_results and all(ref() is None for ref in self._handed_out.get(fid, ()))
         blocked = step_in_blocks(opt, params, grad, grad_bound=None if self.delta_results else grad_bound,
-                                 magnitudes=self._magnitudes.get(fid), overwrite=overwrite)
+                                 magnitudes=self._magnitudes.get(fid), overwrite=overwrite,
+                                 undo_kept=kept is not None)
         self._magnitudes[fid] = None if blocked is None else blocked.magnitudes
-        if blocked is not None:
-            self._prepared.pop(fid, None)
+        if blocked is not None and kept is None:
             before, bad, undo = blocked.before, blocked.bad, blocked.undo
         else:
-            opt_before = self._optimizer_backups[fid]
-            prepared = self._prepared.pop(fid, None)
-            if prepared is not None and prepared[1] == self._step_key(fid):
-                before = prepared[0]  # made while idle (``_prepare_steps``): the same values, bit for bit
+            if kept is not None:
+                before = kept
             else:
                 before = self.store.begin_step(fid)
                 opt_before.take(opt)
-            for name, p in params.items():
-                p.grad = grad[name]
-            opt.step()
-            for p in params.values():
-                p.grad = None
-            bad = next((n for n, p in params.items() if not all_finite(p)), None)
+            if blocked is not None:
+                bad = blocked.bad
+            else:
+                for name, p in params.items():
+                    p.grad = grad[name]
+                opt.step()
+                for p in params.values():
+                    p.grad = None
+                bad = next((n for n, p in params.items() if not all_finite(p)), None)
 
             def undo() -> None:
                 self.store.undo_step(fid, before)

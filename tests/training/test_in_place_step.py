@@ -188,3 +188,22 @@ def test_a_step_to_an_infinity_is_never_made_in_place_and_is_undone():
     assert c.stats.steps_refused == 1
     for n, p in c.store.params.items():
         assert torch.equal(p, values[n]), n
+
+
+def test_a_step_with_its_undo_kept_is_made_in_place_checked_and_left_to_the_caller_to_undo():
+    params, grads = _state(7)
+    p = {n: t.clone() for n, t in params.items()}
+    opt = build_outer_optimizer(list(p.values()), OuterConfig(), 2)
+    for n, t in p.items():
+        t.grad = grads[0][n]
+    opt.step()
+    where = {n: t.data_ptr() for n, t in p.items()}
+    step = step_in_blocks(opt, p, grads[1], undo_kept=True)
+    assert step is not None and step.in_place and step.bad is None
+    assert {n: t.data_ptr() for n, t in p.items()} == where
+    b, _ = _torch_run(params, grads[:2], OuterConfig())
+    assert all(torch.equal(p[n], b[n]) for n in SHAPES)
+    huge = {n: g.clone() for n, g in grads[2].items()}
+    huge["big"][-1] = 3e38
+    step = step_in_blocks(opt, p, huge, undo_kept=True)
+    assert step is not None and step.bad == "big"  # found on the way; the caller puts its copy back
