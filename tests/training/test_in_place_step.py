@@ -31,6 +31,16 @@ def _bound(grad) -> float:
     return 2.0 * max((float(t.abs().max()) for t in grad.values() if t.numel()), default=0.0)
 
 
+def _stepped_once(params, grad):
+    """Copies of ``params`` and a Nesterov optimizer whose first step (torch's own) made its momentum."""
+    p = {n: t.clone() for n, t in params.items()}
+    opt = build_outer_optimizer(list(p.values()), OuterConfig(), 2)
+    for n, t in p.items():
+        t.grad = grad[n]
+    opt.step()
+    return p, opt
+
+
 def _torch_run(params, grads, config):
     params = {n: t.clone() for n, t in params.items()}
     opt = build_outer_optimizer(list(params.values()), config, 2)
@@ -114,11 +124,7 @@ def test_a_bound_that_does_not_prove_the_step_finite_goes_to_fresh_memory(bound)
 
 def test_params_written_since_the_last_step_are_measured_again():
     params, grads = _state(5)
-    p = {n: t.clone() for n, t in params.items()}
-    opt = build_outer_optimizer(list(p.values()), OuterConfig(), 2)
-    for n, t in p.items():
-        t.grad = grads[0][n]
-    opt.step()
+    p, opt = _stepped_once(params, grads[0])
     first = step_in_blocks(opt, p, grads[1], grad_bound=_bound(grads[1]), overwrite=True)
     assert first is not None and not first.in_place and first.magnitudes is not None
     with torch.no_grad():
@@ -192,11 +198,7 @@ def test_a_step_to_an_infinity_is_never_made_in_place_and_is_undone():
 
 def test_a_step_with_its_undo_kept_is_made_in_place_checked_and_left_to_the_caller_to_undo():
     params, grads = _state(7)
-    p = {n: t.clone() for n, t in params.items()}
-    opt = build_outer_optimizer(list(p.values()), OuterConfig(), 2)
-    for n, t in p.items():
-        t.grad = grads[0][n]
-    opt.step()
+    p, opt = _stepped_once(params, grads[0])
     where = {n: t.data_ptr() for n, t in p.items()}
     step = step_in_blocks(opt, p, grads[1], undo_kept=True)
     assert step is not None and step.in_place and step.bad is None
