@@ -235,6 +235,7 @@ class _HubProbe:
     PHASES = (
         ("codec", "Submit decode: codec.decode (header, checks; chunked tensors arrive assembled)"),
         ("wire", "wire dtype decode: compression.decode (fp32: none)"),
+        ("measure", "as parts arrive: each fp32 tensor's norm measured for the checks (SubmitSquares)"),
         ("check", "checks: names, shapes, dtypes, finiteness (check_submission)"),
         ("accumulate", "running sum: ParamStore.accumulate"),
         ("mean", "mean: ParamStore.take_mean"),
@@ -244,7 +245,7 @@ class _HubProbe:
         ("snapshot", "Result snapshot of the new params"),
         ("fsm", "everything else in Coordinator.handle (FSM, messages)"),
         ("send", "Result encode + hand-off to the transport (x k)"),
-        ("recv_py", "transport, main thread: parts received, chunks copied into place (CPU)"),
+        ("recv_py", "transport, main thread: parts received, chunks copied into place (CPU; the measuring apart)"),
     )
 
     def __init__(self, n_workers: int, report_q, profile: bool) -> None:
@@ -266,17 +267,19 @@ class _HubProbe:
             marks[key] = time.monotonic()
 
     def _wrap(self, owner, name: str, key: str, mark: str | None = None, first_mark: str | None = None):
+        """Time ``owner.name`` under ``key`` (wall), and its CPU on the calling thread under ``key + "_cpu"``."""
         original = getattr(owner, name)
         probe = self
 
         def wrapper(*args, **kwargs):
             if first_mark:
                 probe._mark(first_mark, first=True)
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             try:
                 return original(*args, **kwargs)
             finally:
                 probe._add(key, time.perf_counter() - t)
+                probe._add(key + "_cpu", time.thread_time() - c)
                 if mark:
                     probe._mark(mark)
         setattr(owner, name, wrapper)
@@ -290,6 +293,7 @@ class _HubProbe:
         import diloco.transport.zmq.framing as framing_mod
         import diloco.wire.codec as codec_mod
         import diloco.wire.compression as compression_mod
+        import diloco.wire.measure as measure_mod
         from diloco.coordinator.params import ParamStore
         from diloco.wire.messages import Result, Submit
 
@@ -325,6 +329,8 @@ class _HubProbe:
         if self.profile:
             self._wrap(compression_mod, "decode", "wire")
             self._wrap(ParamStore, "check_submission", "check")
+            if hasattr(measure_mod, "SubmitSquares"):
+                self._wrap(measure_mod.SubmitSquares, "frame", "measure")
             self._wrap(ParamStore, "accumulate", "accumulate")
             self._wrap(ParamStore, "take_mean", "mean")
             self._wrap(service_mod, "all_finite", "finite")
@@ -362,11 +368,11 @@ class _HubProbe:
                     probe._add("snapshot", time.perf_counter() - t - inner)
                     probe._mark("applied")
 
-            def handle(coordinator, peer, message, now, identity=None):
+            def handle(coordinator, peer, message, now, identity=None, **kw):
                 t = time.perf_counter()
                 before = dict(probe.round)
                 try:
-                    return original_handle(coordinator, peer, message, now, identity=identity)
+                    return original_handle(coordinator, peer, message, now, identity=identity, **kw)
                 finally:
                     if isinstance(message, Submit):
                         inner = sum(probe.round.get(k, 0.0) - before.get(k, 0.0)
@@ -1284,7 +1290,7 @@ def hub_report(coord_rounds: list, step_s: float, profile: bool) -> tuple[list[s
     total = 0.0
     for key, what in _HubProbe.PHASES:
         if key == "recv_py":
-            values = [r.get("recv_cpu", 0.0) - r.get("codec_cpu", 0.0) for r in reports]
+            values = [r.get("recv_cpu", 0.0) - r.get("codec_cpu", 0.0) - r.get("measure_cpu", 0.0) for r in reports]
         else:
             values = [r.get(key, 0.0) for r in reports]
         ms = med(values) * 1000

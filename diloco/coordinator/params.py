@@ -3,10 +3,11 @@
 Memory is O(parameters), not O(workers x parameters): a sync round keeps one
 running sum per fragment, added to as each contribution is accepted (an
 accepted contribution is never taken back, SPEC.md P1, so a sum never needs
-a subtraction). The sum is float64: k finite fp32 contributions can never
-add up to an infinity (fp32's largest value times k stays far inside
-float64's range), and the mean is rounded back to fp32 (it is at most the
-largest contribution in magnitude, so it stays finite). Async mode keeps the
+a subtraction). The sum is fp32 over contributions scaled by a power of two
+(``SUM_SCALE``): up to ``MAX_SUMMED`` finite contributions can never add up to
+an infinity, and the scale is exact, so the sum rounds as a plain fp32 sum
+does; the mean is at most the largest contribution in magnitude, so it stays
+finite (``ParamStore.accumulate``). Async mode keeps the
 tensors of contributions *held* below quorum, bounded by
 ``max_held_per_fragment``, as fp32 (each applies alone: nothing is summed).
 """
@@ -14,6 +15,7 @@ tensors of contributions *held* below quorum, bounded by
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 
@@ -29,6 +31,13 @@ SUM_SCALE = 2.0 ** -20
 MAX_SUMMED = 1 << 20
 #: Elements per block of ``take_mean`` (256 KiB of fp32: in the L2 cache between its two operations).
 MEAN_BLOCK = 1 << 16
+
+
+class Measured(Protocol):
+    """What the receiver measured of a contribution's tensors as they arrived (``diloco.wire.measure``)."""
+
+    def square(self, t: torch.Tensor) -> float | None:
+        """``float(torch.linalg.vector_norm(t)) ** 2`` if ``t`` is memory it measured, else None."""
 
 
 class ParamMismatch(ValueError):
@@ -179,9 +188,12 @@ class ParamStore:
     def fragment_spec(self, fragment_id: int) -> tuple[TensorSpec, ...]:
         return self.fragment_specs[fragment_id]
 
-    def check_submission(self, fragment_id: int, tensors: Tensors, *, norm: bool = False) -> float | None:
+    def check_submission(self, fragment_id: int, tensors: Tensors, *, norm: bool = False,
+                         measured: Measured | None = None) -> float | None:
         """Names, shapes, dtypes and finiteness (checked before the core sees it); with ``norm``,
         also return the L2 norm of ``tensors`` (the value ``outliers.fast_norm`` gives).
+        ``measured``: each tensor's sum of squares where the receiver already measured that very
+        memory as it arrived (``diloco.wire.measure``): the same value, not computed twice.
 
         Raises ``ParamMismatch`` for a wrong name, shape or dtype, and its subclass
         ``NonFinite`` for a NaN or an infinity.
@@ -201,7 +213,9 @@ class ParamStore:
         for name, t in tensors.items():
             if not t.numel():
                 continue
-            square = float(torch.linalg.vector_norm(t.detach().float())) ** 2
+            square = None if measured is None else measured.square(t)
+            if square is None:
+                square = float(torch.linalg.vector_norm(t.detach().float())) ** 2
             if not math.isfinite(square) and not all_finite(t):
                 raise _non_finite(fragment_id, name)
             total += square

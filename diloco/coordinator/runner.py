@@ -72,7 +72,8 @@ def _loop(endpoint: CoordinatorEndpoint, coordinator: Coordinator, durability: D
         if arrival is None:
             out = coordinator.tick(now)
         else:
-            out = coordinator.handle(arrival.peer, arrival.message, now, identity=arrival.identity)
+            out = coordinator.handle(arrival.peer, arrival.message, now, identity=arrival.identity,
+                                     measured=arrival.measured)
         # A transport that sees connections close reports peers gone for good (SPEC.md R7):
         # a dead worker is noticed in about a second, not after the heartbeat timeout.
         for peer in endpoint.lost_peers():

@@ -375,13 +375,14 @@ class Coordinator:
         self._prepare_steps()
         return out
 
-    def handle(self, peer: str, message: Message, now_s: float, identity=None) -> Outgoing:
+    def handle(self, peer: str, message: Message, now_s: float, identity=None, measured=None) -> Outgoing:
         """Handle one decoded message from ``peer``; return what to send, in order.
 
         ``identity`` is the sender's authenticated key (``diloco.transport.zmq.auth.KeyIdentity``:
         ``public_key``, ``name``) when the transport authenticates, else None. The
         transport has already checked the key's role; here each worker id is bound to
-        the key that first joined it.
+        the key that first joined it. ``measured``: what the receiver measured of a Submit's
+        tensors as they arrived (``diloco.wire.measure.SubmitSquares``), which the checks use.
         """
         out: Outgoing = []
         self._tick(now_s, out)
@@ -400,7 +401,7 @@ class Coordinator:
         if isinstance(message, Heartbeat):
             self._on_heartbeat(peer, message, out)
         elif isinstance(message, Submit):
-            self._on_submit(peer, message, out)
+            self._on_submit(peer, message, out, measured)
             if self.budget.reached and not self.stopped:
                 self._notify("budget", now_s, **self.budget.status())
                 self._step(ShutdownRequested(ShutdownKind.SAVE_AND_STOP), out)
@@ -525,7 +526,7 @@ class Coordinator:
                 out.append((peer, self._heartbeat_reply(Command.REJOIN)))
             self._notify("reseed", self.fsm.now_s, worker_id=wid, starter=join.worker_id, held_rounds=list(held))
 
-    def _on_submit(self, peer: str, msg: Submit, out: Outgoing) -> None:
+    def _on_submit(self, peer: str, msg: Submit, out: Outgoing, measured=None) -> None:
         wid = msg.worker_id
         if self._peers.get(wid) != peer or not self.fsm.is_member(wid):
             opened = self.fsm.open_round_ids()
@@ -551,7 +552,8 @@ class Coordinator:
                 return
             try:
                 # The outlier bound needs the norm: the same pass proves the tensors finite.
-                checked_norm = self.store.check_submission(fid, tensors, norm=self.outliers.factor > 0)
+                checked_norm = self.store.check_submission(fid, tensors, norm=self.outliers.factor > 0,
+                                                           measured=measured)
             except NonFinite as exc:
                 self._refuse(peer, out, ErrorCode.NON_FINITE, str(exc), msg)
                 return

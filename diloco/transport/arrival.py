@@ -16,11 +16,14 @@ class Arrival(NamedTuple):
 
     ``identity`` is the sender's authenticated key (``diloco.transport.zmq.auth.KeyIdentity``)
     when the transport authenticates, else None: the coordinator binds worker ids to it.
+    ``measured`` is what the receiver measured of the message's tensors as they arrived
+    (``diloco.wire.measure.SubmitSquares``), else None: the coordinator's checks use it.
     """
 
     peer: str
     message: Any
     identity: Any = None
+    measured: Any = None
 
 
 __all__ = ["Arrival"]

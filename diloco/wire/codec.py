@@ -215,7 +215,13 @@ def _buffer(frame: Any) -> memoryview:
     return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
 
 
-def _reject_ext(code: int, data: bytes) -> Any:
+def frame_buffer(frame: Any) -> memoryview:
+    """A frame's bytes (bytes, a memoryview or a received ``zmq.Frame``) as a flat memoryview, no copy."""
+    return _buffer(frame)
+
+
+def reject_ext(code: int, data: bytes) -> Any:
+    """msgpack's ``ext_hook`` for a header: no extension type is allowed."""
     raise ValueError(f"msgpack extension type {code} is not allowed")
 
 
@@ -238,7 +244,7 @@ def decode(frames: Sequence[Any], *, max_message_bytes: int = MAX_MESSAGE_BYTES)
         raise CodecError(ErrorCode.TOO_LARGE, f"header frame is {sizes[0]} bytes; the limit is {MAX_HEADER_BYTES}")
     try:
         header = msgpack.unpackb(_buffer(frames[0]), raw=False, strict_map_key=True,
-                                 ext_hook=_reject_ext)
+                                 ext_hook=reject_ext)
     except Exception as exc:  # msgpack raises several unrelated types for bad input
         raise CodecError(bad, f"frame 0 is not a valid msgpack header ({type(exc).__name__}: "
                               f"{_short(str(exc), 120)})") from None
@@ -333,39 +339,6 @@ def decode(frames: Sequence[Any], *, max_message_bytes: int = MAX_MESSAGE_BYTES)
     return message_class(mtype)(**values)
 
 
-def plan_runs(header_frame: Any) -> list[tuple[int, int, int]] | None:
-    """The chunked tensors of a message, from its header frame alone: ``(first frame index, frames,
-    bytes)`` of each tensor sent in more than one frame, in order; None if the header cannot be read.
-
-    For a receiver that assembles each such tensor's frames into one buffer as they arrive
-    (``diloco.transport.zmq.framing.Coalescer``), so that ``decode`` gets it whole and copies
-    nothing. Only a hint: ``decode`` checks the message as it always does.
-    """
-    try:
-        buf = _buffer(header_frame)
-        if buf.nbytes > MAX_HEADER_BYTES:
-            return None
-        header = msgpack.unpackb(buf, raw=False, strict_map_key=True, ext_hook=_reject_ext)
-        if not isinstance(header, dict) or header.get("v") != PROTOCOL_VERSION:
-            return None
-        table = header.get("tensors", [])
-        if not isinstance(table, list) or len(table) > MAX_TENSORS:
-            return None
-        runs = []
-        frame_i = 1
-        for entry in table:
-            _f, _n, dtype, shape, nframes = entry
-            if not (is_int(nframes) and nframes >= 0 and isinstance(shape, list) and len(shape) <= MAX_NDIM
-                    and all(is_int(d) and 0 <= d <= MAX_DIM for d in shape) and dtype in _ITEMSIZE):
-                return None
-            if nframes > 1:
-                runs.append((frame_i, nframes, math.prod(shape) * _ITEMSIZE[dtype]))
-            frame_i += nframes
-        return runs
-    except Exception:  # a hint only: whatever is wrong, ``decode`` says so
-        return None
-
-
 def _tensor(parts: Sequence[Any], dtype: torch.dtype, shape: list[int], nbytes: int) -> torch.Tensor:
     import torch
 
@@ -374,7 +347,7 @@ def _tensor(parts: Sequence[Any], dtype: torch.dtype, shape: list[int], nbytes: 
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     if len(parts) > 1 and _nbytes(parts[0]) == nbytes:
-        parts = parts[:1]  # assembled as it arrived (``plan_runs``): the first frame holds it all
+        parts = parts[:1]  # assembled as it arrived (``frame_plan.plan_runs``): the first frame holds it all
     if len(parts) == 1:
         buf = _buffer(parts[0])
         if buf.readonly:  # e.g. bytes: copy rather than hand out a tensor over immutable memory
@@ -403,5 +376,5 @@ def error_for(exc: CodecError) -> Error:
 
 __all__ = [
     "CHUNK_BYTES", "MAX_MESSAGE_BYTES", "MAX_HEADER_BYTES", "WIRE_DTYPES", "SCHEMAS", "CodecError",
-    "encode", "decode", "error_for", "plan_runs", "tensor_view",
+    "encode", "decode", "error_for", "frame_buffer", "tensor_view",
 ]

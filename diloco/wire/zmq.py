@@ -30,7 +30,8 @@ from diloco.transport.zmq.auth import ClientAuth, KeyIdentity, Role, ServerAuth
 from diloco.transport.zmq.dealer import FrameDealer
 from diloco.transport.zmq.options import ZmqOptions, make_routing_id, peer_name
 from diloco.transport.zmq.router import FrameRouter
-from diloco.wire import codec
+from diloco.wire import codec, frame_plan
+from diloco.wire.measure import SubmitSquares
 from diloco.wire.messages import (
     AdminReply,
     AdminRequest,
@@ -76,9 +77,11 @@ class _SendSnapshots:
 
 class _TensorRuns:
     """The transport's ``framing.Coalescer``: a tensor sent in several frames (chunks) is assembled into
-    one buffer as its frames arrive, so that ``codec.decode`` hands it out without a copy."""
+    one buffer as its frames arrive, so that ``codec.decode`` hands it out without a copy; and a
+    Submit's fp32 tensors are measured for the coordinator's checks as they arrive (``measure``)."""
 
-    plan = staticmethod(codec.plan_runs)
+    plan = staticmethod(frame_plan.plan_runs)
+    watch = staticmethod(SubmitSquares.for_header)
 
     @staticmethod
     def allocate(nbytes: int):
@@ -182,14 +185,14 @@ class ZmqCoordinatorEndpoint:
                              legacy=True)
             return None
         if identity is None:
-            return Arrival(peer, message)
+            return Arrival(peer, message, measured=got.watch)
         why = forbidden_reason(identity, message)
         if why is not None:
             self.forbidden += 1
             log.warning("refused %s from %s (%s): %s", type(message).__name__, peer, identity.name, why)
             self.frames.send(peer, codec.encode(Error(ErrorCode.FORBIDDEN, why, type(message).__name__)))
             return None
-        return Arrival(peer, message, identity)
+        return Arrival(peer, message, identity, got.watch)
 
     def lost_peers(self) -> list[str]:
         """Peers whose connection closed and did not come back (``FrameRouter.lost_peers``)."""

@@ -116,7 +116,7 @@ def test_the_endpoint_lets_in_only_the_directory_keys_with_their_identity(tmp_pa
                 except AuthRefused:
                     pass  # the handshake may already have failed: then the send itself says so
             good.send(Heartbeat("w1"))
-            peer, msg, identity = _recv_until(server, 10)
+            peer, msg, identity, *_ = _recv_until(server, 10)
             assert msg == Heartbeat("w1") and peer == good.peer
             assert (identity.name, identity.role) == ("w1", Role.WORKER)
             assert _recv_until(server, 1.0) is None  # the stranger's and the plaintext heartbeats never arrive
@@ -145,7 +145,7 @@ def test_roles_are_checked_before_the_coordinator_sees_a_message(tmp_path):
         worker.send(AdminRequest("shutdown", {"kind": "abort"}))
         admin.send(Heartbeat("ops"))
         worker.send(AdminRequest("status"))
-        peer, msg, identity = _recv_until(server, 10)
+        peer, msg, identity, *_ = _recv_until(server, 10)
         assert msg == AdminRequest("status") and identity.role is Role.WORKER  # status: either role
         assert _recv_until(server, 0.5) is None
         replies = [_recv_until(worker, 5), _recv_until(admin, 5)]

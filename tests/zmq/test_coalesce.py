@@ -15,7 +15,7 @@ import torch
 
 from diloco.transport.zmq import framing
 from diloco.transport.zmq.framing import PART_COST_BYTES, Assembler, Complete, Refused, parts
-from diloco.wire import codec
+from diloco.wire import codec, frame_plan
 from diloco.wire.messages import Result, Submit
 from diloco.wire.zmq import _TENSOR_RUNS, ZmqCoordinatorEndpoint, ZmqOptions, ZmqWorkerEndpoint
 
@@ -39,7 +39,7 @@ def _tensors():
 def test_chunked_tensors_arrive_contiguous_and_decode_to_the_same_values_without_a_copy():
     tensors = _tensors()
     frames = codec.encode(Submit("w", 0, 3, tensors, "fp32", {}), chunk_bytes=100_000)
-    runs = codec.plan_runs(frames[0])
+    runs = frame_plan.plan_runs(frames[0])
     assert [(first, n) for first, n, _ in runs] == [(1, 12), (14, 7)]
     a = Assembler(1 << 30, coalescer=_TENSOR_RUNS)
     got = _feed(a, frames)
@@ -123,7 +123,7 @@ def test_a_chunked_submit_and_result_cross_the_endpoints_intact():
             got = coord.recv(0.1)
             if got is not None:
                 break
-        peer, msg, _ = got
+        peer, msg, *_ = got
         for name, t in tensors.items():
             assert torch.equal(msg.tensors[name], t), name
         coord.send(peer, Result(0, 3, "applied", 4, msg.tensors))

@@ -46,7 +46,7 @@ def test_a_closed_connection_is_a_lost_peer_after_the_grace_window():
     with ZmqCoordinatorEndpoint("tcp://127.0.0.1:0", options=ZmqOptions(disconnect_grace_s=0.5)) as ep:
         sock = _dealer(ctx, ep.address, b"w1.test")
         _send(sock, Heartbeat("w1"))
-        peer, msg, _ = ep.recv(5.0)
+        peer, msg, *_ = ep.recv(5.0)
         assert peer == "w1.test" and msg == Heartbeat("w1")
         closed_at = time.monotonic()
         sock.close(0)

@@ -79,7 +79,7 @@ def test_bound_port_is_reported_and_messages_flow_both_ways(coordinator):
     assert coordinator.address.startswith("tcp://127.0.0.1:") and not coordinator.address.endswith(":0")
     with ZmqWorkerEndpoint(coordinator.address, label="w1") as w:
         w.send(Heartbeat("w1"))
-        peer, msg, identity = coordinator.recv(3.0)
+        peer, msg, identity, *_ = coordinator.recv(3.0)
         assert msg == Heartbeat("w1") and peer == w.peer and peer.startswith("w1.")
         assert identity is None  # no keys, no identity
         params = {"a": torch.randn(1_500_000), "b": torch.tensor(3, dtype=torch.int64)}  # 6 MB: two frames
@@ -128,7 +128,7 @@ def test_hostile_frames_get_an_error_reply_and_are_counted(coordinator, raw):
         assert isinstance(reply, Error) and reply.code is code, reply
     # A valid message from the same socket still goes through.
     send_parts(sock, codec.encode(Heartbeat("ok")))
-    peer, msg, _ = coordinator.recv(2.0)
+    peer, msg, *_ = coordinator.recv(2.0)
     assert msg == Heartbeat("ok")
     stats = coordinator.stats()
     assert stats["malformed_total"] == len(cases)
@@ -221,7 +221,7 @@ def test_a_worker_reconnects_to_a_restarted_coordinator_on_the_same_address():
         assert w.recv(0.3) is None and w.silence_s() >= 0.3
         c2 = ZmqCoordinatorEndpoint(address)
         try:
-            peer, msg, _ = c2.recv(5.0)
+            peer, msg, *_ = c2.recv(5.0)
             assert msg == Heartbeat("w") and peer == w.peer  # same routing id after the reconnect
             c2.send(peer, HeartbeatReply(True, 2, "forming", command="rejoin"))
             reply = w.recv(3.0)
@@ -343,7 +343,7 @@ def test_wake_ends_a_blocked_recv_at_once_and_messages_still_flow(coordinator, t
         assert ep.recv(0.0) is None
         if transport == "zmq":
             ep.send(Heartbeat("w"))
-            peer, msg, _ = coordinator.recv(2.0)
+            peer, msg, *_ = coordinator.recv(2.0)
             coordinator.send(peer, HeartbeatReply(False, 1, "running"))
             deadline = time.monotonic() + 2.0
             reply = None

@@ -50,7 +50,9 @@ in; and a message being assembled holds one copy of its bytes, never its
 parts plus a reassembled copy. The buffer is counted in full (its declared
 bytes) from the run's first part, so the limits hold as before; parts that
 do not fit what the run declared end the coalescing of that run and are
-kept as they came, for the decoder to judge.
+kept as they came, for the decoder to judge. The coalescer may also watch a
+message (``FrameWatch``): it is told of each frame as that frame is whole, on
+the receiving thread, and what it saw goes to the decoder with the message.
 
 Anything that does not carry a tag is handed back whole as a *legacy*
 message (protocol version 1 sent a message as one multipart message), so
@@ -142,6 +144,21 @@ class Coalescer(Protocol):
     def allocate(self, nbytes: int) -> Any:
         """A writable buffer of ``nbytes`` bytes (format ``B``), for one run."""
 
+    def watch(self, header: Any) -> FrameWatch | None:
+        """From a message's first part: an object to tell of each of its frames as that frame is whole,
+        or None. Handed to the decoder with the message (``Complete.watch``). May not raise."""
+
+
+class FrameWatch(Protocol):
+    """Told of each frame of one message as it is whole, while the rest of the message arrives: the
+    receiver's chance to look at bytes it will need anyway while they are fresh and its thread would
+    otherwise wait (the wire layer measures a Submit's tensors for the coordinator's checks)."""
+
+    def frame(self, index: int, buffer: Any) -> None:
+        """Frame ``index`` is whole: a part's payload, or a coalesced run's buffer (at the run's first
+        index). Called on the receiving thread; the buffer is not written again. An exception
+        ends the watch (a hint only: it never changes what is assembled)."""
+
 
 @dataclass(slots=True)
 class _Run:
@@ -170,14 +187,18 @@ class _Partial:
     runs: dict = field(default_factory=dict)
     #: The run being coalesced, if any.
     run: _Run | None = None
+    #: Told of each frame as it is whole (``Coalescer.watch``), if any.
+    watch: FrameWatch | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Complete:
-    """A whole message's codec frames; ``legacy`` when they came as one multipart message, not as parts."""
+    """A whole message's codec frames; ``legacy`` when they came as one multipart message, not as parts;
+    ``watch``: what the coalescer's ``FrameWatch`` saw of them as they arrived (or None)."""
 
     frames: list
     legacy: bool = False
+    watch: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,6 +285,7 @@ class Assembler:
             partial = self._admit(peer, _Partial(seq, count, now_s, owner or peer), max(1, owner_limit))
             if self.coalescer is not None:
                 partial.runs = self._plan(payload, count)
+                partial.watch = self._watch(payload)
         elif partial is None or partial.seq != seq or (index != len(partial.frames) and not partial.dropping):
             # A part of a message whose start we never kept (refused at its first part, or dropped to
             # make room), or out of order (impossible on one connection): skip it, and drop any other
@@ -309,12 +331,16 @@ class Assembler:
             partial.frames.append(run.buffer)
         if run is None:
             partial.frames.append(payload)
+            if partial.watch is not None:
+                self._tell(partial, index, payload)
         else:
-            self._coalesce(partial, run, index, payload)
+            whole = self._coalesce(partial, run, index, payload)
+            if whole is not None and partial.watch is not None:
+                self._tell(partial, run.first, whole)
         if len(partial.frames) < partial.count:
             return None
         self._remove(peer)
-        return Complete(partial.frames)
+        return Complete(partial.frames, watch=partial.watch)
 
     def _plan(self, header: Any, count: int) -> dict:
         """The runs the coalescer names in a message of ``count`` parts (sane ones only)."""
@@ -333,6 +359,19 @@ class Assembler:
             end = first + parts_in_run
         return runs
 
+    def _watch(self, header: Any) -> FrameWatch | None:
+        try:
+            return self.coalescer.watch(header)
+        except Exception:  # a hint only
+            return None
+
+    @staticmethod
+    def _tell(partial: _Partial, index: int, buffer: Any) -> None:
+        try:
+            partial.watch.frame(index, buffer)
+        except Exception:  # a hint only: the watch ends, the message is assembled as ever
+            partial.watch = None
+
     def _allocate(self, nbytes: int) -> memoryview:
         buf = memoryview(self.coalescer.allocate(nbytes))
         if buf.format != "B" or buf.ndim != 1:
@@ -343,8 +382,9 @@ class Assembler:
         return buf
 
     @staticmethod
-    def _coalesce(partial: _Partial, run: _Run, index: int, payload: Any) -> None:
-        """Copy a run's part into its buffer (then the part is let go), or end the run when it does not fit."""
+    def _coalesce(partial: _Partial, run: _Run, index: int, payload: Any) -> memoryview | None:
+        """Copy a run's part into its buffer (then the part is let go), or end the run when it does not fit;
+        the run's buffer once its last part is in."""
         src = getattr(payload, "buffer", None)
         if src is None:
             src = memoryview(payload)
@@ -361,10 +401,12 @@ class Assembler:
             partial.run = None
             partial.frames[run.first] = run.buffer[:run.filled]
             partial.frames.append(payload)
-            return
+            return None
         if index == run.end - 1:
             partial.run = None
-            partial.frames[run.first] = run.buffer[:run.filled]
+            whole = partial.frames[run.first] = run.buffer[:run.filled]
+            return whole
+        return None
 
     def _too_large(self, seq: int, index: int, count: int) -> Refused:
         return Refused("too_large", f"message {seq} grew past max_message_bytes={self.max_message_bytes} at "
