@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -97,9 +98,23 @@ class BlockedStep:
             live.data = old
 
 
+class GradBlocks(Protocol):
+    """A gradient made block by block, just before the step reads each block (``ParamStore.open_mean``)."""
+
+    def block(self, name: str, start: int, end: int) -> None:
+        """Make elements ``start:end`` (flat) of tensor ``name``."""
+
+    def made(self, name: str) -> None:
+        """Tensor ``name`` was made whole by ``block`` calls."""
+
+    def finish(self) -> None:
+        """Make every tensor not yet made."""
+
+
 def step_in_blocks(opt: torch.optim.Optimizer, params: dict[str, torch.Tensor], grad: dict[str, torch.Tensor],
                    *, grad_bound: float | None = None, magnitudes: Magnitudes | None = None,
-                   overwrite: bool = False, undo_kept: bool = False) -> BlockedStep | None:
+                   overwrite: bool = False, undo_kept: bool = False,
+                   grad_blocks: GradBlocks | None = None) -> BlockedStep | None:
     """``opt.step()`` with ``grad`` as the params' gradients, made block by block when ``opt`` is a plain
     Nesterov SGD whose momentum exists; None when it does not apply (nothing was changed: step as usual).
 
@@ -119,9 +134,35 @@ def step_in_blocks(opt: torch.optim.Optimizer, params: dict[str, torch.Tensor], 
     ``undo_kept``: the caller kept an exact undo of its own (the params' old values elsewhere and the
     optimizer's state backed up, ``Coordinator._prepare_steps``) and nothing else holds the params'
     memory: in place, checked for finiteness as it goes; the caller undoes a refused step.
+
+    ``grad_blocks``: ``grad`` is not made yet. The in-place step proven finite makes each block of it
+    just before reading it (one pass over the mean and the step together, not two); any other way,
+    including a None return, makes all of it first.
     """
     group = _nesterov_group(opt)
-    if group is None or len(group["params"]) != len(params):
+    work = None if group is None else _work(opt, group, params, grad)
+    if work is None:
+        if grad_blocks is not None:
+            grad_blocks.finish()
+        return None
+    lr, momentum, dampening = group["lr"], group["momentum"], group["dampening"]
+    bounds = None if undo_kept or not overwrite else _in_place_bounds(lr, momentum, grad_bound, magnitudes, work)
+    if bounds is not None:
+        # Nothing read ``grad`` yet: its blocks are made as the step comes to them.
+        _step_in_place(work, lr, momentum, dampening, check=False, grad_blocks=grad_blocks)
+        return BlockedStep(None, True, {}, Magnitudes(*bounds, _key(work)), [])
+    if grad_blocks is not None:
+        grad_blocks.finish()
+    if undo_kept:
+        return BlockedStep(_step_in_place(work, lr, momentum, dampening, check=True), True, {}, None, [])
+    return _step_to_fresh_memory(work, lr, momentum, dampening, measure=grad_bound is not None)
+
+
+def _work(opt: torch.optim.Optimizer, group: dict, params: dict[str, torch.Tensor],
+          grad: dict[str, torch.Tensor]) -> list | None:
+    """``(name, param, grad, momentum)`` of each param, or None when the blocked step does not apply
+    (reads no value of ``grad``)."""
+    if len(group["params"]) != len(params):
         return None
     ids = {id(p) for p in group["params"]}
     work = []
@@ -136,21 +177,25 @@ def step_in_blocks(opt: torch.optim.Optimizer, params: dict[str, torch.Tensor], 
         if p.numel() and len({p.data_ptr(), g.data_ptr(), buf.data_ptr()}) < 3:
             return None  # aliased: let torch do what it does
         work.append((name, p, g.detach(), buf))
-    lr, momentum, dampening = group["lr"], group["momentum"], group["dampening"]
-    if undo_kept:
-        return BlockedStep(_step_in_place(work, lr, momentum, dampening, check=True), True, {}, None, [])
-    if overwrite and grad_bound is not None and magnitudes is not None and magnitudes.key == _key(work):
-        # |buf'| <= m |buf| + |g|, |t| <= |g| + m |buf'|, |p'| <= |p| + lr |t| (dampening is 0).
-        new_momentum = momentum * magnitudes.momentum + grad_bound
-        new_params = magnitudes.params + lr * (grad_bound + momentum * new_momentum)
-        if max(new_momentum, new_params) * _ROUNDING < IN_PLACE_LIMIT:  # False for a NaN or an infinity
-            _step_in_place(work, lr, momentum, dampening, check=False)
-            carried = Magnitudes(new_params * _ROUNDING, new_momentum * _ROUNDING, _key(work))
-            return BlockedStep(None, True, {}, carried, [])
-    return _step_to_fresh_memory(work, lr, momentum, dampening, measure=grad_bound is not None)
+    return work
 
 
-def _step_in_place(work: list, lr: float, momentum: float, dampening: float, *, check: bool) -> str | None:
+def _in_place_bounds(lr: float, momentum: float, grad_bound: float | None, magnitudes: Magnitudes | None,
+                     work: list) -> tuple[float, float] | None:
+    """Bounds on the new params and momentum (the rounding margin included) that prove a step in place
+    finite, or None when they are unknown or do not."""
+    if grad_bound is None or magnitudes is None or magnitudes.key != _key(work):
+        return None
+    # |buf'| <= m |buf| + |g|, |t| <= |g| + m |buf'|, |p'| <= |p| + lr |t| (dampening is 0).
+    new_momentum = momentum * magnitudes.momentum + grad_bound
+    new_params = magnitudes.params + lr * (grad_bound + momentum * new_momentum)
+    if not max(new_momentum, new_params) * _ROUNDING < IN_PLACE_LIMIT:  # also for a NaN or an infinity
+        return None
+    return new_params * _ROUNDING, new_momentum * _ROUNDING
+
+
+def _step_in_place(work: list, lr: float, momentum: float, dampening: float, *, check: bool,
+                   grad_blocks: GradBlocks | None = None) -> str | None:
     """The step over the old values; with ``check``, the first param left non-finite (else None)."""
     bad = None
     with torch.no_grad():
@@ -164,6 +209,8 @@ def _step_in_place(work: list, lr: float, momentum: float, dampening: float, *, 
             for start in range(0, n, BLOCK):
                 end = min(n, start + BLOCK)
                 pb, gb, bb = pf[start:end], gf[start:end], bf[start:end]
+                if grad_blocks is not None:
+                    grad_blocks.block(name, start, end)
                 # torch.optim.SGD, _single_tensor_sgd, for one block: the same calls, the same scalars.
                 bb.mul_(momentum).add_(gb, alpha=1 - dampening)
                 t = torch.add(gb, bb, alpha=momentum, out=scratch[:end - start])
@@ -171,6 +218,8 @@ def _step_in_place(work: list, lr: float, momentum: float, dampening: float, *, 
                 if check:
                     torch.sum(pb, 0, keepdim=True, out=sums[blocks:blocks + 1])
                     blocks += 1
+            if grad_blocks is not None:
+                grad_blocks.made(name)
             if bad is None and blocks and not bool(torch.isfinite(sums[:blocks]).all()) and not all_finite(p):
                 bad = name  # a block's sum not finite: a bad element, or finite values that overflow
     return bad
@@ -234,5 +283,5 @@ def blocked_step_applies(opt: torch.optim.Optimizer) -> bool:
         isinstance(opt.state.get(p, {}).get("momentum_buffer"), torch.Tensor) for p in group["params"])
 
 
-__all__ = ["BLOCK", "BlockedStep", "DelayedNesterov", "IN_PLACE_LIMIT", "Magnitudes", "OPTIMIZERS", "OuterConfig",
-           "OuterConfigError", "blocked_step_applies", "build_outer_optimizer", "step_in_blocks"]
+__all__ = ["BLOCK", "BlockedStep", "DelayedNesterov", "GradBlocks", "IN_PLACE_LIMIT", "Magnitudes", "OPTIMIZERS",
+           "OuterConfig", "OuterConfigError", "blocked_step_applies", "build_outer_optimizer", "step_in_blocks"]

@@ -270,6 +270,14 @@ class ParamStore:
 
     def take_mean(self, fragment_id: int, contributors: int) -> Tensors:
         """The mean pseudo-gradient of the round (fp32), and reset the sum. ``contributors`` must match."""
+        mean = self.open_mean(fragment_id, contributors)
+        mean.finish()
+        return mean.tensors
+
+    def open_mean(self, fragment_id: int, contributors: int) -> "OpenMean":
+        """``take_mean`` with its one pass left to the caller, block by block (``OpenMean``): an outer
+        step can then make each block of the mean just before it reads it, while the block is in the
+        cache (``outer.step_in_blocks``'s ``grad_ready``). The sum is reset now."""
         s, count, last = self._sums[fragment_id], self._counts[fragment_id], self._last[fragment_id]
         if (s is None and last is None) or count != contributors:
             raise RuntimeError(
@@ -281,25 +289,9 @@ class ParamStore:
         # factor 2 covers the rounding of the norms and of the scaled sum of up to MAX_SUMMED terms.
         self._mean_bound[fragment_id] = None if largest is None else 2.0 * largest
         self.reset_sum(fragment_id)
-        divisor = total if weighted else contributors
         if s is None:  # the round's only contribution was left to this pass
             s = {n: buffers.empty(self.params[n].shape) for n in last[0]}
-        # Divide first, then undo the scale: sum / k is at most fp32's largest value * 2^-20. Block by
-        # block, so that each operation finds the block in the cache (elementwise: the same bits as
-        # whole-tensor operations), the last contribution's addition (``accumulate(last=True)``) first.
-        for n, t in s.items():
-            flat = t.view(-1)
-            src = None if last is None else last[0][n]
-            for start in range(0, flat.numel(), MEAN_BLOCK):
-                block = flat[start:start + MEAN_BLOCK]
-                if src is not None:
-                    part = src[start:start + MEAN_BLOCK]
-                    if count == 1:  # the round's only contribution: the sum starts here
-                        torch.mul(part, last[1], out=block)
-                    else:
-                        block.add_(part, alpha=last[1])
-                block.div_(divisor).mul_(1.0 / SUM_SCALE)
-        return s
+        return OpenMean(s, last, count == 1, total if weighted else contributors)
 
     def mean_bound(self, fragment_id: int) -> float | None:
         """A bound on every element of the last mean ``take_mean`` gave, or None when a contribution to
@@ -332,3 +324,45 @@ def describe_mismatch(got, want) -> str:
     if extra:
         return f"the worker's model has tensors the run's model does not: {extra[:5]}"
     return "the worker's model lists the run's tensors in a different order"
+
+
+class OpenMean:
+    """A round's mean still to be made, block by block (``ParamStore.open_mean``): ``tensors`` hold the
+    scaled sum until each block is made (``block``), then the mean. Every block must be made once,
+    in any order (``finish`` makes those not yet made)."""
+
+    def __init__(self, sums: Tensors, last: tuple[Tensors, float] | None, only: bool, divisor: float) -> None:
+        self.tensors = sums
+        self._last = last
+        self._only = only
+        self._divisor = divisor
+        self._made: set[str] = set()
+
+    def block(self, name: str, start: int, end: int) -> None:
+        """Make elements ``start:end`` of tensor ``name``'s mean (flat indices)."""
+        flat = self.tensors[name].view(-1)
+        block = flat[start:end]
+        if self._last is not None:
+            part = self._last[0][name][start:end]
+            if self._only:  # the round's only contribution: the sum starts here
+                torch.mul(part, self._last[1], out=block)
+            else:
+                block.add_(part, alpha=self._last[1])
+        # Divide first, then undo the scale: sum / k is at most fp32's largest value * 2^-20.
+        block.div_(self._divisor).mul_(1.0 / SUM_SCALE)
+
+    def made(self, name: str) -> None:
+        """Tensor ``name`` was made whole, block by block (by ``block`` calls)."""
+        self._made.add(name)
+
+    def finish(self) -> None:
+        """Make every tensor not yet made, block by block (so that each operation finds the block in the
+        cache; elementwise: the same bits as whole-tensor operations), the last contribution's
+        addition (``accumulate(last=True)``) first."""
+        for name, t in self.tensors.items():
+            if name in self._made:
+                continue
+            n = t.numel()
+            for start in range(0, n, MEAN_BLOCK):
+                self.block(name, start, min(n, start + MEAN_BLOCK))
+            self._made.add(name)

@@ -73,7 +73,7 @@ from diloco.coordinator.metrics import MetricsHistory
 from diloco.core import trace
 from diloco.coordinator.outliers import OutlierGuard
 from diloco.outer import OptimizerBackup, build_outer_optimizer
-from diloco.coordinator.outer import Magnitudes, blocked_step_applies, step_in_blocks
+from diloco.coordinator.outer import GradBlocks, Magnitudes, blocked_step_applies, step_in_blocks
 from diloco.coordinator.params import (
     describe_mismatch,
     NonFinite,
@@ -869,8 +869,11 @@ class Coordinator:
         assert store is not None
         fid = effect.fragment_id
         grad_bound = None
+        mean = None
         if self._sync:
-            grad = store.take_mean(fid, len(effect.contributors))
+            # The mean is made in the outer step's own pass when it can be (``outer.step_in_blocks``).
+            mean = store.open_mean(fid, len(effect.contributors))
+            grad = mean.tensors
             grad_bound = store.mean_bound(fid)
             inputs = self._summed.pop(fid, [])
             tokens = self._round_tokens.pop(fid, 0)
@@ -889,8 +892,11 @@ class Coordinator:
                 tokens += held.tokens or 0
             grad = store.take_mean(fid, len(inputs))
         if self.recorder is not None:
+            if mean is not None:
+                mean.finish()  # the journal writes the mean while the step runs
             self.recorder.step(fid, inputs, grad)
-        bad, delta = self.outer_step(fid, grad, grad_bound)
+            mean = None
+        bad, delta = self.outer_step(fid, grad, grad_bound, mean)
         if bad is not None:
             self.stats.steps_refused += 1
             self._notify("step_refused", now, fragment_id=fid, round_id=effect.round_id,
@@ -950,11 +956,12 @@ class Coordinator:
         groups = [repr(sorted((k, v) for k, v in g.items() if k != "params")) for g in opt.param_groups]
         return tuple(params), tuple(state), tuple(groups)
 
-    def outer_step(self, fid: int, grad: Tensors,
-                   grad_bound: float | None = None) -> tuple[str | None, compression.Encoded | None]:
+    def outer_step(self, fid: int, grad: Tensors, grad_bound: float | None = None,
+                   grad_blocks: GradBlocks | None = None) -> tuple[str | None, compression.Encoded | None]:
         """Step fragment ``fid``'s outer optimizer on ``grad``: (the first non-finite tensor or None, the
         encoded delta the Results carry on a bf16/int8 run, else None). ``grad_bound``: at least every
         element's magnitude, when known (``ParamStore.mean_bound``), for a step made in place.
+        ``grad_blocks``: ``grad`` is still to be made (``ParamStore.open_mean``); made by the step.
 
         Deterministic: the same params, optimizer state and ``grad`` give the same bits, which
         is what lets a write-ahead log replay a round (``journal.py``).
@@ -975,7 +982,7 @@ class Coordinator:
         overwrite = not self.delta_results and all(ref() is None for ref in self._handed_out.get(fid, ()))
         blocked = step_in_blocks(opt, params, grad, grad_bound=None if self.delta_results else grad_bound,
                                  magnitudes=self._magnitudes.get(fid), overwrite=overwrite,
-                                 undo_kept=kept is not None)
+                                 undo_kept=kept is not None, grad_blocks=grad_blocks)
         self._magnitudes[fid] = None if blocked is None else blocked.magnitudes
         if blocked is not None and kept is None:
             before, bad, undo = blocked.before, blocked.bad, blocked.undo

@@ -209,3 +209,108 @@ def test_a_step_with_its_undo_kept_is_made_in_place_checked_and_left_to_the_call
     huge["big"][-1] = 3e38
     step = step_in_blocks(opt, p, huge, undo_kept=True)
     assert step is not None and step.bad == "big"  # found on the way; the caller puts its copy back
+
+
+def _store_with_round(weights, seed: int = 9):
+    """A store holding one round: each contribution summed, the last left to the mean's pass."""
+    g = torch.Generator().manual_seed(seed)
+    store = ParamStore({n: torch.zeros(s) for n, s in SHAPES.items()}, 1)
+    for i, tokens in enumerate(weights):
+        t = {n: torch.randn(s, generator=g) * 0.01 for n, s in SHAPES.items()}
+        norm = float(torch.cat([x.reshape(-1) for x in t.values()]).norm())
+        store.accumulate(0, t, tokens, norm=norm, last=i == len(weights) - 1)
+    return store
+
+
+@pytest.mark.parametrize("weights", [[None], [None, None, None], [100, 30, 70]])
+def test_the_mean_made_in_the_steps_own_pass_gives_the_same_bits(weights):
+    """``ParamStore.open_mean`` + ``step_in_blocks(grad_blocks=...)``: each block of the mean is made just
+    before the in-place step reads it; the params, the momentum and the mean are those of the mean
+    taken first."""
+    params, grads = _state(8, steps=2)
+    fused_p, fused_opt = _stepped_once(params, grads[0])
+    plain_p, plain_opt = _stepped_once(params, grads[0])
+    magnitudes = step_in_blocks(fused_opt, fused_p, grads[1], grad_bound=_bound(grads[1]), overwrite=False).magnitudes
+    step_in_blocks(plain_opt, plain_p, grads[1], grad_bound=_bound(grads[1]), overwrite=False)
+    fused_store, plain_store = _store_with_round(weights), _store_with_round(weights)
+    mean = fused_store.open_mean(0, len(weights))
+    made = []
+    original = mean.block
+    mean.block = lambda name, start, end: (made.append(name), original(name, start, end))[1]
+    step = step_in_blocks(fused_opt, fused_p, mean.tensors, grad_bound=fused_store.mean_bound(0),
+                          magnitudes=magnitudes, overwrite=True, grad_blocks=mean)
+    assert step is not None and step.in_place  # the fused path was taken ...
+    assert set(made) == {n for n, s in SHAPES.items() if torch.Size(s).numel()}  # ... and made every block
+    plain_mean = plain_store.take_mean(0, len(weights))
+    step_in_blocks(plain_opt, plain_p, plain_mean, grad_bound=plain_store.mean_bound(0), magnitudes=magnitudes,
+                   overwrite=True)
+    mean.finish()  # nothing left to make: a no-op
+    for n in SHAPES:
+        assert torch.equal(mean.tensors[n], plain_mean[n]), n
+        assert torch.equal(fused_p[n], plain_p[n]), n
+        assert torch.equal(fused_opt.state[fused_p[n]]["momentum_buffer"],
+                           plain_opt.state[plain_p[n]]["momentum_buffer"]), n
+
+
+@pytest.mark.parametrize("how", ["fresh memory", "undo kept", "not a blocked step"])
+def test_a_step_that_is_not_the_fused_one_makes_the_whole_mean_first(how):
+    params, grads = _state(10, steps=2)
+    p, opt = _stepped_once(params, grads[0])
+    if how == "not a blocked step":
+        opt = torch.optim.SGD(list(p.values()), lr=0.1)  # plain SGD: left to opt.step()
+    store, plain = _store_with_round([None, None]), _store_with_round([None, None])
+    mean = store.open_mean(0, 2)
+    finished = []
+    original = mean.finish
+    mean.finish = lambda: (finished.append(True), original())[1]
+    step = step_in_blocks(opt, p, mean.tensors, grad_bound=store.mean_bound(0), overwrite=how != "fresh memory",
+                          undo_kept=how == "undo kept", grad_blocks=mean)
+    assert finished == [True]
+    assert (step is None) == (how == "not a blocked step")
+    want = plain.take_mean(0, 2)
+    assert all(torch.equal(mean.tensors[n], want[n]) for n in SHAPES)
+
+
+def test_the_coordinator_makes_the_mean_in_the_steps_pass_unless_a_journal_writes_it_first(monkeypatch):
+    from diloco.coordinator.params import OpenMean
+
+    finished = []
+    original = OpenMean.finish
+    monkeypatch.setattr(OpenMean, "finish", lambda self: (finished.append(len(self._made)), original(self))[1])
+    c = joined(make_coordinator(min_workers=2), P0, "w1", "w2")
+    plain = joined(make_coordinator(min_workers=2, outlier_factor=0.0), P0, "w1", "w2")  # no bound: no fusion
+    for r in range(3):
+        assert _round(c, r) and _round(plain, r)
+    where = {n: p.data_ptr() for n, p in c.store.params.items()}
+    finished.clear()
+    assert _round(c, 3)
+    # Round 3 stepped in place (see above), with the mean made block by block in that pass: nothing
+    # was left for finish to make.
+    assert {n: p.data_ptr() for n, p in c.store.params.items()} == where
+    assert finished in ([], [len(P0)])
+    finished.clear()
+    assert _round(plain, 3)
+    assert finished == [0]  # no bound on the mean, no step in place: the whole mean first
+    for n in P0:
+        assert torch.equal(c.store.params[n], plain.store.params[n]), n
+
+    class Recorder:
+        def contribution(self, *args):
+            pass
+
+        def step(self, fid, inputs, grad):
+            seen.append({n: t.clone() for n, t in grad.items()})
+
+    seen: list = []
+    c.recorder = Recorder()
+    assert _round(c, 4)
+    assert _round(plain, 4)
+    sent = []  # what _round submitted in round 4
+    for i in range(2):
+        g = torch.Generator().manual_seed(400 + i)
+        sent.append({n: torch.randn(t.shape, generator=g) * 0.01 for n, t in P0.items()})
+    mean = {n: (sent[0][n] + sent[1][n]) / 2 for n in P0}
+    assert len(seen) == 1  # the journal got the whole mean before the step
+    for n in P0:
+        assert torch.allclose(seen[0][n], mean[n], atol=1e-6), n
+        assert torch.equal(c.store.params[n], plain.store.params[n]), n
