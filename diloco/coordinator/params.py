@@ -223,7 +223,7 @@ class ParamStore:
 
     # -- sync rounds: running sums (float64, see the module docstring)
     def accumulate(self, fragment_id: int, tensors: Tensors, tokens: int | None = None,
-                   norm: float | None = None, *, last: bool = False) -> None:
+                   norm: float | None = None, *, last: bool = False, owned: bool = False) -> None:
         """Add a contribution to fragment ``fragment_id``'s running sum.
 
         ``norm``: the contribution's L2 norm when the checks computed it (``check_submission``); it
@@ -234,6 +234,9 @@ class ParamStore:
         ``last``: the caller knows the round's mean is taken next (its outer step follows), so the
         addition is left to ``take_mean``, which makes it in the same pass as the division: the sum is
         read and written once less, on the round's critical path, for the same bits.
+        ``owned``: ``tensors`` are the caller's to change (fp32, contiguous; memory nothing else holds
+        or will read, such as a receive buffer), so a round's sum may start in them, scaled in place,
+        rather than in a copy: the same bits, one model-sized stream fewer.
         """
         weight = 1.0
         if tokens is not None:
@@ -258,7 +261,9 @@ class ParamStore:
         # exact (bar values under ~1e-32, which become subnormal), so the sum rounds as a
         # plain fp32 sum does, in one fused pass per contribution (a float64 sum cost 3x).
         s = self._sums[fragment_id]
-        if s is None:
+        if s is None and owned:
+            self._sums[fragment_id] = {n: t.detach().mul_(alpha) for n, t in tensors.items()}
+        elif s is None:
             # A new sum every round (it is handed out as the step's input, ``take_mean``), on memory
             # that is reused from round to round (``buffers``).
             self._sums[fragment_id] = {n: torch.mul(t.detach().to(torch.float32), alpha,

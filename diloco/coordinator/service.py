@@ -159,6 +159,12 @@ def _closes_round(effects: list, i: int) -> bool:
                and accept.worker_id in e.contributors for e in effects[i + 1:])
 
 
+def _receive_buffers(tensors: Tensors, measured) -> bool:
+    """Whether every tensor is memory the receiver measured as it arrived (``diloco.wire.measure``): the
+    Submit's own receive buffers, fp32 and contiguous, which only this Submit holds."""
+    return measured is not None and all(not t.numel() or measured.square(t) is not None for t in tensors.values())
+
+
 def held_tensors(tensors: Tensors) -> Tensors:
     """An async contribution as it is held until it applies: fp32 copies (a replay makes the same)."""
     return {n: t.detach().to(torch.float32).clone() for n, t in tensors.items()}
@@ -578,7 +584,8 @@ class Coordinator:
                                  norm=norm if math.isfinite(norm) else str(norm), detail=why)
                     return
             effects = self._step(ContributionSubmitted(wid, fid, msg.round_id), out, peer=peer, submit=msg,
-                                 tensors=tensors, norm=checked_norm if checked_norm is not None else norm)
+                                 tensors=tensors, norm=checked_norm if checked_norm is not None else norm,
+                                 owned=_receive_buffers(tensors, measured))
             if norm is not None and any(type(e) is AcceptContribution for e in effects):
                 self.outliers.accepted(fid, norm)
             return
@@ -693,7 +700,7 @@ class Coordinator:
 
     def _step(self, event, out: Outgoing, *, peer: str | None = None, join: Join | None = None,
               submit: Submit | None = None, tensors: Tensors | None = None, norm: float | None = None,
-              report: ReduceReport | None = None) -> list:
+              report: ReduceReport | None = None, owned: bool = False) -> list:
         effects = self.fsm.step(event)
         now = self.fsm.now_s
         if self.trace_inputs:
@@ -706,7 +713,7 @@ class Coordinator:
         for i, effect in enumerate(effects):
             kind = type(effect)
             if kind is AcceptContribution:
-                self._accept(effect, submit, tensors, peer, out, norm, _closes_round(effects, i))
+                self._accept(effect, submit, tensors, peer, out, norm, _closes_round(effects, i), owned)
             elif kind is ReleaseWorker:
                 self._release(effect, out)
             elif kind is ApplyRound:
@@ -825,7 +832,8 @@ class Coordinator:
                      attempt=effect.attempt, reason=effect.reason.value)
 
     def _accept(self, effect: AcceptContribution, submit: Submit | None, tensors: Tensors | None,
-                peer: str | None, out: Outgoing, norm: float | None = None, closes: bool = False) -> None:
+                peer: str | None, out: Outgoing, norm: float | None = None, closes: bool = False,
+                owned: bool = False) -> None:
         assert submit is not None and tensors is not None and peer is not None
         self.stats.contributions_accepted += 1
         if self.collective is not None:
@@ -840,8 +848,10 @@ class Coordinator:
         fid = effect.fragment_id
         if self._sync:
             # ``closes``: this round's outer step follows, whose mean makes the addition in its own pass.
+            # ``owned``: the tensors are the receiver's buffers, which nothing else reads (a journal
+            # writes the Submit as it came: then they are not), so the round's sum may start in them.
             self.store.accumulate(fid, tensors, submit.tokens if self.config.token_weighted else None, norm,
-                                  last=closes)
+                                  last=closes, owned=owned and self.recorder is None)
             self._summed.setdefault(fid, []).append((effect.round_id, effect.worker_id))
             self._round_tokens[fid] = self._round_tokens.get(fid, 0) + (submit.tokens or 0)
         else:

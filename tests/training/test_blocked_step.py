@@ -157,3 +157,22 @@ def test_only_an_accept_its_own_rounds_apply_follows_is_left_to_the_mean():
     assert not _closes_round([accept, ApplyRound(0, 2, ("w1", "w2"))], 0)  # another round's
     assert not _closes_round([accept, ApplyRound(1, 3, ("w1", "w2"))], 0)  # another fragment's
     assert not _closes_round([accept, ApplyRound(0, 3, ("w1", "w3"))], 0)  # not listing it
+
+
+@pytest.mark.parametrize("tokens", [None, [300, 100, 250]])
+def test_a_sum_started_in_the_contributions_own_memory_gives_the_same_bits(tokens):
+    """``accumulate(owned=True)``: the round's sum starts in the first contribution's memory, scaled in
+    place, instead of a copy (a receive buffer nothing else reads); the mean is the same."""
+    params, grads = _state(6)
+    owned, plain = ParamStore(params, 1), ParamStore(params, 1)
+    mine = [{n: t.clone() for n, t in g.items()} for g in grads[:3]]
+    for i in range(3):
+        w = None if tokens is None else tokens[i]
+        owned.accumulate(0, mine[i], w, owned=True)
+        plain.accumulate(0, grads[i], w)
+        if i == 0:  # the sum is the first contribution's memory
+            assert all(owned._sums[0][n].data_ptr() == mine[0][n].data_ptr() for n in SHAPES if mine[0][n].numel())
+    a, b = owned.take_mean(0, 3), plain.take_mean(0, 3)
+    for n in SHAPES:
+        assert torch.equal(a[n], b[n]), n
+        assert torch.equal(mine[1][n], grads[1][n]), n  # only a round's first sum starts in its tensors

@@ -194,3 +194,49 @@ def test_the_served_coordinator_checks_each_submit_with_what_its_receiver_measur
     norm, measured, computed = seen[0]
     assert norm is True
     assert measured == computed  # every tensor measured on arrival, to the checks' own bits
+
+
+def _received_submit(wid: str, tensors: dict[str, torch.Tensor]):
+    """``tensors`` as the coordinator's receiver hands a Submit over: decoded from its receive buffers,
+    with what it measured as they arrived."""
+    got = _arrive(codec.encode(Submit(wid, 0, 0, tensors, "fp32", {}), chunk_bytes=40_000))
+    return codec.decode(got.frames), got.watch
+
+
+@pytest.mark.parametrize("journal", [False, True])
+def test_the_rounds_sum_starts_in_the_first_submits_receive_buffers_unless_a_journal_reads_them(journal):
+    """The receive buffers are the Submit's own: the round's running sum may start in them, scaled in
+    place (``ParamStore.accumulate(owned=True)``), with no copy. A journal writes the Submit as it came,
+    so then the sum is a copy and the Submit keeps its values."""
+    from diloco.testing import joined, make_coordinator
+
+    params = {"a": torch.zeros(31, 1009), "b": torch.zeros(10)}
+    c = joined(make_coordinator(min_workers=2), params, "w1", "w2")
+    plain = joined(make_coordinator(min_workers=2), params, "w1", "w2")  # the same Submits, not measured
+    recorded = []
+
+    class Journal:
+        def contribution(self, fragment_id, round_id, worker_id, submit):
+            recorded.append({n: t.clone() for n, t in submit.tensors.items()})
+
+        def step(self, fragment_id, inputs, grad):
+            pass
+
+    if journal:
+        c.recorder = plain.recorder = Journal()
+    g = torch.Generator().manual_seed(5)
+    sent = {w: {n: torch.randn(t.shape, generator=g) for n, t in params.items()} for w in ("w1", "w2")}
+    first, watch = _received_submit("w1", sent["w1"])
+    c.handle("w1", first, 1.0, measured=watch)
+    plain.handle("w1", Submit("w1", 0, 0, {n: t.clone() for n, t in sent["w1"].items()}, "fp32", {}), 1.0)
+    sums = c.store._sums[0]
+    in_buffers = all(sums[n].data_ptr() == first.tensors[n].data_ptr() for n in params)
+    assert in_buffers is not journal
+    if journal:
+        assert all(torch.equal(recorded[0][n], sent["w1"][n]) for n in params)  # as it came
+        assert all(torch.equal(first.tensors[n], sent["w1"][n]) for n in params)
+    second, watch = _received_submit("w2", sent["w2"])
+    c.handle("w2", second, 2.0, measured=watch)
+    plain.handle("w2", Submit("w2", 0, 0, sent["w2"], "fp32", {}), 2.0)
+    for n in params:  # the same bits either way
+        assert torch.equal(c.store.params[n], plain.store.params[n]), n
