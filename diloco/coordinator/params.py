@@ -221,7 +221,7 @@ class ParamStore:
             total += square
         return total ** 0.5
 
-    # -- sync rounds: running sums (float64, see the module docstring)
+    # -- sync rounds: running sums (scaled fp32, see the module docstring)
     def accumulate(self, fragment_id: int, tensors: Tensors, tokens: int | None = None,
                    norm: float | None = None, *, last: bool = False, owned: bool = False) -> None:
         """Add a contribution to fragment ``fragment_id``'s running sum.
@@ -282,7 +282,7 @@ class ParamStore:
     def open_mean(self, fragment_id: int, contributors: int) -> "OpenMean":
         """``take_mean`` with its one pass left to the caller, block by block (``OpenMean``): an outer
         step can then make each block of the mean just before it reads it, while the block is in the
-        cache (``outer.step_in_blocks``'s ``grad_ready``). The sum is reset now."""
+        cache (``outer.step_in_blocks``'s ``grad_blocks``). The sum is reset now."""
         s, count, last = self._sums[fragment_id], self._counts[fragment_id], self._last[fragment_id]
         if (s is None and last is None) or count != contributors:
             raise RuntimeError(
