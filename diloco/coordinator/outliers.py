@@ -23,6 +23,8 @@ from collections import deque
 
 import torch
 
+from diloco.wire.measure import square_sum
+
 #: Accepted norms kept per fragment.
 WINDOW = 16
 #: Norms needed before the median bound applies.
@@ -40,7 +42,7 @@ def fast_norm(tensors: dict[str, torch.Tensor]) -> float:
     total = 0.0
     for t in tensors.values():
         if t.numel():
-            total += float(torch.linalg.vector_norm(t.detach().float())) ** 2
+            total += square_sum(t)
     return total ** 0.5
 
 

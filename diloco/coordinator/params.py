@@ -22,6 +22,7 @@ import torch
 from diloco.outer import all_finite  # noqa: F401  (re-exported: the coordinator's checks use it)
 
 from diloco.wire import buffers
+from diloco.wire.measure import square_sum
 from diloco.wire.messages import TensorSpec, Tensors, spec_of
 
 
@@ -37,7 +38,7 @@ class Measured(Protocol):
     """What the receiver measured of a contribution's tensors as they arrived (``diloco.wire.measure``)."""
 
     def square(self, t: torch.Tensor) -> float | None:
-        """``float(torch.linalg.vector_norm(t)) ** 2`` if ``t`` is memory it measured, else None."""
+        """``square_sum(t)`` if ``t`` is memory it measured, else None."""
 
 
 class ParamMismatch(ValueError):
@@ -215,7 +216,7 @@ class ParamStore:
                 continue
             square = None if measured is None else measured.square(t)
             if square is None:
-                square = float(torch.linalg.vector_norm(t.detach().float())) ** 2
+                square = square_sum(t)
             if not math.isfinite(square) and not all_finite(t):
                 raise _non_finite(fragment_id, name)
             total += square

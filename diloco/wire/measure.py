@@ -20,13 +20,22 @@ from typing import Any
 
 from diloco.wire import codec, frame_plan
 
+def square_sum(t: Any) -> float:
+    """The sum of the squares of ``t``'s elements, as fp32's ``torch.linalg.vector_norm`` squared: the one
+    definition the receiver's measure and the coordinator's checks share, so that they agree bit for bit
+    (inf when the squares overflow, NaN for a NaN)."""
+    import torch
+
+    return float(torch.linalg.vector_norm(t.detach().float())) ** 2
+
+
 #: The message type whose tensors are measured: the only one the coordinator checks by norm.
 MEASURED_TYPE = "Submit"
 
 
 class SubmitSquares:
-    """The ``framing.FrameWatch`` of one Submit: each fp32 tensor's sum of squares, as
-    ``float(torch.linalg.vector_norm(t)) ** 2`` gives it, keyed by the memory measured."""
+    """The ``framing.FrameWatch`` of one Submit: each fp32 tensor's ``square_sum``, keyed by the memory
+    measured."""
 
     def __init__(self, frames: dict[int, int]) -> None:
         #: frame index -> bytes of the fp32 tensor it will hold whole.
@@ -54,7 +63,7 @@ class SubmitSquares:
         t = torch.frombuffer(view, dtype=torch.float32)
         if t.data_ptr() % t.element_size():
             return
-        self._squares[(t.data_ptr(), t.numel())] = float(torch.linalg.vector_norm(t)) ** 2
+        self._squares[(t.data_ptr(), t.numel())] = square_sum(t)
 
     def square(self, t: Any) -> float | None:
         """``t``'s sum of squares if ``t`` is exactly a tensor measured here (the same memory, whole,
@@ -69,4 +78,4 @@ class SubmitSquares:
         return len(self._squares)
 
 
-__all__ = ["MEASURED_TYPE", "SubmitSquares"]
+__all__ = ["MEASURED_TYPE", "SubmitSquares", "square_sum"]
