@@ -2,7 +2,8 @@
 """Chaos soak on real processes: kill and freeze workers and the coordinator at seeded moments, then check the run.
 
     python scripts/chaos.py --minutes 30 --workers 4 --seed 1     # the long soak (README)
-    python scripts/chaos.py --minutes 1.5 --workers 3 --seed 7    # the CI variant (tests/zmq/test_chaos.py adds flags)
+    python scripts/chaos.py --minutes 1.5 --workers 3 --seed 7 \
+        --at-least worker_kills=3,coordinator_kills=1,partitions=1 --max-minutes 4   # the CI variant's shape
     python scripts/chaos.py --minutes 30 --workers 4 --data-plane collective --worker-kill-every 8 --coordinator-kill-every 75
 
 A small supervisor starts ``diloco server --checkpoint-dir DIR --resume DIR``
@@ -36,6 +37,24 @@ and N ``diloco worker`` processes (the built-in char transformer) on
   workers' ``--coordinator-timeout``) and within it, then heals it. A
   worker has one fault at a time (a partitioned one is neither killed nor
   frozen until healed); the coordinator's faults overlap them.
+
+With ``--at-least KIND=N,...`` (and ``--max-minutes B``) the run injects at
+least N faults of each kind named (``worker_kills``, ``coordinator_kills``,
+``worker_freezes``, ``coordinator_freezes``, ``partitions``,
+``min_worker_changes``), whatever the clock and the machine's load: a test
+that asserts on the counts cannot fail by chance (``min_worker_changes``
+counts the changes that went through). A fault of a kind still short of its
+count that comes due while it cannot be done (no worker free to take it, the
+coordinator not steady) stays due and is done as soon as it can, instead of
+being skipped; a quorum change whose admin call failed is tried again 2 s
+later. The fault phase lasts at least ``--minutes``, every kind on its
+ordinary schedule; past them, the kinds that have their counts stop, and
+each kind still short is due at once and then at most its mean interval
+apart, until every count is reached -- but not past ``--max-minutes``: a
+count still short then is a violation, named in a ``VIOLATION`` line (the
+system could not take the faults asked for). Without ``--at-least`` faults
+that find no target are skipped and the phase ends at ``--minutes``, as the
+long soak's figures were measured.
 
 Worker ``w1`` is never killed, frozen nor partitioned, and keeps the default
 ``--coordinator-timeout`` (600 s): it is the long-lived worker whose memory
@@ -117,7 +136,8 @@ with: persist-before-announce makes it 0). Last line::
         max_stall_s=S stall_bound_s=S rss_growth=+P% fd_growth=+P%
 
 (``rss_growth`` and ``fd_growth``: the larger of the coordinator's and
-``w1``'s.) Besides the logs and checkpoints, ``--out DIR`` keeps
+``w1``'s; with ``--at-least``, ``minutes`` is how long the fault phase
+lasted.) Besides the logs and checkpoints, ``--out DIR`` keeps
 ``samples.jsonl`` (the memory and descriptor samples) and ``faults.json``
 (every outage, kill, exit, freeze and partition, with wall-clock times).
 
@@ -135,6 +155,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -261,6 +282,15 @@ WINDOW_S = 10.0
 EXIT_S = 10.0
 #: A thawed worker is not frozen again for this long.
 REJOIN_S = 10.0
+#: The fault kinds ``--at-least`` counts (named as the RESULT line names them), each with the option that sets
+#: its mean interval, in the order their first moments are drawn (the seeded sequence depends on it).
+FAULT_EVERY = {"worker_kills": "worker_kill_every", "coordinator_kills": "coordinator_kill_every",
+               "min_worker_changes": "min_workers_every", "worker_freezes": "worker_freeze_every",
+               "coordinator_freezes": "coordinator_freeze_every", "partitions": "partition_every"}
+#: Kinds that take a worker other than ``w1`` (which is never faulted): they need a second worker.
+WORKER_FAULTS = ("worker_kills", "worker_freezes", "partitions")
+#: A quorum change whose admin call failed is tried again this long after, while its kind is owed.
+RETRY_S = 2.0
 
 
 class Soak:
@@ -316,6 +346,54 @@ class Soak:
         #: Partitions: (worker id, pid, kind, wall start, wall heal, seconds).
         self.partitions: list[tuple[str, int, str, float, float, float]] = []
         self._partition_turn = 0
+        #: --at-least: past --minutes, only the kinds still short go on (each due at once, then at most its
+        #: mean interval apart); the fault phase's length in minutes, and the counts it did not reach.
+        self.overtime = False
+        self.fault_minutes = 0.0
+        self.unreached: dict[str, tuple[int, int]] = {}
+
+    # ------------------------------------------------------------------ --at-least
+
+    def done(self, kind: str) -> int:
+        """How many faults of ``kind`` the soak has injected (a partition counts from when it starts)."""
+        if kind == "partitions":
+            return len(self.partitions) + len(self._partitioning)
+        return getattr(self, kind)
+
+    def owed(self, kind: str) -> bool:
+        """``--at-least`` asks for more of ``kind`` than were injected: a due one that cannot be done stays due."""
+        return self.done(kind) < (self.args.at_least or {}).get(kind, 0)
+
+    def shortfall(self) -> dict[str, tuple[int, int]]:
+        """The kinds still short of their ``--at-least`` counts: kind -> (done, asked)."""
+        return {kind: (self.done(kind), n) for kind, n in (self.args.at_least or {}).items() if self.owed(kind)}
+
+    def keep_injecting(self, now: float, bound: float, due: dict[str, float]) -> bool:
+        """Past ``--minutes``: whether the fault phase goes on (a count still short, and ``--max-minutes`` ahead).
+
+        The first time it does, the kinds that have their counts stop (the ones still short get the run to
+        themselves) and each kind still short is due at once: it was owed already.
+        """
+        short = self.shortfall()
+        if not short or now >= bound:
+            return False
+        if not self.overtime:
+            self.overtime = True
+            for kind in due:
+                due[kind] = now if self.owed(kind) else math.inf
+            self.say(f"{self.args.minutes:g} min of faults done, still short of --at-least: {counts_text(short)}; "
+                     f"going on with those kinds alone until they are done, {self.args.max_minutes:g} min at most")
+        return True
+
+    def end_at_least(self) -> None:
+        """The fault phase is over: say whether every ``--at-least`` count was reached (``unreached``: which not)."""
+        self.unreached = self.shortfall()
+        if self.unreached:
+            self.say(f"--at-least not reached by --max-minutes {self.args.max_minutes:g}: "
+                     f"{counts_text(self.unreached)}")
+        else:
+            reached = {kind: (self.done(kind), n) for kind, n in self.args.at_least.items()}
+            self.say(f"--at-least reached in {self.fault_minutes:.2f} min of faults: {counts_text(reached)}")
 
     # ------------------------------------------------------------------ processes
 
@@ -521,24 +599,32 @@ class Soak:
             self.start_worker(f"w{i + 1}")
         t0 = time.monotonic()
         end = t0 + a.minutes * 60
+        bound = t0 + a.max_minutes * 60 if a.at_least is not None else end
         warmup = min(30.0, a.minutes * 60 / 4)
 
         def first(every: float) -> float:
             return t0 + warmup + self.rng.expovariate(1 / every) if every > 0 else math.inf
 
-        def after(now: float, every: float) -> float:
-            return now + self.rng.expovariate(1 / every) if every > 0 else math.inf
+        def after(now: float, kind: str) -> float:
+            every = getattr(a, FAULT_EVERY[kind])
+            if self.overtime and not self.owed(kind):
+                return math.inf  # past --minutes, a kind with its count stops
+            gap = self.rng.expovariate(1 / every) if every > 0 else math.inf
+            # Past --minutes, no long draw may stand between a kind still short and --max-minutes.
+            return now + (min(gap, every) if self.overtime else gap)
 
-        next_worker_kill = first(a.worker_kill_every)
-        next_coord_kill = first(a.coordinator_kill_every)
-        next_min_change = first(a.min_workers_every)
-        next_worker_freeze = first(a.worker_freeze_every)
-        next_coord_freeze = first(a.coordinator_freeze_every)
-        next_partition = first(a.partition_every)
+        def skipped(now: float, kind: str) -> None:
+            """A due fault found nothing to take it: skipped until its next moment, unless it is owed."""
+            if not self.owed(kind):
+                due[kind] = after(now, kind)
+
+        due = {kind: first(getattr(a, every)) for kind, every in FAULT_EVERY.items()}
         last_report = t0
         next_sample = t0
-        while time.monotonic() < end:
+        while True:
             now = time.monotonic()
+            if now >= end and not self.keep_injecting(now, bound, due):
+                break
             for wid, at in list(self.thaw_at.items()):
                 if now >= at:
                     self.thaw_worker(wid, now)
@@ -566,7 +652,7 @@ class Soak:
             targets = sorted(w for w, p in self.workers.items()
                              if p.alive() and w not in self.restart_at and w not in self.thaw_at and w != MEASURED
                              and w not in self.heal_link_at)
-            if now >= next_worker_kill:
+            if now >= due["worker_kills"]:
                 if targets:
                     wid = self.rng.choice(targets)
                     self.workers[wid].kill9()
@@ -575,15 +661,19 @@ class Soak:
                     self.restart_at[wid] = now + self.rng.uniform(1.0, a.worker_restart_max_s)
                     self.say(f"kill -9 worker {wid} (kill {self.worker_kills})")
                     targets.remove(wid)
-                next_worker_kill = after(now, a.worker_kill_every)
-            if now >= next_worker_freeze:
+                    due["worker_kills"] = after(now, "worker_kills")
+                else:
+                    skipped(now, "worker_kills")
+            if now >= due["worker_freezes"]:
                 # Not a worker that thawed moments ago: it re-joins first (check 9).
                 thawed = [w for w in targets if now >= max(self._thawed_at.get(w, -math.inf),
                                                            self._healed_at.get(w, -math.inf)) + REJOIN_S]
                 if thawed:
                     self.freeze_worker(self.rng.choice(thawed), now)
-                next_worker_freeze = after(now, a.worker_freeze_every)
-            if now >= next_partition:
+                    due["worker_freezes"] = after(now, "worker_freezes")
+                else:
+                    skipped(now, "worker_freezes")
+            if now >= due["partitions"]:
                 # Not one that thawed or healed moments ago: it re-joins first (check 9).
                 settled = [w for w in targets if now >= max(self._thawed_at.get(w, -math.inf),
                                                             self._healed_at.get(w, -math.inf)) + REJOIN_S]
@@ -591,25 +681,30 @@ class Soak:
                     wid = self.rng.choice(settled)
                     self.partition(wid, now)
                     targets.remove(wid)
-                next_partition = after(now, a.partition_every)
-            if now >= next_coord_kill and server_steady:
+                    due["partitions"] = after(now, "partitions")
+                else:
+                    skipped(now, "partitions")
+            # The coordinator's faults and the quorum change stay due while the coordinator cannot take them.
+            if now >= due["coordinator_kills"] and server_steady:
                 self.server.kill9()
                 self.coordinator_kills += 1
                 self.outages.append(["kill", time.time(), None])
                 self.server_restart_at = now + self.rng.uniform(0.5, a.coordinator_restart_max_s)
                 self.say(f"kill -9 coordinator (kill {self.coordinator_kills})")
-                next_coord_kill = after(now, a.coordinator_kill_every)
+                due["coordinator_kills"] = after(now, "coordinator_kills")
                 server_up = server_steady = False
-            if now >= next_coord_freeze and server_steady and self.server.alive():
+            if now >= due["coordinator_freezes"] and server_steady and self.server.alive():
                 self.freeze_server(now)
-                next_coord_freeze = after(self.server_thaw_at, a.coordinator_freeze_every)
+                due["coordinator_freezes"] = after(self.server_thaw_at, "coordinator_freezes")
                 server_frozen = True
-            if now >= next_min_change and server_up and not server_frozen:
+            if now >= due["min_worker_changes"] and server_up and not server_frozen:
                 n = self.rng.randint(1, a.workers)
                 rc = self.admin("set-min-workers", str(n))
                 self.min_worker_changes += rc == 0
                 self.say(f"set-min-workers {n} (exit {rc})")
-                next_min_change = after(now, a.min_workers_every)
+                # Refused or unanswered, an owed change is tried again soon (not at once: each try is a process).
+                due["min_worker_changes"] = (now + RETRY_S if rc != 0 and self.owed("min_worker_changes")
+                                             else after(now, "min_worker_changes"))
             if self.server_restart_at is None and self.server is not None and not self.server.alive():
                 # A coordinator must never die on its own, least of all refuse to resume: a
                 # violation; restart it as a supervisor would (and again, if it keeps failing).
@@ -641,13 +736,18 @@ class Soak:
                 self.sample(now)
             if now - last_report >= 30:
                 last_report = now
+                short = self.shortfall()
                 self.say(f"{(now - t0) / 60:.1f} min: {self.worker_kills} worker kills, "
                          f"{self.coordinator_kills} coordinator kills, {self.worker_freezes} worker freezes, "
-                         f"{self.coordinator_freezes} coordinator freezes, {len(self.partitions)} partitions")
+                         f"{self.coordinator_freezes} coordinator freezes, {len(self.partitions)} partitions"
+                         + (f"; still short of --at-least: {counts_text(short)}" if short else ""))
             time.sleep(0.2)
         # Heal and end: everyone thawed and back, the quorum reachable, then a drain.
         self.heal_at = time.monotonic()
         self.heal_wall = time.time()
+        self.fault_minutes = (self.heal_at - t0) / 60
+        if a.at_least is not None:
+            self.end_at_least()
         for wid in list(self.thaw_at):
             self.thaw_worker(wid, time.monotonic())
         for wid in list(self.heal_link_at):
@@ -967,13 +1067,60 @@ def held_out_loss(model, corpus, batches: int = 20) -> float:
     return total / batches
 
 
+def counts_text(counts: dict[str, tuple[int, int]]) -> str:
+    """``kind done of asked, ...`` for the ``--at-least`` lines."""
+    return ", ".join(f"{kind} {done} of {asked}" for kind, (done, asked) in counts.items())
+
+
+def at_least_counts(text: str) -> dict[str, int]:
+    """``--at-least KIND=N,KIND=N,...`` as {kind: N}; anything else is an argparse error that says what is wrong."""
+    counts: dict[str, int] = {}
+    for item in text.split(","):
+        kind, eq, n = (part.strip() for part in item.partition("="))
+        if not kind and not eq:
+            raise argparse.ArgumentTypeError(f"an empty item in {text!r}: write KIND=N,KIND=N,...")
+        if kind not in FAULT_EVERY:
+            raise argparse.ArgumentTypeError(f"unknown fault kind {kind!r} in {text!r}: the kinds are "
+                                             f"{', '.join(FAULT_EVERY)}")
+        if not eq:
+            raise argparse.ArgumentTypeError(f"{kind!r} has no count: write {kind}=N")
+        if re.fullmatch(r"-\s*[0-9]+", n):
+            raise argparse.ArgumentTypeError(f"{kind}={n}: a count cannot be negative")
+        if not re.fullmatch(r"[0-9]+", n):
+            raise argparse.ArgumentTypeError(f"{kind}={n!r}: the count must be a whole number (0, 1, 2, ...)")
+        if kind in counts:
+            raise argparse.ArgumentTypeError(f"{kind} is given twice in {text!r}")
+        counts[kind] = int(n)
+    return counts
+
+
 def pct(rate: float | None) -> str:
     return "n/a" if rate is None else f"{rate:+.1%}"
 
 
+def check_at_least(ap: argparse.ArgumentParser, args) -> None:
+    """``--at-least`` and ``--max-minutes`` go together, and ask only for counts the run can reach."""
+    if (args.at_least is None) != (args.max_minutes is None):
+        ap.error("--at-least and --max-minutes go together: the counts to reach, and the bound on the time to "
+                 "reach them")
+    if args.at_least is None:
+        return
+    if args.max_minutes < args.minutes:
+        ap.error(f"--max-minutes {args.max_minutes:g} is less than --minutes {args.minutes:g}: the fault phase "
+                 f"lasts at least --minutes")
+    for kind, n in args.at_least.items():
+        every = getattr(args, FAULT_EVERY[kind])
+        if n > 0 and every <= 0:
+            ap.error(f"--at-least {kind}={n} cannot be reached with --{FAULT_EVERY[kind].replace('_', '-')} "
+                     f"{every:g} (none of them)")
+        if n > 0 and kind in WORKER_FAULTS and args.workers < 2:
+            ap.error(f"--at-least {kind}={n} needs --workers >= 2 ({MEASURED} is never faulted)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--minutes", type=float, default=30.0, help="how long to inject faults (default 30)")
+    ap.add_argument("--minutes", type=float, default=30.0,
+                    help="how long to inject faults (default 30; with --at-least, at least this long)")
     ap.add_argument("--workers", type=int, default=4, help="worker processes (default 4)")
     ap.add_argument("--seed", type=int, default=1, help="seeds every fault's moment and target (default 1)")
     ap.add_argument("--min-workers", type=int, default=2, help="the quorum at the start (default 2)")
@@ -998,9 +1145,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="folder for logs and checkpoints (default: a new temporary one)")
     ap.add_argument("--data-plane", choices=("hub", "collective"), default="hub",
                     help="the server's --data-plane (collective: workers also checkpoint every commit)")
+    ap.add_argument("--at-least", type=at_least_counts, default=None, metavar="KIND=N,...",
+                    help="inject at least N faults of each kind named (kinds: " + ", ".join(FAULT_EVERY) +
+                         "; min_worker_changes counts the changes that went through). While a kind is short of "
+                         "its count, a fault of it that comes due when it cannot be done (no free worker, the "
+                         "coordinator not steady) stays due and is done as soon as it can, instead of being "
+                         "skipped. A kind that has its count keeps its ordinary schedule until --minutes and "
+                         "stops past it; the kinds still short go on, each due at once and then at most its "
+                         "mean interval apart, until every count is reached. A count not reached by "
+                         "--max-minutes is a violation (exit 1). Needs --max-minutes")
+    ap.add_argument("--max-minutes", type=float, default=None, metavar="B",
+                    help="with --at-least: the fault phase never lasts longer than this (>= --minutes)")
     args = ap.parse_args(argv)
     if args.workers < 1 or not 1 <= args.min_workers <= args.workers or args.minutes <= 0:
         ap.error("need --workers >= 1, 1 <= --min-workers <= --workers, --minutes > 0")
+    check_at_least(ap, args)
     if args.coordinator_timeout is None:
         args.coordinator_timeout = 2 * args.heartbeat_timeout
     if min(args.worker_freeze_every, args.coordinator_freeze_every, args.partition_every) < 0 \
@@ -1020,6 +1179,9 @@ def main(argv: list[str] | None = None) -> int:
         soak.close()
     violations, log_stats = check_audit_log(out / "ckpt" / "events.jsonl")
     violations += soak.server_failures
+    if soak.unreached:  # the system could not take the faults asked for (the run had its --max-minutes)
+        violations.append(f"--at-least not reached by --max-minutes {args.max_minutes:g}: "
+                          f"{counts_text(soak.unreached)} (the run could not take the faults asked for)")
     events = read_events(out / "ckpt" / "events.jsonl")
     (out / "faults.json").write_text(json.dumps({  # what the supervisor did, for a post-mortem
         "coordinator_outages": soak.outages, "worker_kills": soak.kill_log, "worker_exits": soak.worker_exits,
@@ -1070,7 +1232,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"audit log: {log_stats['rounds_applied']} applied rounds over {log_stats['incarnations']} coordinator "
           f"incarnations; checkpoint {ck_stats.get('checkpoint')}: held-out loss {ck_stats.get('loss_start', math.nan):.4f} "
           f"-> {ck_stats.get('loss_end', math.nan):.4f}; {soak.min_worker_changes} min_workers changes", flush=True)
-    print(f"RESULT chaos data_plane={args.data_plane} minutes={args.minutes:g} worker_kills={soak.worker_kills} "
+    minutes = f"{args.minutes:g}" if args.at_least is None else f"{soak.fault_minutes:.2f}"
+    print(f"RESULT chaos data_plane={args.data_plane} minutes={minutes} worker_kills={soak.worker_kills} "
           f"coordinator_kills={soak.coordinator_kills} worker_freezes={soak.worker_freezes} "
           f"coordinator_freezes={soak.coordinator_freezes} partitions={len(soak.partitions)} "
           f"workers_gave_up={soak.workers_gave_up} "
