@@ -669,7 +669,9 @@ class Soak:
                 thawed = [w for w in targets if now >= max(self._thawed_at.get(w, -math.inf),
                                                            self._healed_at.get(w, -math.inf)) + REJOIN_S]
                 if thawed:
-                    self.freeze_worker(self.rng.choice(thawed), now)
+                    wid = self.rng.choice(thawed)
+                    self.freeze_worker(wid, now)
+                    targets.remove(wid)  # one fault at a time: not partitioned in this same pass
                     due["worker_freezes"] = after(now, "worker_freezes")
                 else:
                     skipped(now, "worker_freezes")
