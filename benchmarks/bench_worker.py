@@ -167,6 +167,9 @@ class RecordingCoordinatorEndpoint:
     def lost_peers(self) -> list[str]:
         return self._inner.lost_peers()
 
+    def arriving_peers(self) -> list[str]:
+        return self._inner.arriving_peers()
+
     def send(self, peer, message) -> None:
         self._inner.send(peer, message)
 

@@ -78,6 +78,9 @@ def _loop(endpoint: CoordinatorEndpoint, coordinator: Coordinator, durability: D
         # a dead worker is noticed in about a second, not after the heartbeat timeout.
         for peer in endpoint.lost_peers():
             out.extend(coordinator.peer_lost(peer, now))
+        # A worker whose message keeps arriving lives, even when that message outlasts the heartbeat timeout.
+        for peer in endpoint.arriving_peers():
+            out.extend(coordinator.peer_arriving(peer, now))
         if coordinator.stopped and stopped_at is None:
             stopped_at = now
             log.info("run stopped (%s)", coordinator.stop_kind.value)

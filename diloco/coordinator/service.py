@@ -192,6 +192,8 @@ class Coordinator:
         #: Per fragment: where ``outer_step`` backs its optimizer's state up (buffers kept from step to step).
         self._optimizer_backups: list[OptimizerBackup] = []
         self._peers: dict[str, str] = {}
+        #: worker id -> when its arriving bytes last counted as a heartbeat (``peer_arriving``).
+        self._arriving_seen: dict[str, float] = {}
         self._held: dict[tuple[int, str], _Held] = {}
         self._stop_kind: ShutdownKind | None = None
         self.stats = CoordinatorStats()
@@ -432,6 +434,19 @@ class Coordinator:
         for wid, p in list(self._peers.items()):
             if p == peer and not self.stopped and self.fsm.is_member(wid):
                 self._step(WorkerLeft(wid, LeaveCause.CRASHED), out)
+        return out
+
+    def peer_arriving(self, peer: str, now_s: float) -> Outgoing:
+        """A message from ``peer`` is arriving part by part: its worker lives, however long the message
+        takes on its link (a heartbeat, at most one per heartbeat interval; SPEC.md section 11, "Parts
+        on thin links"). A heartbeat of its own may wait behind megabytes buffered on the way."""
+        out: Outgoing = []
+        self._tick(now_s, out)
+        for wid, p in self._peers.items():
+            if p == peer and not self.stopped and self.fsm.is_member(wid) \
+                    and now_s - self._arriving_seen.get(wid, -math.inf) >= self.config.heartbeat_interval_s:
+                self._arriving_seen[wid] = now_s
+                self._step(HeartbeatSeen(wid), out)
         return out
 
     # --------------------------------------------------------------- handlers

@@ -255,6 +255,9 @@ class ObservedEndpoint:
     def lost_peers(self) -> list[str]:
         return self.inner.lost_peers()
 
+    def arriving_peers(self) -> list[str]:
+        return self.inner.arriving_peers()
+
     def send(self, peer: str, message: Message) -> None:
         self.observatory.count_sent(message)
         self.inner.send(peer, message)

@@ -28,6 +28,10 @@ class CoordinatorEndpoint(Protocol):
     def lost_peers(self) -> list[str]:
         """Peers whose connection is gone for good; a transport that cannot tell returns []."""
 
+    def arriving_peers(self) -> list[str]:
+        """Peers whose message is arriving, a part since the last call: alive, however long one message takes
+        on their link. A transport that delivers messages whole returns []."""
+
     def send(self, peer: str, message: Message) -> None:
         """Queue ``message`` for ``peer``; never blocks longer than the transport's send timeout."""
 

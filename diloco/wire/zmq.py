@@ -198,6 +198,10 @@ class ZmqCoordinatorEndpoint:
         """Peers whose connection closed and did not come back (``FrameRouter.lost_peers``)."""
         return self.frames.lost_peers()
 
+    def arriving_peers(self) -> list[str]:
+        """Peers whose message is arriving part by part since the last call (``FrameRouter.arriving_peers``)."""
+        return self.frames.arriving_peers()
+
     def send(self, peer: str, message: Message) -> None:
         frames = codec.encode(message, chunk_bytes=self.options.chunk_bytes, tensor_bytes=self._tensor_bytes)
         self.frames.send(peer, frames)

@@ -113,6 +113,9 @@ class RecordingEndpoint:
     def lost_peers(self) -> list[str]:
         return []
 
+    def arriving_peers(self) -> list[str]:
+        return []
+
     def send(self, peer, message) -> None:
         found = find_newest(self.ck)
         durable = found.meta["rounds_applied"] if found else 0

@@ -52,6 +52,9 @@ class ScriptedEndpoint:
     def lost_peers(self) -> list[str]:
         return []
 
+    def arriving_peers(self) -> list[str]:
+        return []
+
     def _durable(self):
         # The journal thread may delete segments and checkpoints (after a background full checkpoint)
         # while this reads, which a resume never does. Read again then: once the thread is idle

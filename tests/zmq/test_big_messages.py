@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from diloco.transport.zmq import framing
+from diloco.transport.zmq import framing, tags
 from diloco.transport.zmq.framing import Assembler, Complete, Outbox, Refused, aside_tag, parts
 from diloco.transport.zmq.options import PARTIAL_TIMEOUT_ENV
 from diloco.wire import codec
@@ -91,7 +91,7 @@ def test_an_aside_lets_go_of_an_interrupted_message_only_once_that_one_went_sile
 def test_a_malformed_or_oversized_aside_is_refused():
     a = Assembler(100)
     (frame,) = codec.encode(Heartbeat("w"))
-    bad = framing._TAG.pack(framing.ASIDE_MAGIC, 1, 0, 2)
+    bad = tags._PART.pack(tags.ASIDE_MAGIC, 1, 0, 2)
     assert isinstance(r := a.add("p", [bad, frame], 0.0), Refused) and r.code == "bad_message"
     assert isinstance(r := a.add("p", [aside_tag(2), b"x" * 101], 0.0), Refused) and r.code == "too_large"
     assert framing.read_tag(aside_tag(3)) is None  # an aside's tag is no part's

@@ -1,12 +1,15 @@
-"""A tensor frame slower than the link timeout is cut; the default outlasts a slow link's frame.
+"""A part slower than the link timeout is cut; a frame cut into pieces sized to the link arrives.
 
 libzmq counts a frame only once the whole of it has arrived, and a peer's answer to a
-ZMTP ping waits behind the frame it is sending, so a frame that takes longer to cross
-than ``zmtp_heartbeat_timeout_ms`` closes the connection mid-frame and the message is
-lost (SPEC.md section 12, "Deaths the transport sees"). Each case runs a coordinator
-endpoint and a worker endpoint in a network namespace of its own whose loopback is
-rate-limited with ``tc ... tbf`` (the test makes both and deletes them), and sends one
-Submit whose tensor is one 1 MiB frame, about 8.5 s at 1 Mbit/s.
+ZMTP ping waits behind the frame it is sending, so a part that takes longer to cross
+than ``zmtp_heartbeat_timeout_ms`` closes the connection mid-part and the message is
+lost (SPEC.md section 12, "Deaths the transport sees"). So the sender cuts a frame into
+pieces sized to what its link delivers (SPEC.md section 11, "Parts on thin links"). Each
+case runs a coordinator endpoint and a worker endpoint in a network namespace of its own
+whose loopback is rate-limited with ``tc ... tbf`` (the test makes both and deletes them),
+and sends one Submit whose tensor is one 1 MiB frame, about 8.5 s at 1 Mbit/s, with a 5 s
+link timeout: once sent whole (``min_part_bytes`` = the frame: cut), once as diloco sends it
+(64 KiB pieces, about half a second each: it arrives).
 """
 
 from __future__ import annotations
@@ -35,9 +38,9 @@ import torch
 from diloco.wire.messages import Submit
 from diloco.wire.zmq import ZmqCoordinatorEndpoint, ZmqOptions, ZmqWorkerEndpoint
 
-timeout_ms, frame_bytes, wait_s = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-opts = ZmqOptions(chunk_bytes=frame_bytes) if timeout_ms == 0 else ZmqOptions(
-    chunk_bytes=frame_bytes, zmtp_heartbeat_timeout_ms=timeout_ms)
+timeout_ms, frame_bytes, wait_s, whole = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4] == "1"
+opts = ZmqOptions(chunk_bytes=frame_bytes, zmtp_heartbeat_timeout_ms=timeout_ms,
+                  **({"min_part_bytes": frame_bytes} if whole else {}))
 with ZmqCoordinatorEndpoint("tcp://127.0.0.1:0", options=opts) as server:
     worker = ZmqWorkerEndpoint(server.address, label="w1", options=opts)
     tensor = torch.arange(frame_bytes // 4, dtype=torch.float32)
@@ -60,24 +63,24 @@ def _setup(cmd: list[str]) -> None:
         pytest.skip(f"{' '.join(cmd)} failed: {done.stderr.strip()}")
 
 
-def _start_case(ns: str, timeout_ms: int, wait_s: float) -> subprocess.Popen:
+def _start_case(ns: str, timeout_ms: int, wait_s: float, whole: bool) -> subprocess.Popen:
     _setup(["ip", "netns", "add", ns])
     # Ethernet-sized packets: tbf drops any packet larger than its bucket (loopback's MTU is 64 KiB).
     _setup(["ip", "-n", ns, "link", "set", "lo", "mtu", "1500", "up"])
     _setup(["tc", "-n", ns, "qdisc", "add", "dev", "lo", "root", "tbf", "rate", RATE, "burst", "64kbit",
             "latency", "400ms"])
     return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", CASE, str(timeout_ms),
-                             str(FRAME_BYTES), str(wait_s)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             str(FRAME_BYTES), str(wait_s), str(int(whole))], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_a_frame_slower_than_the_link_timeout_is_cut_and_the_default_lets_it_arrive():
+def test_a_part_slower_than_the_link_timeout_is_cut_and_pieces_sized_to_the_link_arrive():
     tag = uuid.uuid4().hex[:6]
-    names = {"short": f"dlt{tag}s", "default": f"dlt{tag}d"}
+    names = {"whole": f"dlt{tag}w", "pieces": f"dlt{tag}p"}
     procs: dict[str, subprocess.Popen] = {}
     try:
-        # 5 s, the old default: shorter than the frame's 8.5 s on this link.
-        procs["short"] = _start_case(names["short"], 5000, 16.0)
-        procs["default"] = _start_case(names["default"], 0, 30.0)
+        # A 5 s link timeout: shorter than the frame's 8.5 s on this link.
+        procs["whole"] = _start_case(names["whole"], 5000, 16.0, whole=True)
+        procs["pieces"] = _start_case(names["pieces"], 5000, 30.0, whole=False)
         out = {}
         for key, proc in procs.items():
             stdout, stderr = proc.communicate(timeout=60)
@@ -90,6 +93,6 @@ def test_a_frame_slower_than_the_link_timeout_is_cut_and_the_default_lets_it_arr
                 proc.wait(10)
         for ns in names.values():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
-    assert not out["short"]["arrived"] and out["short"]["disconnects"] >= 1, out["short"]
-    assert out["default"]["arrived"] and out["default"]["elapsed_s"] > 5.0, out["default"]
-    assert out["default"]["disconnects"] == 0, out["default"]
+    assert not out["whole"]["arrived"] and out["whole"]["disconnects"] >= 1, out["whole"]
+    assert out["pieces"]["arrived"] and out["pieces"]["elapsed_s"] > 5.0, out["pieces"]
+    assert out["pieces"]["disconnects"] == 0, out["pieces"]

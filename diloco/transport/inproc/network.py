@@ -110,6 +110,10 @@ class InprocCoordinatorEndpoint:
         """Always []: a queue cannot tell a closed peer from a quiet one (heartbeats tell)."""
         return []
 
+    def arriving_peers(self) -> list[str]:
+        """Always []: a message is handed over whole, never in parts."""
+        return []
+
     def send(self, peer: str, message: Any) -> None:
         if self._closed:
             raise TransportClosed("coordinator endpoint is closed")

@@ -34,14 +34,15 @@ import logging
 import os
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from typing import Any
 
 import zmq
 
 from diloco.transport.base import AuthRefused, TransportClosed, TransportError
-from diloco.transport.zmq import framing
+from diloco.transport.zmq import framing, tags
 from diloco.transport.zmq.auth import ClientAuth
+from diloco.transport.zmq.outbox import Outbox, PartSizer
 from diloco.transport.zmq.options import ZmqOptions, close_socket, make_routing_id, peer_name, set_option
 
 log = logging.getLogger("diloco.transport.zmq")
@@ -105,7 +106,11 @@ class FrameDealer:
         self._seq = 0
         self._assembler = framing.Assembler(o.max_message_bytes, max_partials=1,
                                             partial_timeout_s=o.partial_timeout_s, coalescer=coalescer)
-        self._outbox = framing.Outbox()
+        #: How big a part may be: what the link to the coordinator moves in ``part_time_s`` (``outbox``).
+        self.sizer = PartSizer(o.min_part_bytes, o.chunk_bytes, o.part_time_s)
+        self._outbox = Outbox(self.sizer)
+        #: Whole messages the background sender read while it waited for room (``recv`` hands them out).
+        self._inbox: deque[list] = deque()
         self._pumper: threading.Thread | None = None
         self._last_heard = clock()
         self.counters: Counter[str] = Counter()
@@ -195,16 +200,20 @@ class FrameDealer:
                 self._sock.poll(int(min(remaining, self._SLICE_S) * 1000) + 1, zmq.POLLOUT)
             self._seq += 1
             if aside and len(frames) == 1:
-                self._outbox.put([[framing.aside_tag(self._seq), frames[0]]], framing.total_nbytes(frames), what,
+                self._outbox.put([[tags.aside_tag(self._seq), frames[0]]], framing.total_nbytes(frames), what,
                                  aside=True)
             else:
-                self._outbox.put(list(framing.parts(self._seq, frames)), framing.total_nbytes(frames), what)
+                self._outbox.put_frames(self._seq, frames, framing.total_nbytes(frames), what)
             self._pump()
-            if self._outbox and self._pumper is None:
-                self._pumper = threading.Thread(target=self._pump_in_background, daemon=True,
-                                                name=f"diloco-send-{self.peer[:40]}")
-                self._pumper.start()
+            self._ensure_pumper()
         return True
+
+    def _ensure_pumper(self) -> None:
+        """Parts still waiting and nobody to hand them over: start the background sender. Call with the lock."""
+        if self._outbox and self._pumper is None:
+            self._pumper = threading.Thread(target=self._pump_in_background, daemon=True,
+                                            name=f"diloco-send-{self.peer[:40]}")
+            self._pumper.start()
 
     def _pump(self) -> None:
         """Hand libzmq the outbox's next parts until its queue is full. Call with the lock."""
@@ -214,10 +223,10 @@ class FrameDealer:
                 self._sock.send_multipart(part, zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            done = self._outbox.advance()
-            if done is not None:
+            done = self._outbox.advance(time.monotonic())
+            if done is not None and done.what != "ack":
                 self.counters["messages_out"] += 1
-                if between and len(done.parts) == 1:
+                if between and done.parts is not None:
                     self.counters["asides_between_parts"] += 1
 
     def _pump_in_background(self) -> None:
@@ -231,8 +240,12 @@ class FrameDealer:
                     self._pump()
                     if self._outbox:
                         # Room in libzmq's queue wakes this at once; the slice bounds how long a
-                        # send or recv in another thread waits for the lock.
-                        self._sock.poll(int(self._SLICE_S * 1000), zmq.POLLOUT)
+                        # send or recv in another thread waits for the lock. What arrives meanwhile
+                        # is read too: the coordinator's acks size the parts still to go.
+                        if self._sock.poll(int(self._SLICE_S * 1000), zmq.POLLOUT | zmq.POLLIN) & zmq.POLLIN:
+                            frames = self._take(self._sock.recv_multipart(zmq.NOBLOCK, copy=False))
+                            if frames is not None:
+                                self._inbox.append(frames)
                         self._pump()
                 except zmq.ZMQError as exc:  # the socket is unusable: the owner's next call will say so
                     log.warning("sending to %s stopped: %s", self.address, exc)
@@ -252,6 +265,8 @@ class FrameDealer:
         while True:
             with self._lock:
                 self._check_handshake()
+                if self._inbox:
+                    return self._inbox.popleft()
                 if self._outbox:
                     self._pump()
                 # Parts still waiting: wake for room in libzmq's queue too, to hand the next one over.
@@ -269,20 +284,37 @@ class FrameDealer:
                             break
                     return None  # woken: the caller has something to do (see ``wake``)
                 if ready.get(self._sock, 0) & zmq.POLLIN:
-                    frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    self._last_heard = self._clock()
-                    if len(frames) == 1 and len(frames[0].buffer) == 0:
-                        continue  # the coordinator's liveness probe (``lost_peers``): nothing to read
-                    got = self._assembler.add("coordinator", frames, time.monotonic())
-                    if isinstance(got, framing.Complete):
-                        self.counters["messages_in"] += 1
-                        return got.frames
-                    if isinstance(got, framing.Refused):
-                        self.counters["malformed"] += 1
-                        log.warning("refused a message from the coordinator at %s: %s", self.address, got.detail)
+                    frames = self._take(self._sock.recv_multipart(zmq.NOBLOCK, copy=False))
+                    if frames is not None:
+                        return frames
                     continue
             if time.monotonic() >= deadline:
                 return None
+
+    def _take(self, zmq_frames: list) -> list | None:
+        """One ZeroMQ message from the coordinator: a whole message's frames, or None (a part, an ack, a
+        probe, a refusal). Acks what is arriving. Call with the lock."""
+        self._last_heard = self._clock()
+        if len(zmq_frames) == 1 and len(zmq_frames[0].buffer) == 0:
+            return None  # the coordinator's liveness probe (``lost_peers``): nothing to read
+        now = time.monotonic()
+        got = self._assembler.add("coordinator", zmq_frames, now)
+        acks = self._assembler.take_acks()
+        for _peer, seq, received in acks:
+            self._outbox.put([[tags.ack_tag(seq, received), b""]], 0, "ack", aside=True)
+        if acks:
+            self._pump()
+            self._ensure_pumper()
+        self._assembler.take_progress()  # only the coordinator's endpoint acts on it
+        if isinstance(got, framing.Acked):
+            self.sizer.acked(got.seq, got.received, now)
+        elif isinstance(got, framing.Complete):
+            self.counters["messages_in"] += 1
+            return got.frames
+        elif isinstance(got, framing.Refused):
+            self.counters["malformed"] += 1
+            log.warning("refused a message from the coordinator at %s: %s", self.address, got.detail)
+        return None
 
     def wake(self) -> None:
         """End a ``recv`` blocked in another thread now (it returns None). Thread-safe, never blocks."""

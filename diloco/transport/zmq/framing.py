@@ -5,50 +5,52 @@ so a peer could make the coordinator buffer any number of frames (each under
 ``ZMQ_MAXMSGSIZE``) before a single byte of it could be checked. Instead,
 each of a message's codec frames (``diloco.wire.codec``: the msgpack
 header, then the tensor frames) goes as its own two-frame ZeroMQ message,
-a *part*::
+a *part* ``[tag, payload]`` (``tags``: the tag carries the message's
+``seq``, the frame's ``index`` and the message's ``count`` of frames), or,
+when the frame is bigger than what the sender's link moves in about a
+second, as several *pieces* in order (``outbox.PartSizer`` sizes them).
 
-    [tag, payload]      tag = b"DLC2" + seq (u32) + index (u32) + count (u32), little-endian
-
-``seq`` numbers the sender's messages, ``index`` is the part's place in
-its message (0 is the header) and ``count`` the message's number of parts.
 The receiver assembles a peer's parts in order (one ZeroMQ connection keeps
 order) and checks the running size against ``max_message_bytes`` as each
 part arrives: past it, the parts held are freed at once, the rest of that
 message is skipped as it arrives, and the sender is answered ``too_large``.
 A part counts its payload plus ``PART_COST_BYTES`` (what holding it costs:
-empty parts are not free). So a peer holds at most one message being
-assembled (at most ``max_message_bytes``). A sender that gives up half-way
-leaves an incomplete message, which the receiver drops when that peer's next
-message starts, or once no part of it has come for ``partial_timeout_s``.
-All incomplete messages together are bounded in number (``max_partials``)
-and bytes (``max_partial_bytes``), one *owner*'s (the sender's key, when
-known) in number (``owner_limit``): to make room, the owner's own message
-silent longest goes first, then, across owners, the one silent longest.
+empty parts are not free); a frame that comes in pieces counts its declared
+bytes from its first piece, which go into one buffer as they arrive. So a
+peer holds at most one message being assembled (at most
+``max_message_bytes``). A sender that gives up half-way leaves an incomplete
+message, which the receiver drops when that peer's next message starts, or
+once no part of it has come for ``partial_timeout_s``. All incomplete
+messages together are bounded in number (``max_partials``) and bytes
+(``max_partial_bytes``), one *owner*'s (the sender's key, when known) in
+number (``owner_limit``): to make room, the owner's own message silent
+longest goes first, then, across owners, the one silent longest.
+
+As a big message arrives the receiver *acks* it (``take_acks``: the bytes
+held so far, at most every ``outbox.ACK_INTERVAL_S`` and once it is whole),
+which is how the sender learns what its link moves; and it notes the peers
+whose bytes are arriving (``take_progress``), which is how the coordinator
+knows a worker is alive while its upload outlasts the heartbeat timeout.
 
 An *aside* is a one-part message sent between another message's parts, so
 that it does not wait behind the whole of that message (a worker's heartbeat
-behind its 1 GB Submit on a slow link)::
-
-    [aside_tag, payload]    aside_tag = b"DLCA" + seq (u32) + 0 (u32) + 1 (u32)
-
-It is delivered as it arrives and leaves the message it interrupts being
-assembled; any other message that starts still drops an incomplete one.
-(A receiver older than asides takes one for the start of a new message and
-drops the interrupted one: both ends must know them.) ``Outbox`` is the
-sender's side: the parts it has not yet handed to libzmq, asides first.
+behind its 1 GB Submit on a slow link). It is delivered as it arrives and
+leaves the message it interrupts being assembled; any other message that
+starts still drops an incomplete one. ``outbox.Outbox`` is the sender's side:
+the parts it has not yet handed to libzmq, asides first.
 
 *Coalescing.* A frame of a message says nothing to this module, but the
 receiver may pass a ``Coalescer`` (the wire layer's: it reads the codec's
-header) that names runs of consecutive parts which together make one
+header) that names runs of consecutive frames which together make one
 contiguous buffer (a tensor sent in several chunks). The assembler then
-copies each such part into that buffer as it arrives and lets the part go
+copies each such frame into that buffer as it arrives and lets the part go
 (its libzmq message freed at once), so that the message is delivered with
 the run already contiguous: its first frame holds the run's bytes, the
 others are empty. The copy is made while the rest of the message, and other
 peers' messages, are still arriving, rather than after the whole message is
 in; and a message being assembled holds one copy of its bytes, never its
 parts plus a reassembled copy. The buffer is counted in full (its declared
-bytes) from the run's first part, so the limits hold as before; parts that
+bytes) from the run's first part, so the limits hold as before; frames that
 do not fit what the run declared end the coalescing of that run and are
 kept as they came, for the decoder to judge. The coalescer may also watch a
 message (``FrameWatch``): it is told of each frame as that frame is whole, on
@@ -59,23 +61,21 @@ message (protocol version 1 sent a message as one multipart message), so
 that the decoder can answer an old peer with a ``protocol_version`` error it
 can read.
 
-Why one module of about 540 lines: the tag, the receiver's assembly with its
-limits and coalescing, and the sender's outbox are the two ends of one
-format; split, each half would restate the other's rules.
+Why one module of about 600 lines: the receiver's assembly, its limits and
+its coalescing act on the same partial message at every part; split, each
+would restate the others' bookkeeping.
 """
 
 from __future__ import annotations
 
-import struct
-from collections import deque
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Protocol, Sequence
 
-MAGIC = b"DLC2"
-#: The tag of an aside: a one-part message sent between another message's parts.
-ASIDE_MAGIC = b"DLCA"
-_TAG = struct.Struct("<4sIII")
-TAG_BYTES = _TAG.size
+from diloco.transport.zmq import tags
+from diloco.transport.zmq.outbox import ACK_INTERVAL_S, ACK_MIN_BYTES, Outbox, Queued
+from diloco.transport.zmq.tags import ASIDE_MAGIC, MAGIC, TAG_BYTES, aside_tag, read_tag, tag
+
 #: Most parts one message may have (a header plus tensor frames; the codec's own limit is far above real models).
 MAX_PARTS = 1 << 20
 #: What holding one part costs beyond its payload, counted against every limit: a part's
@@ -85,36 +85,11 @@ MAX_PARTS = 1 << 20
 PART_COST_BYTES = 512
 
 
-def tag(seq: int, index: int, count: int) -> bytes:
-    return _TAG.pack(MAGIC, seq & 0xFFFFFFFF, index, count)
-
-
-def aside_tag(seq: int) -> bytes:
-    return _TAG.pack(ASIDE_MAGIC, seq & 0xFFFFFFFF, 0, 1)
-
-
 def parts(seq: int, frames: Sequence[Any]) -> Iterator[list]:
-    """The ZeroMQ messages (each ``[tag, payload]``) that carry one codec message's ``frames``."""
+    """The ZeroMQ messages (each ``[tag, payload]``) that carry one codec message's ``frames``, each whole."""
     n = len(frames)
     for i, frame in enumerate(frames):
         yield [tag(seq, i, n), frame]
-
-
-def _unpack(frame: Any) -> tuple[bytes, int, int, int] | None:
-    try:
-        buf = memoryview(getattr(frame, "buffer", frame))
-    except TypeError:
-        return None
-    if buf.nbytes != TAG_BYTES:
-        return None
-    fields = _TAG.unpack(buf.cast("B") if buf.format != "B" else buf)
-    return fields if fields[0] in (MAGIC, ASIDE_MAGIC) else None
-
-
-def read_tag(frame: Any) -> tuple[int, int, int] | None:
-    """(seq, index, count) of a part's tag, or None if ``frame`` is not one (an aside's tag is not)."""
-    t = _unpack(frame)
-    return None if t is None or t[0] != MAGIC else t[1:]
 
 
 def nbytes(frame: Any) -> int:
@@ -142,7 +117,7 @@ class Coalescer(Protocol):
         coalesce, or None. Only a hint: the decoder still checks every byte; may not raise."""
 
     def allocate(self, nbytes: int) -> Any:
-        """A writable buffer of ``nbytes`` bytes (format ``B``), for one run."""
+        """A writable buffer of ``nbytes`` bytes (format ``B``), for one run or one frame arriving in pieces."""
 
     def watch(self, header: Any) -> FrameWatch | None:
         """From a message's first part: an object to tell of each of its frames as that frame is whole,
@@ -162,7 +137,7 @@ class FrameWatch(Protocol):
 
 @dataclass(slots=True)
 class _Run:
-    """A run of parts being copied into one buffer."""
+    """A run of frames being copied into one buffer, or one frame arriving in pieces (``end = first + 1``)."""
 
     first: int
     end: int
@@ -178,17 +153,27 @@ class _Partial:
     last_part_s: float
     #: Whose it is: the sender's key when known, else the peer.
     owner: str = ""
+    #: The frames whole so far (a run's later frames as empty placeholders).
     frames: list = field(default_factory=list)
     #: What its parts held cost (``part_cost``); 0 once it is being skipped.
     size: int = 0
     #: True once the message went over the limit: its remaining parts are skipped.
     dropping: bool = False
-    #: Runs to coalesce not yet started: first part index -> (parts, bytes) (``Coalescer``).
+    #: Runs to coalesce not yet started: first frame index -> (frames, bytes) (``Coalescer``).
     runs: dict = field(default_factory=dict)
     #: The run being coalesced, if any.
     run: _Run | None = None
+    #: The frame arriving in pieces outside any run, if any (a run of one frame).
+    piece: _Run | None = None
+    #: Bytes of the frame being assembled that arrived so far (where its next piece starts).
+    frame_at: int = 0
     #: Told of each frame as it is whole (``Coalescer.watch``), if any.
     watch: FrameWatch | None = None
+    #: Payload bytes arrived, and when the sender was last told (``take_acks``).
+    received: int = 0
+    acked_s: float = -math.inf
+    #: The biggest part's payload so far (how the sender cut its frames).
+    largest: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +184,8 @@ class Complete:
     frames: list
     legacy: bool = False
     watch: Any = None
+    #: The biggest part's payload, for a message that came in several parts (else 0).
+    largest_part: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,19 +196,29 @@ class Refused:
     detail: str
 
 
+@dataclass(frozen=True, slots=True)
+class Acked:
+    """The peer holds ``received`` bytes of our message ``seq`` (``tags.ack_tag``): for the sender's ``PartSizer``."""
+
+    seq: int
+    received: int
+
+
 class Assembler:
     """Per-peer assembly of parts, with a size limit checked as parts arrive.
 
     ``add(peer, zmq_frames, now_s)`` takes one received ZeroMQ message and
-    returns ``Complete`` (a whole message), ``Refused`` (answer the peer) or
-    None (more parts to come, or a part skipped). Memory: at most one partial
-    message per peer (at most ``max_message_bytes``, each part counted at
-    ``part_cost``), none whose last part came more than ``partial_timeout_s``
-    ago: the limit is on silence, not on the transfer's total time, so a 1 GB
-    message crossing a slow link for minutes is kept as long as its parts keep
-    coming. All partial messages together: at most ``max_partials`` of them and
-    ``max_partial_bytes`` (never less than one whole message), and at most
-    ``owner_limit`` of one owner (``add``'s ``owner``, the sender's key).
+    returns ``Complete`` (a whole message), ``Refused`` (answer the peer),
+    ``Acked`` (the peer's ack of a message of ours) or None (more parts to
+    come, or a part skipped). Memory: at most one partial message per peer (at
+    most ``max_message_bytes``, each part counted at ``part_cost``, a frame in
+    pieces at its declared bytes), none whose last part came more than
+    ``partial_timeout_s`` ago: the limit is on silence, not on the transfer's
+    total time, so a 1 GB message crossing a slow link for minutes is kept as
+    long as its parts keep coming. All partial messages together: at most
+    ``max_partials`` of them and ``max_partial_bytes`` (never less than one
+    whole message), and at most ``owner_limit`` of one owner (``add``'s
+    ``owner``, the sender's key).
 
     What goes to make room is what has been silent longest: a message start
     over its owner's limit displaces that owner's own partial message silent
@@ -245,6 +242,10 @@ class Assembler:
         #: owner -> its peers with a partial message, in the same order.
         self._owned: dict[str, dict[str, None]] = {}
         self._bytes = 0
+        #: Acks due: (peer, seq, bytes received) (``take_acks``).
+        self._acks: list[tuple[str, int, int]] = []
+        #: Peers a part of whose message arrived since ``take_progress``.
+        self._progress: dict[str, None] = {}
         #: Incomplete messages dropped (the sender gave up half-way, timed out, or to make room).
         self.incomplete_dropped = 0
         #: Of those, the ones dropped to keep within ``owner_limit``, ``max_partials`` or ``max_partial_bytes``.
@@ -259,34 +260,54 @@ class Assembler:
         """What the partial messages held cost (``part_cost`` of each part held)."""
         return self._bytes
 
+    def take_acks(self) -> list[tuple[str, int, int]]:
+        """The acks due since the last call: ``(peer, seq, bytes received)``, for the endpoint to send."""
+        acks, self._acks = self._acks, []
+        return acks
+
+    def take_progress(self) -> list[str]:
+        """The peers a part of whose message arrived since the last call (their bytes keep coming)."""
+        peers = list(self._progress)
+        self._progress.clear()
+        return peers
+
     def add(self, peer: str, zmq_frames: Sequence[Any], now_s: float, *, owner: str | None = None,
-            owner_limit: int = 1) -> Complete | Refused | None:
+            owner_limit: int = 1) -> Complete | Refused | Acked | None:
         """One received ZeroMQ message from ``peer``; ``owner`` (default: the peer) holds at most ``owner_limit``."""
-        if len(zmq_frames) != 2 or (t := _unpack(zmq_frames[0])) is None:
+        if len(zmq_frames) != 2 or (t := tags.read(zmq_frames[0])) is None:
             # Not a part: an old peer's whole message (or garbage), for the decoder to judge.
             self._drop(peer)
             return Complete(list(zmq_frames), legacy=True)
-        magic, seq, index, count = t
+        magic, seq, index, count = t.magic, t.seq, t.index, t.count
         payload = zmq_frames[1]
         partial = self._partials.get(peer)
+        if magic == tags.ACK_MAGIC:
+            return Acked(seq, t.frame_bytes)
         if magic == ASIDE_MAGIC:
             return self._aside(peer, partial, index, count, payload, now_s)
-        cost = part_cost(payload)
-        if index == 0:
+        size = nbytes(payload)
+        if magic == tags.PIECE_MAGIC:
+            frame_bytes, offset = t.frame_bytes, t.offset
+            if size == 0 or offset + size > frame_bytes:
+                self._drop(peer)
+                return Refused("bad_message", f"piece tag: bytes {offset}..{offset + size} of a frame of "
+                                              f"{frame_bytes}; a piece is a non-empty part of its frame")
+        else:
+            frame_bytes, offset = size, 0
+        ends_frame = offset + size == frame_bytes
+        if index == 0 and offset == 0:
             if partial is not None:
                 self._drop(peer)
             if not 1 <= count <= MAX_PARTS:
                 return Refused("bad_message", f"part tag: a message of {count} parts; expected 1..{MAX_PARTS}")
-            if count == 1:
-                if cost > self.max_message_bytes:
+            if count == 1 and ends_frame:
+                if size + PART_COST_BYTES > self.max_message_bytes:
                     return self._too_large(seq, index, count)
                 return Complete([payload])
             self._expire(now_s)
             partial = self._admit(peer, _Partial(seq, count, now_s, owner or peer), max(1, owner_limit))
-            if self.coalescer is not None:
-                partial.runs = self._plan(payload, count)
-                partial.watch = self._watch(payload)
-        elif partial is None or partial.seq != seq or (index != len(partial.frames) and not partial.dropping):
+        elif (partial is None or partial.seq != seq
+              or ((index, offset) != (len(partial.frames), partial.frame_at) and not partial.dropping)):
             # A part of a message whose start we never kept (refused at its first part, or dropped to
             # make room), or out of order (impossible on one connection): skip it, and drop any other
             # message it interrupts.
@@ -294,27 +315,19 @@ class Assembler:
                 self._drop(peer)
             return None
         if partial.dropping:
-            if index == partial.count - 1:
+            if index == partial.count - 1 and ends_frame:
                 self._remove(peer)
             return None
         partial.last_part_s = now_s
         self._touch(peer, partial)
-        run = partial.run
-        run_bytes = 0
-        if run is not None:
-            # A part of the run being coalesced: its bytes were counted when the run started.
-            cost = PART_COST_BYTES
-        elif index in partial.runs:
-            parts_in_run, run_bytes = partial.runs.pop(index)
-            if run_bytes > nbytes(payload):
-                cost = run_bytes + PART_COST_BYTES  # the whole buffer, counted from now on
-            else:
-                run_bytes = 0  # nothing to coalesce: the run is all in this part, or declared too short
+        self._progress[peer] = None
+        cost, run_bytes, sink = self._cost(partial, index, offset, size, frame_bytes, ends_frame)
         if partial.size + cost > self.max_message_bytes:
             self._bytes -= partial.size
             partial.size = 0
             partial.frames.clear()  # free what was held at once
-            if index == partial.count - 1:
+            partial.run = partial.piece = None
+            if index == partial.count - 1 and ends_frame:
                 self._remove(peer)
             else:
                 partial.dropping = True
@@ -326,21 +339,90 @@ class Assembler:
                 return None
         partial.size += cost
         self._bytes += cost
-        if run_bytes:  # a run starts here
-            run = partial.run = _Run(index, index + parts_in_run, self._allocate(run_bytes))
-            partial.frames.append(run.buffer)
-        if run is None:
-            partial.frames.append(payload)
-            if partial.watch is not None:
-                self._tell(partial, index, payload)
-        else:
-            whole = self._coalesce(partial, run, index, payload)
-            if whole is not None and partial.watch is not None:
-                self._tell(partial, run.first, whole)
+        partial.received += size
+        partial.largest = max(partial.largest, size)
+        if sink == "run-start":
+            parts_in_run = partial.runs.pop(index)[0]
+            partial.run = _Run(index, index + parts_in_run, self._allocate(run_bytes))
+            sink = "run"
+        elif sink == "piece-start":
+            partial.piece = _Run(index, index + 1, self._allocate(frame_bytes))
+            sink = "piece"
+        if sink == "run":
+            self._copy(partial.run, payload)
+        elif sink == "piece":
+            self._copy(partial.piece, payload)
+        partial.frame_at = 0 if ends_frame else offset + size
+        if ends_frame:
+            self._frame_whole(partial, index, payload, sink)
         if len(partial.frames) < partial.count:
+            if partial.received >= ACK_MIN_BYTES and now_s - partial.acked_s >= ACK_INTERVAL_S:
+                partial.acked_s = now_s
+                self._acks.append((peer, seq, partial.received))
             return None
         self._remove(peer)
-        return Complete(partial.frames, watch=partial.watch)
+        if partial.received >= ACK_MIN_BYTES:
+            self._acks.append((peer, seq, partial.received))
+        return Complete(partial.frames, watch=partial.watch, largest_part=partial.largest)
+
+    def _cost(self, partial: _Partial, index: int, offset: int, size: int, frame_bytes: int,
+              ends_frame: bool) -> tuple[int, int, str]:
+        """What this part adds to the limits, the bytes of a run it starts, and where its bytes go:
+        ``run`` / ``run-start`` (a coalesced run's buffer), ``piece`` / ``piece-start`` (the buffer of a
+        frame arriving in pieces) or ``whole`` (the part is kept as it came)."""
+        if offset > 0:  # a later piece of a frame: its buffer was counted at the frame's first piece
+            return 0, 0, "run" if partial.run is not None else "piece"
+        run = partial.run
+        if run is not None:
+            if run.filled + frame_bytes <= run.buffer.nbytes:
+                return PART_COST_BYTES, 0, "run"  # its bytes were counted when the run started
+            # More than the run declared: the run ends as far as it came, this frame is kept as it comes.
+            partial.run = None
+            partial.frames[run.first] = run.buffer[:run.filled]
+        elif index in partial.runs:
+            run_bytes = partial.runs[index][1]
+            if run_bytes > frame_bytes:
+                return run_bytes + PART_COST_BYTES, run_bytes, "run-start"  # the whole buffer, from now on
+            del partial.runs[index]  # nothing to coalesce: the run is all in this frame, or declared too short
+        if ends_frame:
+            return size + PART_COST_BYTES, 0, "whole"
+        return frame_bytes + PART_COST_BYTES, 0, "piece-start"
+
+    @staticmethod
+    def _copy(run: _Run, payload: Any) -> None:
+        src = getattr(payload, "buffer", None)
+        if src is None:
+            src = memoryview(payload)
+        if src.format != "B" or src.ndim != 1:
+            src = src.cast("B")
+        n = src.nbytes
+        run.buffer[run.filled:run.filled + n] = src
+        run.filled += n
+
+    def _frame_whole(self, partial: _Partial, index: int, payload: Any, sink: str) -> None:
+        """Frame ``index`` has all its bytes: take its place in the message, and tell who wants to know."""
+        whole: Any = None
+        if sink == "run":
+            run = partial.run
+            partial.frames.append(run.buffer if index == run.first else b"")
+            if index == run.end - 1:
+                partial.run = None
+                whole = partial.frames[run.first] = run.buffer[:run.filled]
+                index = run.first
+        elif sink == "piece":
+            whole = partial.piece.buffer
+            partial.piece = None
+            partial.frames.append(whole)
+        else:
+            whole = payload
+            partial.frames.append(payload)
+        if whole is None:
+            return
+        if index == 0 and self.coalescer is not None:
+            partial.runs = self._plan(whole, partial.count)
+            partial.watch = self._watch(whole)
+        elif partial.watch is not None:
+            self._tell(partial, index, whole)
 
     def _plan(self, header: Any, count: int) -> dict:
         """The runs the coalescer names in a message of ``count`` parts (sane ones only)."""
@@ -373,40 +455,13 @@ class Assembler:
             partial.watch = None
 
     def _allocate(self, nbytes: int) -> memoryview:
-        buf = memoryview(self.coalescer.allocate(nbytes))
+        buf = memoryview(self.coalescer.allocate(nbytes) if self.coalescer is not None else bytearray(nbytes))
         if buf.format != "B" or buf.ndim != 1:
             buf = buf.cast("B")
         if buf.nbytes != nbytes or buf.readonly:
             raise ValueError(f"the coalescer allocated {buf.nbytes} bytes (read-only: {buf.readonly}); "
                              f"asked for {nbytes}, writable")
         return buf
-
-    @staticmethod
-    def _coalesce(partial: _Partial, run: _Run, index: int, payload: Any) -> memoryview | None:
-        """Copy a run's part into its buffer (then the part is let go), or end the run when it does not fit;
-        the run's buffer once its last part is in."""
-        src = getattr(payload, "buffer", None)
-        if src is None:
-            src = memoryview(payload)
-        if src.format != "B" or src.ndim != 1:
-            src = src.cast("B")
-        n = src.nbytes
-        if run.filled + n <= run.buffer.nbytes:
-            run.buffer[run.filled:run.filled + n] = src
-            run.filled += n
-            if index > run.first:
-                partial.frames.append(b"")
-        else:
-            # More than the run declared: keep what came as it came, for the decoder to judge.
-            partial.run = None
-            partial.frames[run.first] = run.buffer[:run.filled]
-            partial.frames.append(payload)
-            return None
-        if index == run.end - 1:
-            partial.run = None
-            whole = partial.frames[run.first] = run.buffer[:run.filled]
-            return whole
-        return None
 
     def _too_large(self, seq: int, index: int, count: int) -> Refused:
         return Refused("too_large", f"message {seq} grew past max_message_bytes={self.max_message_bytes} at "
@@ -492,85 +547,7 @@ class Assembler:
             self.evicted += 1
 
 
-@dataclass(slots=True)
-class Queued:
-    """One message in an ``Outbox``: its parts and how many of them went out."""
-
-    parts: list
-    nbytes: int
-    what: str = ""
-    sent: int = 0
 
 
-class Outbox:
-    """A sender's messages not yet handed to libzmq, given out one part at a time: asides first.
-
-    The owner hands libzmq the part ``peek`` names while its queue has room and
-    calls ``advance`` for each one it took, so that libzmq never holds more than
-    its send limit and what waits here can still be reordered: an aside put here
-    goes out before the next part of the message in progress. Everything else
-    keeps its order.
-    """
-
-    def __init__(self) -> None:
-        self._asides: deque[Queued] = deque()
-        self._messages: deque[Queued] = deque()
-        #: Parts waiting here.
-        self.parts = 0
-
-    def __bool__(self) -> bool:
-        return self.parts > 0
-
-    def put(self, parts: Sequence[list], nbytes: int, what: str = "", *, aside: bool = False) -> None:
-        queued = Queued(list(parts), nbytes, what)
-        if not queued.parts:
-            return
-        (self._asides if aside else self._messages).append(queued)
-        self.parts += len(queued.parts)
-
-    def peek(self) -> list | None:
-        """The next part to hand over (an aside's whole, or the current message's next part), or None."""
-        if self._asides:
-            return self._asides[0].parts[0]
-        if self._messages:
-            head = self._messages[0]
-            return head.parts[head.sent]
-        return None
-
-    def advance(self) -> Queued | None:
-        """The part ``peek`` named went out: its message if that was the last of it, else None."""
-        queue = self._asides if self._asides else self._messages
-        head = queue[0]
-        head.parts[head.sent] = None  # libzmq holds it now: drop our reference
-        head.sent += 1
-        self.parts -= 1
-        if head.sent < len(head.parts):
-            return None
-        queue.popleft()
-        return head
-
-    @property
-    def parts_behind(self) -> int:
-        """Parts waiting behind the first message's (what a sender's queue limit counts: one message of
-        any size is taken, and a receiver that stopped reading is told by what piles up after it)."""
-        if not self._messages:
-            return self.parts
-        head = self._messages[0]
-        return self.parts - (len(head.parts) - head.sent)
-
-    @property
-    def mid_message(self) -> bool:
-        """True while a message is partly handed over (the rest of it waits here)."""
-        return bool(self._messages) and self._messages[0].sent > 0
-
-    def clear(self) -> list[Queued]:
-        """Forget everything waiting; returns the messages dropped."""
-        dropped = [*self._asides, *self._messages]
-        self._asides.clear()
-        self._messages.clear()
-        self.parts = 0
-        return dropped
-
-
-__all__ = ["Assembler", "Coalescer", "Complete", "Outbox", "Queued", "Refused", "ASIDE_MAGIC", "MAGIC", "TAG_BYTES", "MAX_PARTS",
-           "PART_COST_BYTES", "aside_tag", "part_cost", "parts", "read_tag", "tag"]
+__all__ = ["Acked", "Assembler", "Coalescer", "Complete", "FrameWatch", "Outbox", "Queued", "Refused", "ASIDE_MAGIC",
+           "MAGIC", "TAG_BYTES", "MAX_PARTS", "PART_COST_BYTES", "aside_tag", "part_cost", "parts", "read_tag", "tag"]

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from diloco.transport.limits import CHUNK_BYTES, MAX_HEADER_BYTES, MAX_MESSAGE_BYTES
+from diloco.transport.zmq.outbox import MIN_PART_BYTES, PART_TIME_S
 
 log = logging.getLogger("diloco.transport.zmq")
 
@@ -74,8 +75,13 @@ class ZmqOptions:
 
     #: Largest message (and, at the libzmq level, largest frame) accepted.
     max_message_bytes: int = MAX_MESSAGE_BYTES
-    #: Tensors larger than this are sent as several frames (SPEC.md section 11).
+    #: Tensors larger than this are sent as several frames (SPEC.md section 11); also the largest part.
     chunk_bytes: int = CHUNK_BYTES
+    #: Smallest part a frame is cut into on a thin link, and the part size until the receiver's first
+    #: ack tells the link's speed (``outbox.PartSizer``; SPEC.md section 11, "Parts on thin links").
+    min_part_bytes: int = MIN_PART_BYTES
+    #: What one part should take on the link: parts are sized to what it delivered in this long.
+    part_time_s: float = PART_TIME_S
     #: Coordinator: parts handed to libzmq per peer; beyond them a message's rest waits in the endpoint
     #: (a message of more parts, or one for a slow reader), and a message for a peer that has this
     #: many parts waiting behind the one going out (it stopped reading) is dropped.
@@ -136,14 +142,14 @@ class ZmqOptions:
         return min(self.max_message_bytes, max(self.chunk_bytes, MAX_HEADER_BYTES) + 64)
 
     def __post_init__(self) -> None:
-        for name in ("max_message_bytes", "chunk_bytes", "router_sndhwm", "dealer_sndhwm",
+        for name in ("max_message_bytes", "chunk_bytes", "min_part_bytes", "router_sndhwm", "dealer_sndhwm",
                      "dealer_pipe_parts", "dealer_rcvhwm", "reconnect_ivl_ms", "reconnect_ivl_max_ms", "zmtp_heartbeat_ivl_ms",
                      "zmtp_heartbeat_timeout_ms", "io_threads", "max_partial_bytes", "max_partials",
                      "partials_per_key_id"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"ZmqOptions.{name}={v!r} is invalid: expected an integer >= 1")
-        for name in ("send_timeout_s", "disconnect_grace_s", "partial_timeout_s"):
+        for name in ("send_timeout_s", "disconnect_grace_s", "partial_timeout_s", "part_time_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not (isinstance(v, (int, float)) and 0 < v < float("inf")):
                 raise ValueError(f"ZmqOptions.{name}={v!r} is invalid: expected seconds > 0")

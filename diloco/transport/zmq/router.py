@@ -25,15 +25,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
 from diloco.transport.base import TransportClosed, TransportError
-from diloco.transport.zmq import framing
+from diloco.transport.zmq import framing, tags
 from diloco.transport.zmq.auth import KeyIdentity, ServerAuth
+from diloco.transport.zmq.outbox import Outbox, PartSizer
 from diloco.transport.zmq.options import ZmqOptions, close_socket, peer_name, routing_id_of, set_option
 
 log = logging.getLogger("diloco.transport.zmq")
@@ -49,6 +50,11 @@ class Arrival:
     peer: str
     got: framing.Complete | framing.Refused
     identity: KeyIdentity | None = None
+
+
+def _median(values) -> int | None:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else None
 
 
 class FrameRouter:
@@ -133,7 +139,11 @@ class FrameRouter:
                                             max_partial_bytes=o.max_partial_bytes,
                                             partial_timeout_s=o.partial_timeout_s, coalescer=coalescer)
         #: routing id -> the parts libzmq had no room for yet (only peers with some waiting).
-        self._outboxes: dict[bytes, framing.Outbox] = {}
+        self._outboxes: dict[bytes, Outbox] = {}
+        #: routing id -> how big a part to it may be (``outbox.PartSizer``), the least recently used first.
+        self._sizers: OrderedDict[bytes, PartSizer] = OrderedDict()
+        #: peer -> the biggest part of its latest message of several parts (how its sender cuts frames).
+        self._part_bytes_in: OrderedDict[str, int] = OrderedDict()
         self.counters: Counter[str] = Counter()
 
     def stats(self) -> dict:
@@ -149,6 +159,10 @@ class FrameRouter:
             "partial_messages": self._assembler.partial_count,
             "partial_bytes": self._assembler.partial_bytes,
             "send_backlog_parts": sum(box.parts for box in self._outboxes.values()),
+            # How frames are cut on each peer's link (SPEC.md section 11, "Parts on thin links"): the median
+            # over peers of the biggest part of their latest big message, and of the part size towards them.
+            "part_bytes_in": _median(self._part_bytes_in.values()),
+            "part_bytes_out": _median(s.part_bytes() for s in self._sizers.values() if s.rate is not None),
         }
 
     def recv(self, timeout_s: float) -> Arrival | None:
@@ -202,16 +216,58 @@ class FrameRouter:
                 if identity is None:  # the authenticator let it in, so this cannot happen; never trust it
                     self.counters["auth_failures"] += 1
                     continue
+            now = time.monotonic()
             if identity is None:
-                got = self._assembler.add(peer, frames[1:], time.monotonic())
+                got = self._assembler.add(peer, frames[1:], now)
             else:  # one key's incomplete messages displace each other, never another key's
-                got = self._assembler.add(peer, frames[1:], time.monotonic(), owner=identity.public_key,
+                got = self._assembler.add(peer, frames[1:], now, owner=identity.public_key,
                                           owner_limit=self.options.partials_per_key_id * identity.max_ids)
+            for _peer, seq, received in self._assembler.take_acks():
+                self._ack(rid, seq, received)
+            if isinstance(got, framing.Acked):
+                sizer = self._sizers.get(rid)
+                if sizer is not None:
+                    sizer.acked(got.seq, got.received, now)
+                continue
             if got is None:
                 continue
             if isinstance(got, framing.Complete):
                 self.counters["messages_in"] += 1
+                if got.largest_part:
+                    self._part_bytes_in.pop(peer, None)
+                    self._part_bytes_in[peer] = got.largest_part
+                    if len(self._part_bytes_in) > self.MAX_REMEMBERED_PEERS:
+                        self._part_bytes_in.popitem(last=False)
             return Arrival(peer, got, identity)
+
+    def _ack(self, rid: bytes, seq: int, received: int) -> None:
+        """Tell a peer how much of its message arrived (its ``PartSizer`` learns the link): before the rest of
+        what waits for it, and dropped rather than waited for (an ack is a hint; the next one says more)."""
+        part = [rid, tags.ack_tag(seq, received), b""]
+        box = self._outboxes.get(rid)
+        if box is not None:
+            box.put([part], 0, "ack", aside=True)
+            self._pump(rid, box)
+            return
+        try:
+            self._sock.send_multipart(part, zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def arriving_peers(self) -> list[str]:
+        """Peers a part of whose message arrived since the last call: their bytes keep coming, so they live,
+        however long one message takes (the coordinator counts it as a heartbeat, SPEC.md section 11)."""
+        return self._assembler.take_progress()
+
+    def _sizer(self, rid: bytes) -> PartSizer:
+        sizer = self._sizers.pop(rid, None)
+        if sizer is None:
+            o = self.options
+            sizer = PartSizer(o.min_part_bytes, o.chunk_bytes, o.part_time_s)
+        self._sizers[rid] = sizer
+        if len(self._sizers) > self.MAX_REMEMBERED_PEERS:
+            self._sizers.popitem(last=False)
+        return sizer
 
     #: Most peers remembered for probing; the longest silent are forgotten first.
     MAX_REMEMBERED_PEERS = 100_000
@@ -250,6 +306,8 @@ class FrameRouter:
                 if exc.errno != zmq.EHOSTUNREACH:
                     raise TransportError(f"probe of {peer_name(rid)} failed: {exc}") from None
                 del self._heard[rid]
+                self._sizers.pop(rid, None)
+                self._part_bytes_in.pop(peer_name(rid), None)
                 self._assembler.forget(peer_name(rid))
                 self._drop_outbox(rid)
                 lost.append(peer_name(rid))
@@ -293,35 +351,22 @@ class FrameRouter:
             self.counters["dropped_unroutable"] += 1
             return
         self._seq += 1
-        messages = [frames] if legacy else framing.parts(self._seq, frames)
         box = self._outboxes.get(rid)
-        if box is not None:
-            if box.parts_behind >= self.options.router_sndhwm:
-                # The peer stopped reading: drop rather than hold ever more for it.
-                self.counters["dropped_queue_full"] += 1
-                log.warning("dropped a message to %s: its send queue is full", peer)
-                return
-            box.put([[rid, *part] for part in messages], framing.total_nbytes(frames))
-            self._pump(rid, box)
+        if box is not None and box.parts_behind >= self.options.router_sndhwm:
+            # The peer stopped reading: drop rather than hold ever more for it.
+            self.counters["dropped_queue_full"] += 1
+            log.warning("dropped a message to %s: its send queue is full", peer)
             return
-        messages = list(messages)
-        for i, part in enumerate(messages):
-            try:
-                self._sock.send_multipart([rid, *part], zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                # libzmq's queue for this peer is full: the rest waits here, in order.
-                box = self._outboxes[rid] = framing.Outbox()
-                box.put([[rid, *p] for p in messages[i:]], framing.total_nbytes(frames))
-                return
-            except zmq.ZMQError as exc:
-                if exc.errno == zmq.EHOSTUNREACH:  # gone (a datagram to a dead host)
-                    self.counters["dropped_unroutable"] += 1
-                    return
-                raise TransportError(f"send to {peer} failed: {exc}") from None
-        self.counters["messages_out"] += 1
-        self.counters["bytes_out"] += framing.total_nbytes(frames)
+        if box is None:
+            box = self._outboxes[rid] = Outbox(self._sizer(rid))
+        nbytes = framing.total_nbytes(frames)
+        if legacy:
+            box.put([[rid, *frames]], nbytes)
+        else:
+            box.put_frames(self._seq, frames, nbytes, prefix=(rid,))
+        self._pump(rid, box)
 
-    def _pump(self, rid: bytes, box: framing.Outbox) -> None:
+    def _pump(self, rid: bytes, box: Outbox) -> None:
         """Hand libzmq ``rid``'s waiting parts until its queue for that peer is full."""
         while (part := box.peek()) is not None:
             try:
@@ -333,8 +378,8 @@ class FrameRouter:
                     self._drop_outbox(rid)
                     return
                 raise TransportError(f"send to {peer_name(rid)} failed: {exc}") from None
-            done = box.advance()
-            if done is not None:
+            done = box.advance(time.monotonic())
+            if done is not None and done.what != "ack":
                 self.counters["messages_out"] += 1
                 self.counters["bytes_out"] += done.nbytes
         if self._outboxes.get(rid) is box:
