@@ -50,9 +50,12 @@ per 1514-byte frame).
 
 Last lines, one per measured (plane, size)::
 
-    RESULT links plane=hub params=N k=4 rate_mbit=100 wire=fp32 round_s=X compute_s=X round_comm_s=X predicted_s=X ratio=R impl_s=X impl_ratio=R ...
+    RESULT links plane=hub params=N k=4 rate_mbit=100 wire=fp32 round_s=X compute_s=X round_comm_s=X predicted_s=X ratio=R impl_s=X impl_ratio=R part_bytes_in=N part_bytes_out=N
 
-``ratio`` = round_comm_s / predicted_s (the goal: within 20%). A run in which
+``ratio`` = round_comm_s / predicted_s (the goal: within 20%). On the hub, ``part_bytes_in`` and
+``part_bytes_out`` are the part sizes the coordinator saw from the workers and used towards them
+(``diloco status``): each end cuts a tensor into parts of what its link moves in about a second,
+up to 16 MiB (SPEC.md section 11, "Parts on thin links"). A run in which
 no round is applied for a long while is reported ``stalled=1`` with the
 coordinator's transport counters. Server and workers run with diloco's default
 ``--link-timeout`` (30 s: a 16 MiB frame must cross a worker's share of a link
@@ -277,6 +280,10 @@ class Measure:
     #: No round applied for a long while: what was seen then (else "").
     stalled: str = ""
     applied_before_stall: int = 0
+    #: The part sizes the coordinator saw (``diloco status``: SPEC.md section 11, "Parts on thin links"):
+    #: the biggest part of the workers' latest uploads (median), and its part size towards them.
+    part_bytes_in: Optional[int] = None
+    part_bytes_out: Optional[int] = None
 
     @property
     def comm_s(self) -> float:
@@ -369,15 +376,23 @@ def _step_and_gap(steps: dict, t_from: float, t_to: float):
     return step, (statistics.median(gaps) - step if gaps else math.nan)
 
 
-def _status(net: Net, env: dict) -> str:
-    """The coordinator's transport counters and members, for a stall report."""
+def _status_json(net: Net, env: dict) -> dict:
+    """``diloco status --json`` of the coordinator; raises ValueError when it does not answer."""
     r = subprocess.run(["ip", "netns", "exec", net.coord, sys.executable, "-m", "diloco", "status", "--connect",
                         f"tcp://{COORD_IP}:{PORT}", "--json", "--timeout", "10"],
                        capture_output=True, text=True, env=env)
     try:
-        st = json.loads(r.stdout)
+        return json.loads(r.stdout)
     except ValueError:
-        return f"status unavailable ({r.stderr.strip()[-200:]})"
+        raise ValueError(r.stderr.strip()[-200:]) from None
+
+
+def _status(net: Net, env: dict) -> str:
+    """The coordinator's transport counters and members, for a stall report."""
+    try:
+        st = _status_json(net, env)
+    except ValueError as exc:
+        return f"status unavailable ({exc})"
     tr = st.get("transport", {})
     keys = ("disconnects", "peers_lost", "incomplete_dropped", "dropped_queue_full")
     return (f"coordinator transport {', '.join(f'{k}={tr.get(k)}' for k in keys)}; "
@@ -439,6 +454,12 @@ def measure(net: Net, plane: str, params: int, wire: str, sync_every: int, step_
 
             _wait_for(procs, progressed, stall_s, f"applied round {n + 1}", run_dir)
         tx1 = (net.tx_bytes(net.coord), [net.tx_bytes(net.worker(i)) for i in range(net.workers)], len(times))
+        if plane == "hub":  # the collective plane's tensors go over gloo, not in parts
+            try:
+                tr = _status_json(net, env).get("transport", {})
+                m.part_bytes_in, m.part_bytes_out = tr.get("part_bytes_in"), tr.get("part_bytes_out")
+            except ValueError as exc:
+                print(f"   (part sizes unavailable: {exc})", flush=True)
     except Stalled as exc:
         m.stalled = f"{exc} ({_status(net, env)})"
         m.applied_before_stall = len(times)
@@ -492,7 +513,8 @@ def result_line(m: Measure) -> str:
     if m.stalled:
         return f"{head} stalled=1 applied_before_stall={m.applied_before_stall} predicted_s={pred:.3f} impl_s={imp:.3f}"
     return (f"{head} round_s={m.round_s:.3f} compute_s={m.compute_s:.3f} round_comm_s={m.comm_s:.3f} "
-            f"predicted_s={pred:.3f} ratio={m.comm_s / pred:.3f} impl_s={imp:.3f} impl_ratio={m.comm_s / imp:.3f}")
+            f"predicted_s={pred:.3f} ratio={m.comm_s / pred:.3f} impl_s={imp:.3f} impl_ratio={m.comm_s / imp:.3f}"
+            + (f" part_bytes_in={m.part_bytes_in} part_bytes_out={m.part_bytes_out}" if m.plane == "hub" else ""))
 
 
 # ---------------------------------------------------------------------------------------------

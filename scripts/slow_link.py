@@ -169,6 +169,8 @@ class Net:
     rate_mbit: float
     tag: str = field(default_factory=lambda: f"dsl{os.getpid()}")
     made: list = field(default_factory=list)
+    #: What the coordinator's end sends at (the slow worker's download); None: ``rate_mbit``, 0: no limit.
+    coord_rate_mbit: Optional[float] = None
 
     @property
     def coord(self) -> str:
@@ -188,9 +190,11 @@ class Net:
             _run(["ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0"])
             _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
-            # Each end limits what it sends: the link is rate_mbit each way.
-            _run(["tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", f"{self.rate_mbit:g}mbit",
-                  "burst", "32kbit", "latency", "400ms"])
+            # Each end limits what it sends: the link is rate_mbit each way (or coord_rate_mbit down).
+            rate = self.rate_mbit if ns == self.slow or self.coord_rate_mbit is None else self.coord_rate_mbit
+            if rate:
+                _run(["tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", f"{rate:g}mbit",
+                      "burst", "32kbit", "latency", "400ms"])
 
     def down(self) -> list:
         """Delete every namespace made (the veth pair and the qdiscs go with them); returns the errors."""

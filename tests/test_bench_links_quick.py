@@ -38,5 +38,7 @@ def test_bench_links_quick_measures_both_planes_against_the_planner_and_cleans_u
         assert "stalled" not in fields, proc.stdout
         assert float(fields["round_s"]) > float(fields["round_comm_s"]) > 0
         assert float(fields["predicted_s"]) > 0 and float(fields["ratio"]) > 0
+        if fields["plane"] == "hub":  # the part sizes the coordinator saw, reported
+            assert int(fields["part_bytes_in"]) > 0 and int(fields["part_bytes_out"]) > 0, proc.stdout
     after = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert after == before, "the benchmark left network namespaces behind"

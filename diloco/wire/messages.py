@@ -22,8 +22,10 @@ if TYPE_CHECKING:  # torch only for tensors: an admin command must not pay for i
 #: ``ReduceOrder``, ``ReduceReport``, ``ReduceAbort``, ``HealOrder``, ``Result.digest``,
 #: ``Join.holds_params``, ``Join.held_rounds``, ``Join.held_digests``). 5: heartbeat asides may
 #: come between the parts of another message (the ``DLCA`` part tag, ``transport/zmq/framing.py``):
-#: a version 4 peer would take one for a new message and drop the one it interrupts.
-PROTOCOL_VERSION = 5
+#: a version 4 peer would take one for a new message and drop the one it interrupts. 6: a frame may
+#: come in pieces sized to the link, and big messages are acked as they arrive (the ``DLCP`` and
+#: ``DLCK`` tags, ``transport/zmq/tags.py``): a version 5 peer would take either for garbage.
+PROTOCOL_VERSION = 6
 
 #: How tensors of ``Submit`` and ``Result`` travel (``diloco.wire.compression``, SPEC.md
 #: section 11, "Wire dtypes"). Plain names here so that decoding a header needs no torch.
