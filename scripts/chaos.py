@@ -2,8 +2,8 @@
 """Chaos soak on real processes: kill and freeze workers and the coordinator at seeded moments, then check the run.
 
     python scripts/chaos.py --minutes 30 --workers 4 --seed 1     # the long soak (README)
-    python scripts/chaos.py --minutes 1.5 --workers 3 --seed 7 \
-        --at-least worker_kills=3,coordinator_kills=1,partitions=1 --max-minutes 4   # the CI variant's shape
+    python scripts/chaos.py --minutes 1.5 --workers 3 --seed 7 \\
+        --at-least worker_kills=3,coordinator_kills=1,partitions=1 --max-minutes 3.5   # the CI variant's shape
     python scripts/chaos.py --minutes 30 --workers 4 --data-plane collective --worker-kill-every 8 --coordinator-kill-every 75
 
 A small supervisor starts ``diloco server --checkpoint-dir DIR --resume DIR``
@@ -41,18 +41,19 @@ and N ``diloco worker`` processes (the built-in char transformer) on
 With ``--at-least KIND=N,...`` (and ``--max-minutes B``) the run injects at
 least N faults of each kind named (``worker_kills``, ``coordinator_kills``,
 ``worker_freezes``, ``coordinator_freezes``, ``partitions``,
-``min_worker_changes``), whatever the clock and the machine's load: a test
-that asserts on the counts cannot fail by chance (``min_worker_changes``
-counts the changes that went through). A fault of a kind still short of its
+``min_worker_changes``: the changes that went through) and goes on until at
+least ``rounds_applied=N`` rounds applied (the audit log's ``apply``
+lines), whatever the clock and the machine's load: a test that asserts on
+the counts cannot fail by chance. A fault of a kind still short of its
 count that comes due while it cannot be done (no worker free to take it, the
 coordinator not steady) stays due and is done as soon as it can, instead of
 being skipped; a quorum change whose admin call failed is tried again 2 s
 later. The fault phase lasts at least ``--minutes``, every kind on its
-ordinary schedule; past them, the kinds that have their counts stop, and
-each kind still short is due at once and then at most its mean interval
-apart, until every count is reached -- but not past ``--max-minutes``: a
-count still short then is a violation, named in a ``VIOLATION`` line (the
-system could not take the faults asked for). Without ``--at-least`` faults
+ordinary schedule; past them, the kinds that have their counts stop, each
+fault kind still short is due at once and then at most its mean interval
+apart, and the run goes on until every count is reached -- but not past
+``--max-minutes``: a count still short then is a violation, named in a
+``VIOLATION`` line (the system could not take what was asked for). Without ``--at-least`` faults
 that find no target are skipped and the phase ends at ``--minutes``, as the
 long soak's figures were measured.
 
@@ -287,10 +288,39 @@ REJOIN_S = 10.0
 FAULT_EVERY = {"worker_kills": "worker_kill_every", "coordinator_kills": "coordinator_kill_every",
                "min_worker_changes": "min_workers_every", "worker_freezes": "worker_freeze_every",
                "coordinator_freezes": "coordinator_freeze_every", "partitions": "partition_every"}
+#: What ``--at-least`` counts: the fault kinds, and the rounds applied (the audit log's ``apply`` lines: no fault,
+#: the run only goes on until that many applied, so that a loaded machine cannot leave it with too few).
+COUNTED = (*FAULT_EVERY, "rounds_applied")
 #: Kinds that take a worker other than ``w1`` (which is never faulted): they need a second worker.
 WORKER_FAULTS = ("worker_kills", "worker_freezes", "partitions")
 #: A quorum change whose admin call failed is tried again this long after, while its kind is owed.
 RETRY_S = 2.0
+
+
+class AppliedRounds:
+    """The rounds applied so far by every coordinator incarnation: the audit log's ``apply`` lines, read as
+    it grows (whole lines only: the last may be half-written)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._read = 0
+        self._count = 0
+
+    def count(self) -> int:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._read)
+                data = f.read()
+        except OSError:  # not written yet
+            return self._count
+        whole = data.rfind(b"\n") + 1
+        for line in data[:whole].splitlines():
+            try:
+                self._count += json.loads(line).get("event") == "apply"
+            except ValueError:
+                pass  # a line torn by a kill -9: check_audit_log judges it
+        self._read += whole
+        return self._count
 
 
 class Soak:
@@ -351,6 +381,7 @@ class Soak:
         self.overtime = False
         self.fault_minutes = 0.0
         self.unreached: dict[str, tuple[int, int]] = {}
+        self.applied = AppliedRounds(self.ckpt / "events.jsonl")
 
     # ------------------------------------------------------------------ --at-least
 
@@ -358,6 +389,8 @@ class Soak:
         """How many faults of ``kind`` the soak has injected (a partition counts from when it starts)."""
         if kind == "partitions":
             return len(self.partitions) + len(self._partitioning)
+        if kind == "rounds_applied":
+            return self.applied.count()
         return getattr(self, kind)
 
     def owed(self, kind: str) -> bool:
@@ -1081,9 +1114,8 @@ def at_least_counts(text: str) -> dict[str, int]:
         kind, eq, n = (part.strip() for part in item.partition("="))
         if not kind and not eq:
             raise argparse.ArgumentTypeError(f"an empty item in {text!r}: write KIND=N,KIND=N,...")
-        if kind not in FAULT_EVERY:
-            raise argparse.ArgumentTypeError(f"unknown fault kind {kind!r} in {text!r}: the kinds are "
-                                             f"{', '.join(FAULT_EVERY)}")
+        if kind not in COUNTED:
+            raise argparse.ArgumentTypeError(f"unknown kind {kind!r} in {text!r}: the kinds are {', '.join(COUNTED)}")
         if not eq:
             raise argparse.ArgumentTypeError(f"{kind!r} has no count: write {kind}=N")
         if re.fullmatch(r"-\s*[0-9]+", n):
@@ -1111,6 +1143,8 @@ def check_at_least(ap: argparse.ArgumentParser, args) -> None:
         ap.error(f"--max-minutes {args.max_minutes:g} is less than --minutes {args.minutes:g}: the fault phase "
                  f"lasts at least --minutes")
     for kind, n in args.at_least.items():
+        if kind not in FAULT_EVERY:
+            continue  # rounds_applied: no schedule, the run trains on
         every = getattr(args, FAULT_EVERY[kind])
         if n > 0 and every <= 0:
             ap.error(f"--at-least {kind}={n} cannot be reached with --{FAULT_EVERY[kind].replace('_', '-')} "
@@ -1149,7 +1183,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the server's --data-plane (collective: workers also checkpoint every commit)")
     ap.add_argument("--at-least", type=at_least_counts, default=None, metavar="KIND=N,...",
                     help="inject at least N faults of each kind named (kinds: " + ", ".join(FAULT_EVERY) +
-                         "; min_worker_changes counts the changes that went through). While a kind is short of "
+                         "; min_worker_changes counts the changes that went through), and go on until at least "
+                         "rounds_applied=N rounds applied (the audit log's). While a kind is short of "
                          "its count, a fault of it that comes due when it cannot be done (no free worker, the "
                          "coordinator not steady) stays due and is done as soon as it can, instead of being "
                          "skipped. A kind that has its count keeps its ordinary schedule until --minutes and "
