@@ -327,6 +327,21 @@ def _steps(trace_dir: Path, worker: str) -> list:
     return [float(x) for x in f.read_text().split()] if f.exists() else []
 
 
+def membership_failures(server_out: str, worker_out: str, worker: str = "slow") -> list:
+    """What the server's event lines and the worker's output say went wrong with its membership: it must
+    join once, and never be declared dead, leave, or join again (resync or rejoin)."""
+    failures = []
+    for pattern, what in ((rf"\bdead\s+{worker}\b", f"the {worker} worker was declared dead"),
+                          (rf"\bleft\s+{worker}\b", f"the {worker} worker left")):
+        if re.search(pattern, server_out):
+            failures.append(what)
+    if len(re.findall(rf"\bjoin\s+{worker}\b", server_out)) != 1:
+        failures.append(f"the {worker} worker did not join exactly once")
+    if re.search(r"joining again|rejoin|re-join", worker_out, re.I):
+        failures.append(f"the {worker} worker joined again (resync or rejoin)")
+    return failures
+
+
 def _wait(pred, timeout_s: float, what: str, procs: Procs, must_live: tuple = ()) -> None:
     deadline = time.monotonic() + timeout_s
     while not pred():
@@ -459,14 +474,7 @@ def run(cfg: Config, workdir: Path, log=print) -> Outcome:
                  f"delay ({out.resync_delay_s:g} s)")
         if out.expiry_runs_past_limit < 1:
             fail("no message started at the coordinator while the Submit was older than the partial limit")
-        for pattern, what in ((r"\bdead\s+slow\b", "the slow worker was declared dead"),
-                              (r"\bleft\s+slow\b", "the slow worker left")):
-            if re.search(pattern, server_out):
-                fail(what)
-        if len(re.findall(r"\bjoin\s+slow\b", server_out)) != 1:
-            fail("the slow worker did not join exactly once")
-        if re.search(r"joining again|rejoin|re-join", slow_out, re.I):
-            fail("the slow worker joined again (resync or rejoin)")
+        out.failures += membership_failures(server_out, slow_out)
         for key in ("incomplete_dropped", "dropped_queue_full", "disconnects", "malformed_total"):
             if out.transport.get(key, 0):
                 fail(f"coordinator transport {key}={out.transport.get(key)}")

@@ -49,7 +49,6 @@ import argparse
 import json
 import math
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -158,14 +157,7 @@ def run(case: Case, workdir: Path, log=print) -> Outcome:
         if not out.submit_s > HEARTBEAT_TIMEOUT_S:
             fail(f"the Submit took {out.submit_s:.1f} s, not longer than the heartbeat timeout "
                  f"({HEARTBEAT_TIMEOUT_S:g} s): the case proves nothing")
-        for pattern, what in ((r"\bdead\s+slow\b", "the worker was declared dead"),
-                              (r"\bleft\s+slow\b", "the worker left")):
-            if re.search(pattern, server_out):
-                fail(what)
-        if len(re.findall(r"\bjoin\s+slow\b", server_out)) != 1:
-            fail("the worker did not join exactly once")
-        if re.search(r"joining again|rejoin|re-join", slow_out, re.I):
-            fail("the worker joined again (resync or rejoin)")
+        out.failures += slow_link.membership_failures(server_out, slow_out)
         for key in ("incomplete_dropped", "dropped_queue_full", "malformed_total"):
             if out.transport.get(key, 0):
                 fail(f"coordinator transport {key}={out.transport.get(key)}")
