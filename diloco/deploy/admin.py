@@ -39,6 +39,16 @@ def _age(seconds: float | None) -> str:
     return f"{seconds / 86400:.1f} d"
 
 
+def _size(nbytes: int | None) -> str:
+    """A byte count as people read it: ``64 KiB``, ``16 MiB``; ``-`` when unknown."""
+    if not nbytes:
+        return "-"
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.3g} {unit}"
+    return f"{nbytes} B"
+
+
 def _num(value, digits: int) -> str:
     return "-" if not isinstance(value, (int, float)) or isinstance(value, bool) else f"{value:.{digits}f}"
 
@@ -126,6 +136,9 @@ def render_status(status: dict, address: str = "", *, width: int = 120) -> str:
             console.print(f"  auth: {'CURVE' if t.get('auth') else 'none'}; keys refused {t.get('auth_failures', 0)}; "
                           f"forbidden messages {t.get('forbidden', 0)}; incomplete messages dropped "
                           f"{t.get('incomplete_dropped', 0)}")
+        if t.get("part_bytes_in") or t.get("part_bytes_out"):  # how tensors are cut on the links (SPEC.md 11)
+            console.print(f"  parts (median over workers): in {_size(t.get('part_bytes_in'))}, "
+                          f"out {_size(t.get('part_bytes_out'))}")
         dropped = t.get("dropped_queue_full", 0) + t.get("dropped_unroutable", 0)
         if dropped or t.get("handshake_failures", 0):
             console.print(f"  dropped {t.get('dropped_queue_full', 0)} (queue full) + {t.get('dropped_unroutable', 0)} "

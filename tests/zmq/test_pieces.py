@@ -247,3 +247,11 @@ def test_a_worker_whose_submit_outlasts_the_heartbeat_timeout_stays_a_member_whi
         stop.set()
         server.join(10)
         endpoint.close()
+
+
+def test_diloco_status_shows_the_part_sizes_people_read():
+    from diloco.deploy.admin import render_status
+
+    page = render_status({"transport": {"messages_in": 3, "part_bytes_in": 65536, "part_bytes_out": 16 << 20}})
+    assert "parts (median over workers): in 64 KiB, out 16 MiB" in page
+    assert "parts" not in render_status({"transport": {"messages_in": 3}})  # nothing measured yet: no line
