@@ -117,7 +117,7 @@ class Coalescer(Protocol):
         coalesce, or None. Only a hint: the decoder still checks every byte; may not raise."""
 
     def allocate(self, nbytes: int) -> Any:
-        """A writable buffer of ``nbytes`` bytes (format ``B``), for one run or one frame arriving in pieces."""
+        """A writable buffer of ``nbytes`` bytes (format ``B``), for one run."""
 
     def watch(self, header: Any) -> FrameWatch | None:
         """From a message's first part: an object to tell of each of its frames as that frame is whole,
@@ -346,7 +346,9 @@ class Assembler:
             partial.run = _Run(index, index + parts_in_run, self._allocate(run_bytes))
             sink = "run"
         elif sink == "piece-start":
-            partial.piece = _Run(index, index + 1, self._allocate(frame_bytes))
+            # Not from the coalescer's pool: a frame comes in pieces only until the sender's first ack, or on
+            # a thin link; a pooled buffer of its size would be kept for a request that may never come again.
+            partial.piece = _Run(index, index + 1, memoryview(bytearray(frame_bytes)))
             sink = "piece"
         if sink == "run":
             self._copy(partial.run, payload)
@@ -455,7 +457,7 @@ class Assembler:
             partial.watch = None
 
     def _allocate(self, nbytes: int) -> memoryview:
-        buf = memoryview(self.coalescer.allocate(nbytes) if self.coalescer is not None else bytearray(nbytes))
+        buf = memoryview(self.coalescer.allocate(nbytes))
         if buf.format != "B" or buf.ndim != 1:
             buf = buf.cast("B")
         if buf.nbytes != nbytes or buf.readonly:
