@@ -36,6 +36,7 @@ from diloco.wire import codec
 from diloco.wire.messages import Heartbeat, Welcome, spec_of
 from diloco.transport.zmq import framing
 from tiny_entry import make_setup
+from procs import wait_until
 
 #: Above the transport's 1 s disconnect grace, so that closed sockets are reported lost first.
 HEARTBEAT_TIMEOUT_S = 2.0
@@ -226,8 +227,10 @@ def test_join_die_churn_leaves_no_per_worker_state_behind():
 
         for i, start in enumerate(range(0, 4 * BATCH, BATCH)):
             _churn(ctx, endpoint.address, spec, start, BATCH, silent=i % 2 == 0, wait_gone=wait_gone)
-        # Let the transport's probe after the last disconnects (admin clients included) run.
-        time.sleep(3 * endpoint.options.disconnect_grace_s)
+        # Until the transport's probe after the last disconnects (admin clients included) has run: a
+        # fixed sleep would be a bet on how soon a loaded machine's loop gets to it.
+        wait_until(lambda: len(endpoint.frames._heard) <= 2 and endpoint.frames._assembler.partial_count == 0, 60,
+                   "the probe after the last disconnects to forget the churned peers")
         loop.stop()
         assert not loop.is_alive() and loop.error is None, loop.error
         assert coordinator.fsm.live_workers == 1 and coordinator.fsm.is_member("anchor")
