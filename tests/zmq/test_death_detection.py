@@ -50,10 +50,12 @@ def test_a_closed_connection_is_a_lost_peer_after_the_grace_window():
         assert peer == "w1.test" and msg == Heartbeat("w1")
         closed_at = time.monotonic()
         sock.close(0)
-        assert _wait_lost(ep, 0.3) == []  # inside the grace window: not yet
         lost = _wait_lost(ep, 5.0)
+        lost_after = time.monotonic() - closed_at
         assert lost == ["w1.test"]
-        assert time.monotonic() - closed_at < 3.0
+        # Not inside the grace window: judged by when it came (a starved test thread only makes that
+        # later), not by a poll of the first 0.3 s that a late wake-up could stretch past the window.
+        assert 0.5 <= lost_after < 3.0, lost_after
         assert ep.lost_peers() == []  # reported once
         assert ep.stats()["peers_lost"] == 1
     ctx.term()
