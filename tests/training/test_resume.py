@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Callable
 
 import pytest
 import torch
@@ -45,16 +46,20 @@ def reference_run() -> dict[str, torch.Tensor]:
 
 
 def gated_batches(seed: int, gate_at: int, reached: threading.Event, go: threading.Event,
-                  slow_after_gate_s: float = 0.0):
+                  hold_until: Callable[[], bool] | None = None):
     """Batches of shard ``seed``; before batch ``gate_at`` signal ``reached`` and wait for ``go``,
-    then take ``slow_after_gate_s`` per batch (time for a heartbeat reply to arrive)."""
+    then, with ``hold_until``, hand out each later batch only once it holds (at most 20 s): what a
+    heartbeat reply must have done by then, however late a loaded machine delivers it."""
     step = 0
     while True:
         if step == gate_at:
             reached.set()
             assert go.wait(20.0), "the test never released the gate"
-        elif step > gate_at:
-            time.sleep(slow_after_gate_s)
+        elif step > gate_at and hold_until is not None:
+            deadline = time.monotonic() + 20.0
+            while not hold_until():
+                assert time.monotonic() < deadline, "what the batches wait for never happened"
+                time.sleep(0.01)
         yield batch_at(seed, step)
         step += 1
 
@@ -79,17 +84,17 @@ def test_save_and_stop_then_resume_loses_nothing(tmp_path, a_stops):
     # (step 10), submits and waits for A. Then the operator asks for save-and-stop.
     reached, go = threading.Event(), threading.Event()
     mid_round = a_stops == "mid_round"
-    # mid_round: heartbeats every 0.5 s, so A's first step after the gate heartbeats.
+    # mid_round: heartbeats every 0.5 s, and A's steps after the gate wait until one's reply told it to
+    # stop: it hears the stop while still training (before its sync point), not as a matter of timing.
     with Run(min_workers=2, checkpoint_dir=ckpt, heartbeat_timeout_s=2.0 if mid_round else 10.0) as run:
         a = make_worker(run, "a", model_seed=0, checkpoint_dir=ckpt)
         b = make_worker(run, "b", model_seed=0, checkpoint_dir=ckpt)
-        run.start(a, gated_batches(SEEDS["a"], 7, reached, go, 0.1 if mid_round else 0.0), max_steps=STEPS)
+        run.start(a, gated_batches(SEEDS["a"], 7, reached, go, (lambda: a.stopped) if mid_round else None),
+                  max_steps=STEPS)
         run.start(b, batches(SEEDS["b"]), max_steps=STEPS)
         assert reached.wait(20.0)
         wait_for(lambda: b.state == "waiting" and b.inner_step == 10, 10.0, "B waiting at round 1")
         assert run.admin("shutdown", kind="save_and_stop").ok
-        if mid_round:
-            time.sleep(0.6)
         go.set()
         reports = run.join_workers(20.0)
     assert reports["a"].stop_reason == "save_and_stop" and reports["b"].stop_reason == "save_and_stop"
