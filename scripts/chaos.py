@@ -53,9 +53,9 @@ ordinary schedule; past them, the kinds that have their counts stop, each
 fault kind still short is due at once and then at most its mean interval
 apart, and the run goes on until every count is reached -- but not past
 ``--max-minutes``: a count still short then is a violation, named in a
-``VIOLATION`` line (the system could not take what was asked for). Without ``--at-least`` faults
-that find no target are skipped and the phase ends at ``--minutes``, as the
-long soak's figures were measured.
+``VIOLATION`` line (the system could not take what was asked for). Without
+``--at-least`` faults that find no target are skipped and the phase ends at
+``--minutes``, as the long soak's figures were measured.
 
 Worker ``w1`` is never killed, frozen nor partitioned, and keeps the default
 ``--coordinator-timeout`` (600 s): it is the long-lived worker whose memory
