@@ -124,10 +124,18 @@ def test_the_endpoint_lets_in_only_the_directory_keys_with_their_identity(tmp_pa
                 deadline = time.monotonic() + 10
                 while time.monotonic() < deadline:
                     bad.recv(0.1)
-            with pytest.raises(AuthRefused, match="requires authentication"):
+            # A plaintext client is kept out either way; what it is told depends on a race in libzmq's
+            # handshake: it names the mechanism mismatch (then the error says what to do) when the
+            # server's greeting reaches it before the server closes the connection, else it sees the
+            # connection close, like a network fault, and retries.
+            try:
                 deadline = time.monotonic() + 10
                 while time.monotonic() < deadline:
                     plain.recv(0.1)
+            except AuthRefused as exc:
+                assert "requires authentication" in str(exc)
+            else:
+                assert plain.counters["handshake_failures"] >= 3 and not plain.counters["handshakes"]
             assert server.stats()["auth_failures"] >= 1
         finally:
             for ep in (bad, plain, good):

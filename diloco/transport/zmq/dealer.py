@@ -150,6 +150,7 @@ class FrameDealer:
                 # wait. A CURVE client with the wrong --server-key sees the same (the server just closes),
                 # which the warning names.
                 self._failed_handshakes += 1
+                self.counters["handshake_failures"] += 1
                 if self._failed_handshakes in (3, 30, 300, 3000):
                     log.warning("the handshake with %s failed %d times in a row (%s)%s", self.address,
                                 self._failed_handshakes, os.strerror(event.get("value") or 0) or "closed",
