@@ -105,7 +105,8 @@ class FrameDealer:
         self._closed = False
         self._seq = 0
         self._assembler = framing.Assembler(o.max_message_bytes, max_partials=1,
-                                            partial_timeout_s=o.partial_timeout_s, coalescer=coalescer)
+                                            partial_timeout_s=o.partial_timeout_s, coalescer=coalescer,
+                                            track_progress=False)  # only the coordinator acts on progress
         #: How big a part may be: what the link to the coordinator moves in ``part_time_s`` (``outbox``).
         self.sizer = PartSizer(o.min_part_bytes, o.chunk_bytes, o.part_time_s)
         self._outbox = Outbox(self.sizer)
@@ -300,13 +301,11 @@ class FrameDealer:
             return None  # the coordinator's liveness probe (``lost_peers``): nothing to read
         now = time.monotonic()
         got = self._assembler.add("coordinator", zmq_frames, now)
-        acks = self._assembler.take_acks()
-        for _peer, seq, received in acks:
-            self._outbox.put([[tags.ack_tag(seq, received), b""]], 0, "ack", aside=True)
-        if acks:
+        ack = self._assembler.take_ack()
+        if ack is not None:
+            self._outbox.put([[tags.ack_tag(*ack), b""]], 0, "ack", aside=True)
             self._pump()
             self._ensure_pumper()
-        self._assembler.take_progress()  # only the coordinator's endpoint acts on it
         if isinstance(got, framing.Acked):
             self.sizer.acked(got.seq, got.received, now)
         elif isinstance(got, framing.Complete):

@@ -26,7 +26,7 @@ messages together are bounded in number (``max_partials``) and bytes
 number (``owner_limit``): to make room, the owner's own message silent
 longest goes first, then, across owners, the one silent longest.
 
-As a big message arrives the receiver *acks* it (``take_acks``: the bytes
+As a big message arrives the receiver *acks* it (``take_ack``: the bytes
 held so far, at most every ``outbox.ACK_INTERVAL_S`` and once it is whole),
 which is how the sender learns what its link moves; and it notes the peers
 whose bytes are arriving (``take_progress``), which is how the coordinator
@@ -169,7 +169,7 @@ class _Partial:
     frame_at: int = 0
     #: Told of each frame as it is whole (``Coalescer.watch``), if any.
     watch: FrameWatch | None = None
-    #: Payload bytes arrived, and when the sender was last told (``take_acks``).
+    #: Payload bytes arrived, and when the sender was last told (``take_ack``).
     received: int = 0
     acked_s: float = -math.inf
     #: The biggest part's payload so far (how the sender cut its frames).
@@ -230,7 +230,8 @@ class Assembler:
     """
 
     def __init__(self, max_message_bytes: int, *, max_partials: int = 1024, max_partial_bytes: int | None = None,
-                 partial_timeout_s: float = 120.0, coalescer: Coalescer | None = None) -> None:
+                 partial_timeout_s: float = 120.0, coalescer: Coalescer | None = None,
+                 track_progress: bool = True) -> None:
         self.max_message_bytes = max_message_bytes
         self.coalescer = coalescer
         self.max_partials = max_partials
@@ -242,10 +243,10 @@ class Assembler:
         #: owner -> its peers with a partial message, in the same order.
         self._owned: dict[str, dict[str, None]] = {}
         self._bytes = 0
-        #: Acks due: (peer, seq, bytes received) (``take_acks``).
-        self._acks: list[tuple[str, int, int]] = []
-        #: Peers a part of whose message arrived since ``take_progress``.
-        self._progress: dict[str, None] = {}
+        #: The ack the last ``add`` made due, ``(seq, bytes received)`` (``take_ack``), or None.
+        self._ack: tuple[int, int] | None = None
+        #: Peers a part of whose message arrived since ``take_progress`` (kept with ``track_progress``).
+        self._progress: dict[str, None] | None = {} if track_progress else None
         #: Incomplete messages dropped (the sender gave up half-way, timed out, or to make room).
         self.incomplete_dropped = 0
         #: Of those, the ones dropped to keep within ``owner_limit``, ``max_partials`` or ``max_partial_bytes``.
@@ -260,13 +261,15 @@ class Assembler:
         """What the partial messages held cost (``part_cost`` of each part held)."""
         return self._bytes
 
-    def take_acks(self) -> list[tuple[str, int, int]]:
-        """The acks due since the last call: ``(peer, seq, bytes received)``, for the endpoint to send."""
-        acks, self._acks = self._acks, []
-        return acks
+    def take_ack(self) -> tuple[int, int] | None:
+        """The ack the last ``add`` made due, ``(seq, bytes received)``, for the endpoint to send to that peer."""
+        ack, self._ack = self._ack, None
+        return ack
 
     def take_progress(self) -> list[str]:
         """The peers a part of whose message arrived since the last call (their bytes keep coming)."""
+        if self._progress is None:
+            return []
         peers = list(self._progress)
         self._progress.clear()
         return peers
@@ -320,7 +323,8 @@ class Assembler:
             return None
         partial.last_part_s = now_s
         self._touch(peer, partial)
-        self._progress[peer] = None
+        if self._progress is not None:
+            self._progress[peer] = None
         cost, run_bytes, sink = self._cost(partial, index, offset, size, frame_bytes, ends_frame)
         if partial.size + cost > self.max_message_bytes:
             self._bytes -= partial.size
@@ -360,11 +364,11 @@ class Assembler:
         if len(partial.frames) < partial.count:
             if partial.received >= ACK_MIN_BYTES and now_s - partial.acked_s >= ACK_INTERVAL_S:
                 partial.acked_s = now_s
-                self._acks.append((peer, seq, partial.received))
+                self._ack = (seq, partial.received)
             return None
         self._remove(peer)
         if partial.received >= ACK_MIN_BYTES:
-            self._acks.append((peer, seq, partial.received))
+            self._ack = (seq, partial.received)
         return Complete(partial.frames, watch=partial.watch, largest_part=partial.largest)
 
     def _cost(self, partial: _Partial, index: int, offset: int, size: int, frame_bytes: int,

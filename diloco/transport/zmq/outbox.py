@@ -95,7 +95,7 @@ class Queued:
     #: Parts handed over (``parts``), or the frame being cut and the bytes of it handed over (``frames``).
     sent: int = 0
     offset: int = 0
-    #: The part ``peek`` named and its payload's bytes, until ``advance``.
+    #: The part ``peek`` named, its payload's bytes and whether it ends its frame, until ``advance``.
     pending: tuple | None = field(default=None)
 
     @property
@@ -157,16 +157,17 @@ class Outbox:
             head.pending = self._cut(head)
         return head.pending[0]
 
-    def _cut(self, head: Queued) -> tuple[list, int]:
+    def _cut(self, head: Queued) -> tuple[list, int, bool]:
         frame = head.frames[head.sent]
         buf = _byte_view(frame)
         size = buf.nbytes
         limit = self.sizer.part_bytes() if self.sizer is not None else size
         if head.offset == 0 and size <= limit:
-            return [*head.prefix, tags.tag(head.seq, head.sent, len(head.frames)), frame], size
+            return [*head.prefix, tags.tag(head.seq, head.sent, len(head.frames)), frame], size, True
         n = min(limit, size - head.offset)
         piece = buf[head.offset:head.offset + n]
-        return [*head.prefix, tags.piece_tag(head.seq, head.sent, len(head.frames), size, head.offset), piece], n
+        return ([*head.prefix, tags.piece_tag(head.seq, head.sent, len(head.frames), size, head.offset), piece], n,
+                head.offset + n == size)
 
     def advance(self, now_s: float = 0.0) -> Queued | None:
         """The part ``peek`` named went out (at ``now_s``): its message if that was the last of it, else None."""
@@ -179,10 +180,10 @@ class Outbox:
         else:
             if head.sent == 0 and head.offset == 0 and self.sizer is not None:
                 self.sizer.started(head.seq, now_s)
-            _part, n = head.pending
+            _part, n, ends_frame = head.pending
             head.pending = None
             head.offset += n
-            if head.offset >= _byte_view(head.frames[head.sent]).nbytes:
+            if ends_frame:
                 head.frames[head.sent] = None
                 head.sent += 1
                 head.offset = 0

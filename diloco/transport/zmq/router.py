@@ -222,8 +222,9 @@ class FrameRouter:
             else:  # one key's incomplete messages displace each other, never another key's
                 got = self._assembler.add(peer, frames[1:], now, owner=identity.public_key,
                                           owner_limit=self.options.partials_per_key_id * identity.max_ids)
-            for _peer, seq, received in self._assembler.take_acks():
-                self._ack(rid, seq, received)
+            ack = self._assembler.take_ack()
+            if ack is not None:
+                self._ack(rid, *ack)
             if isinstance(got, framing.Acked):
                 sizer = self._sizers.get(rid)
                 if sizer is not None:
