@@ -58,17 +58,29 @@ def assert_plane_promise(run: Run, workers, min_workers: int) -> None:
             assert committed.get((fid, rid)) == digest, f"{w.worker_id} adopted uncommitted {fid}/{rid}/{digest}"
 
 
-def same_params(workers) -> bool:
-    """Every fragment that the members committed equally often holds bit-identical params on each."""
-    replicas = [w.data_plane.replica for w in workers]
-    compared = 0
-    for fid, names in enumerate(replicas[0].fragments):
-        if len({r.round_ids[fid] for r in replicas}) != 1:
-            continue  # a member left before the last commit of this fragment
-        compared += 1
-        if not all(torch.equal(replicas[0].params[n], r.params[n]) for r in replicas[1:] for n in names):
-            return False
-    return compared > 0
+def assert_same_params(run: Run, workers) -> None:
+    """Every member holds, per fragment, exactly the state a commit of the run voted for, and
+    members that hold the same round hold bit-identical params.
+
+    Read as committed (``Replica.committed_state``): a member stopped with a proposal open holds
+    the proposal's backup as its state, and whether the others had committed that proposal or
+    aborted it when the stop came is a race the check must not depend on."""
+    committed = {(f, r): d for f, r, d, _ in commits(run)}
+    states = [(w.worker_id, *w.data_plane.replica.committed_state()[:2], w.data_plane.replica.committed_digests())
+              for w in workers]
+    for fid, names in enumerate(workers[0].data_plane.replica.fragments):
+        for worker_id, rounds, _, digests in states:
+            assert rounds[fid] > 0, f"{worker_id}: fragment {fid} never committed"
+            assert committed.get((fid, rounds[fid] - 1)) == digests[fid], \
+                f"{worker_id}: fragment {fid} at round {rounds[fid]} holds a state no commit voted for"
+        by_round: dict[int, list] = {}
+        for worker_id, rounds, params, _ in states:
+            by_round.setdefault(rounds[fid], []).append((worker_id, params))
+        for rid, held in by_round.items():
+            (first, mine), *others = held
+            for other, theirs in others:
+                assert all(torch.equal(mine[n], theirs[n]) for n in names), \
+                    f"fragment {fid} round {rid}: {first} and {other} hold different params"
 
 
 @pytest.mark.parametrize("wire_dtype, fragments", [("fp32", 1), ("int8", 2), ("bf16", 1)])
@@ -79,7 +91,7 @@ def test_members_heal_reduce_and_commit_to_bit_identical_params(store, wire_dtyp
             run.start(w, batches(i), max_steps=24)
         reports = run.join_workers(60)
         assert all(r.rounds_synced >= 4 for r in reports.values()), reports
-        assert same_params(workers)
+        assert_same_params(run, workers)
         assert_plane_promise(run, workers, 2)
         # Two joiners healed from a member; the coordinator never held a parameter.
         assert sum(w.data_plane.stats["healed"] for w in workers) == 2
@@ -194,7 +206,7 @@ def test_a_death_at_any_point_of_a_round_never_commits_without_the_quorum_and_th
             victim.request_stop()
             handles[2].join(30, expect_error=True)
         survivors = workers[:2]
-        assert same_params(survivors)
+        assert_same_params(run, survivors)
         assert_plane_promise(run, workers, 2)
         assert not run.coordinator.fsm.is_member("w2")
         aborts = [e["reason"] for k, e in run.events if k == "abort"]
@@ -222,7 +234,7 @@ def test_below_quorum_the_collective_run_pauses_and_a_replacement_resumes_it(sto
         a.request_stop(), c.request_stop()
         ha.join(30), hc.join(30)
         assert c.data_plane.stats["healed"] == 1
-        assert same_params([a, c])
+        assert_same_params(run, [a, c])
         assert_plane_promise(run, [a, c], 2)
 
 
@@ -260,7 +272,7 @@ def test_a_coordinator_crash_costs_at_most_the_open_round_and_the_members_carry_
             h.join(30)
     finally:
         run.close()
-    assert same_params(workers)
+    assert_same_params(run, workers)
     # Every commit of either incarnation is in order (the observer heard both), none repeated.
     rounds = [e["round_id"] for k, e in run.events if k == "apply"]
     assert rounds == list(range(len(rounds))), rounds
@@ -338,7 +350,7 @@ def test_a_whole_run_resumes_from_the_newest_worker_checkpoint_and_an_older_one_
             h.join(30)
     finally:
         run.close()
-    assert same_params([a, b])
+    assert_same_params(run, [a, b])
     rounds = [e["round_id"] for k, e in run.events if k == "apply"]
     assert rounds == list(range(len(rounds))), rounds
     assert_plane_promise(run, [a, b], 2)
