@@ -635,10 +635,14 @@ class _Probe:
         around(replica_mod, "digest", "digest0", "digest1")
         around(replica_mod.Replica, "propose", "propose0", "propose1")
         around(replica_mod.Replica, "commit", "commit0", "commit1")
-        around(ep_mod.CollectiveEndpoint, "_on_order", "order")
-        around(ep_mod.CollectiveEndpoint, "_resolve", "verdict", when=lambda _s, _f, _r, kind, **_k: kind == "commit")
-        around(ep_mod.CollectiveEndpoint, "_post", "posted",
-               when=lambda _s, message, to_session=False: to_session and isinstance(message, Result))
+        import diloco.collective.member as member_mod
+        from diloco.collective.member import Committed
+        from diloco.wire.messages import ReduceOrder
+
+        around(member_mod.MemberMachine, "received", "order", when=lambda _s, message: isinstance(message, ReduceOrder))
+        around(member_mod.MemberMachine, "received", "verdict",
+               when=lambda _s, message: isinstance(message, Result) and bool(message.digest))
+        around(member_mod.MemberMachine, "completed", "posted", when=lambda _s, done: isinstance(done, Committed))
         inner = endpoint.inner
         around(inner, "send", "report", when=lambda message: isinstance(message, ReduceReport))
 
@@ -671,7 +675,7 @@ def collective_worker(i: int, addr_q, shapes, rounds: int, barrier, out_q, welco
         msg = ep.recv(120.0)
         if isinstance(msg, Welcome):
             break
-        if isinstance(msg, Error) and msg.code is ErrorCode.PARAMS_REQUIRED:
+        if isinstance(msg, Error) and msg.code in (ErrorCode.PARAMS_REQUIRED, ErrorCode.START_PARAMS_REQUIRED):
             ep.send(Join(wid, PROTOCOL_VERSION, spec, params))  # the endpoint keeps them (holds_params)
         elif msg is None or isinstance(msg, Error):
             raise RuntimeError(f"{wid}: no Welcome ({msg!r})")
@@ -1071,8 +1075,8 @@ SEGMENTS = (
     ("digest0", "digest1", "digest of the proposed params"),
     ("digest1", "report", "ReduceReport handed to the owner thread and sent"),
     ("report", "verdict", "vote: coordinator waits for every report, commits, Result(digest) back"),
-    ("verdict", "commit1", "data thread wakes on the verdict, Replica.commit"),
-    ("commit1", "posted", "copy of the params into the session's Result (kept buffers)"),
+    ("verdict", "commit1", "the machine queues the commit job, the data thread wakes, Replica.commit"),
+    ("commit1", "posted", "copy of the params into the session's Result (kept buffers), completion back"),
     ("posted", "t1", "hand-off to the session (recv returns the Result)"),
 )
 

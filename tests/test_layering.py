@@ -50,6 +50,7 @@ WORKER = REPO / "diloco" / "worker"
 #: The worker's pure modules (SPEC.md section 14); the rest of diloco/worker drives them with torch and threads.
 WORKER_PURE_FILES = ("session.py", "schedule.py", "actions.py", "states.py")
 WORKER_PURE_MODULES = tuple(f"diloco.worker.{f[:-3]}" for f in WORKER_PURE_FILES)
+COLLECTIVE = REPO / "diloco" / "collective"
 #: What they must never import: the core's list, and the phase-machine library (the session is plain code).
 FORBIDDEN_IN_WORKER_SESSION = FORBIDDEN_IN_CORE | {"transitions"}
 
@@ -140,6 +141,21 @@ def test_worker_session_imports_nothing_impure():
     """SPEC.md section 14: the session, its schedule, actions and states are pure like the core."""
     assert all((WORKER / name).is_file() for name in WORKER_PURE_FILES), f"missing under {WORKER}"
     assert forbidden_imports(WORKER, FORBIDDEN_IN_WORKER_SESSION, WORKER_PURE_FILES) == []
+
+
+def test_collective_member_imports_nothing_impure():
+    """SPEC.md section 7c, M1: the member's machine is pure like the core and the session."""
+    assert (COLLECTIVE / "member.py").is_file(), f"missing under {COLLECTIVE}"
+    assert forbidden_imports(COLLECTIVE, FORBIDDEN_IN_WORKER_SESSION, ("member.py",)) == []
+
+
+def test_collective_member_ast_list_matches_the_import_linter_contract():
+    config, contracts = _contracts()
+    root = config["root_package"]
+    (contract,) = [c for c in contracts if c["type"] == "forbidden"
+                   and c["source_modules"] == ["diloco.collective.member"]]
+    external = {m for m in contract["forbidden_modules"] if m != root and not m.startswith(root + ".")}
+    assert external == set(FORBIDDEN_IN_WORKER_SESSION)
 
 
 def test_worker_ast_list_matches_the_import_linter_contract():

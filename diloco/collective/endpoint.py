@@ -1,32 +1,22 @@
-"""``CollectiveEndpoint``: a worker's endpoint that speaks the collective plane for its session.
+"""``CollectiveEndpoint``: the real driver of a worker's ``MemberMachine`` (SPEC.md section 7c).
 
-It wraps the worker's real endpoint and is transparent on a hub run. On a
-collective run (the Welcome says so) it keeps the session exactly as on the hub:
+It wraps the worker's real endpoint and is transparent on a hub run. On a collective run the
+machine (``diloco.collective.member``) decides what the session and the coordinator see of each
+other's messages and what work the data plane does; this file only carries that out:
 
-* the session's ``Submit`` stays here (the pseudo-gradient, encoded in the run's wire
-  dtype); the coordinator gets the same ``Submit`` with no tensors: "ready" (SPEC.md C2);
-* a ``ReduceOrder`` runs on the data-plane thread: build or reuse the group, combine the
-  group's pseudo-gradients (``reduce``), propose the outer step (``replica``), answer
-  ``ReduceReport`` with the digest, and wait for the verdict;
-* the commit (a ``Result`` with a digest and no params) is handed to the session as the
-  hub's ``Result`` with the fragment's new params -- the ones this member proposed and
-  the group voted for; a ``ReduceAbort`` rolls the proposal back and the session hears
-  nothing (its pseudo-gradient stays ready, C5);
-* a Welcome with a heal source is handed to the session only once the committed state has
-  arrived from that member (``heal``), with the round ids that state belongs to; a
-  ``HealOrder`` makes this member such a source;
-* the first member of a run starts it from its own params: the coordinator asks for them
-  (``start_params_required``), the session sends them in its Join as it does on the hub,
-  and they stay here (``Join.holds_params``).
+* the owner thread (the one that calls ``send`` and ``recv``; ZeroMQ sockets are not
+  thread-safe) feeds the machine the session's messages, the coordinator's, and the
+  completions of the data plane's jobs, and does what it answers: sends to the coordinator,
+  hands to the session, queues a job;
+* the data-plane thread runs one job at a time -- a reduce (``reduce``) and the proposal of the
+  outer step (``replica``), a commit or a rollback, a start, a heal (``heal``), serving a heal --
+  and puts its completion on one queue, waking the owner. The machine's state is touched by the
+  owner thread only; the replica by the data-plane thread (and, under its own lock, by a
+  checkpoint read).
 
-One thread owns the real endpoint (ZeroMQ sockets are not thread-safe): the data-plane
-thread never sends; it queues its reports and wakes the owner, whose next ``recv`` sends
-them.
-
-Why one file of about 480 lines: the message handling (the owner's thread) and the jobs
-(the data-plane thread) share the verdict slots, the pending pseudo-gradients, the held
-Welcome and the replica, under one lock; the parts that own no such state are beside it
-(``groups``, ``reduce``, ``replica``, ``heal``).
+Why one file of about 350 lines: the jobs and the buffers they keep from round to round (the
+reduce's, the Results') share the replica and the group cache; the decisions are in
+``member``, the parts that own no state beside it (``groups``, ``reduce``, ``replica``, ``heal``).
 """
 
 from __future__ import annotations
@@ -40,44 +30,40 @@ from typing import Any
 
 import torch
 
-from diloco.collective.groups import CollectiveError, GroupCache, connect_store, local_address_towards
 from diloco.collective import heal
+from diloco.collective.groups import CollectiveError, GroupCache, connect_store, local_address_towards
+from diloco.collective.member import (
+    HEAL_TIMEOUTS,
+    CommitJob,
+    Committed,
+    Completion,
+    HealFailed,
+    HealJob,
+    HealServed,
+    Healed,
+    JobFailed,
+    MemberMachine,
+    NewStore,
+    Reduced,
+    ReduceJob,
+    RestoredState,
+    RollbackJob,
+    RolledBack,
+    RunJob,
+    ServeHealJob,
+    Started,
+    StartJob,
+    ToCoordinator,
+    ToSession,
+)
 from diloco.collective.reduce import bytes_on_link, mean_pseudo_gradient
 from diloco.collective.replica import Replica, digest
 from diloco.outer import OuterConfig
 from diloco.wire import compression
-from diloco.wire.messages import (
-    Error,
-    ErrorCode,
-    HealOrder,
-    Join,
-    Leave,
-    Message,
-    ReduceAbort,
-    ReduceOrder,
-    ReduceReport,
-    Result,
-    Submit,
-    Welcome,
-)
+from diloco.wire.messages import Join, Message, Welcome
 
 #: How long ``close`` waits for the data-plane thread to finish the job it is in.
 CLOSE_JOIN_S = 30.0
-#: Heals a joiner tries (each from a source the coordinator picks anew) before it gives up.
-MAX_HEAL_ATTEMPTS = 5
-#: A heal waits for its source, which serves it only after the verdict of any attempt it is in
-#: (up to the core's reduce timeout, 4 collective timeouts): so a heal is bounded by this many.
-HEAL_TIMEOUTS = 6
-
-
-@dataclasses.dataclass
-class _Verdict:
-    """The coordinator's answer to one attempt, set by the owner thread, awaited by the data thread."""
-
-    event: threading.Event = dataclasses.field(default_factory=threading.Event)
-    #: "commit", "abort" or "reset" (a re-join or a close: the attempt is void).
-    kind: str = ""
-    result: Result | None = None
 
 
 class CollectiveEndpoint:
@@ -90,116 +76,99 @@ class CollectiveEndpoint:
         #: (``groups.backend_for``); heals and the replica stay on the CPU, over gloo.
         self.device = device
         self._store_host = store_host or _host_of(getattr(inner, "address", None))
-        self.collective = False
+        self.machine = MemberMachine(worker_id)
+        #: The replica: built, replaced and stepped by the data-plane thread only.
         self.replica: Replica | None = None
-        self._held_params: dict | None = None
-        self._wants_start_params = False
-        self._welcome: Welcome | None = None
+        self._store_port = 0
         self._timeout_s = 30.0
         self._groups: GroupCache | None = None
-        self._store = None
-        #: fragment -> (round_id, Encoded pseudo-gradient) of the session's last Submit.
-        self._pending: dict[int, tuple[int, compression.Encoded]] = {}
-        self._verdicts: dict[tuple[int, int], tuple[int, _Verdict]] = {}
-        self._lock = threading.Lock()
-        self._inbox: collections.deque[Message] = collections.deque()
-        self._outbox: collections.deque[Message] = collections.deque()
-        self._jobs: queue.Queue = queue.Queue()
+        self._inbox: collections.deque[Any] = collections.deque()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._completions: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._heal_attempts = 0
-        self._heal_orders: dict[str, str] = {}
         self._reduce_buffers: dict[int, torch.Tensor] = {}
         #: fragment -> two sets of buffers the committed params are handed to the session in, in
         #: turn (the next one first).
         self._result_buffers: dict[int, list[dict[str, torch.Tensor]]] = {}
-        self._last_join: Join | None = None
-        #: A collective Welcome is held back while this member heals or builds its replica.
-        self._welcome_withheld = False
-        #: The outer optimizers' state from this worker's checkpoint: used if it starts the run (C6).
-        self.restored_outer: list[dict] | None = None
-        #: The committed params and round ids of this worker's checkpoint (``DilocoWorker`` sets
-        #: them): offered in the Join, and the run starts again from them if they are the newest (C6).
-        self.restored_params: dict | None = None
-        self.restored_rounds: list[int] | None = None
-        self.restored_fragments: tuple[tuple[str, ...], ...] | None = None
-        #: What the data plane did, for status lines and tests.
-        self.stats = collections.Counter()
-        #: The last commits this member adopted: (fragment, round, digest), newest last (bounded).
-        self.adopted: collections.deque[tuple[int, int, str]] = collections.deque(maxlen=4096)
+        #: What the data-plane thread counted (bytes, failed collectives); the machine counts the rest.
+        self._job_stats: collections.Counter = collections.Counter()
+
+    # ------------------------------------------------------------------ what the worker reads
+
+    @property
+    def collective(self) -> bool:
+        return self.machine.collective
+
+    @property
+    def stats(self) -> collections.Counter:
+        """What the data plane did, for status lines and tests."""
+        return self.machine.stats + self._job_stats
+
+    @property
+    def adopted(self) -> collections.deque:
+        """The last commits this member adopted: (fragment, round, digest), newest last."""
+        return self.machine.adopted
+
+    def restore(self, params: dict[str, torch.Tensor], round_ids: list[int],
+                fragments: tuple[tuple[str, ...], ...], outer_states: list[dict] | None) -> None:
+        """A checkpoint's committed state (C6): offered in the Join; the run starts again from it if
+        it is the newest, with its outer momentum."""
+        digests = tuple(digest({n: params[n] for n in f}) for f in fragments)
+        self.machine.restored = RestoredState(params, tuple(tuple(f) for f in fragments), tuple(round_ids),
+                                              digests, outer_states)
+
+    def committed_outer_states(self) -> list[dict] | None:
+        """The outer optimizers' committed state (for the worker's checkpoint); None on the hub."""
+        replica = self.replica
+        if not self.collective or replica is None:
+            return None
+        return replica.committed_optimizer_states()
 
     # ------------------------------------------------------------------ the endpoint interface
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)  # silence_s, address, wake, ... of the real endpoint
-
     def send(self, message: Message) -> None:
-        if isinstance(message, Join):
-            if self._welcome_withheld:
-                # The Welcome came; this member is healing (or starting) before it hands it on. The
-                # session's resend of its Join would make the coordinator answer already_member
-                # and the session leave and join again: a loop of heals. The Welcome will come.
-                self.stats["join_resends_held"] += 1
-                return
-            if message.params and self._wants_start_params:
-                # The run's first member starts it from its own params; they stay here (C6). A
-                # checkpoint's committed params, not the model's (which hold local progress).
-                self._held_params = self.restored_params or {n: t.detach().clone() for n, t in message.params.items()}
-                message = self._offer_held_state(dataclasses.replace(message, params={}, holds_params=True))
-            elif not message.params:
-                message = self._offer_held_state(message)
-            self._last_join = message
-        elif isinstance(message, Submit) and self.collective:
-            encoded = compression.Encoded(dict(message.tensors), dict(message.scales))
-            with self._lock:
-                self._pending[message.fragment_id] = (message.round_id, encoded)
-            message = dataclasses.replace(message, tensors={}, scales={})
-        self.inner.send(message)
-
-    def _offer_held_state(self, join: Join) -> Join:
-        """A Join that says which committed state this worker holds, if any (C6): its replica's
-        (after a coordinator restart) or its checkpoint's (after a whole-run stop). The
-        coordinator starts the run from the newest state offered before the first commit."""
-        if self.replica is not None:
-            return dataclasses.replace(join, holds_params=True, held_rounds=tuple(self.replica.round_ids),
-                                       held_digests=tuple(self.replica.committed_digests()))
-        if self.restored_params is not None and self.restored_rounds is not None:
-            self._held_params = self.restored_params
-            fragments = self.restored_fragments or (tuple(self.restored_params),)
-            digests = tuple(digest({n: self.restored_params[n] for n in f}) for f in fragments)
-            return dataclasses.replace(join, holds_params=True, held_rounds=tuple(self.restored_rounds),
-                                       held_digests=digests)
-        return join
+        if isinstance(message, Join) and message.params:
+            # The machine keeps a start's params: copies the session will not change.
+            message = dataclasses.replace(message, params={n: t.detach().clone() for n, t in message.params.items()})
+        self._carry_out(self.machine.session_sends(message))
 
     def recv(self, timeout_s: float) -> Message | None:
         deadline = time.monotonic() + max(0.0, timeout_s)
         while True:
-            self._flush()
-            with self._lock:
-                if self._inbox:
-                    return self._inbox.popleft()
-            remaining = deadline - time.monotonic()
-            msg = self.inner.recv(max(0.0, remaining))
+            self._drain_completions()
+            if self._inbox:
+                return self._inbox.popleft()
+            msg = self.inner.recv(max(0.0, deadline - time.monotonic()))
             if msg is not None:
-                msg = self._incoming(msg)
-                if msg is not None:
-                    return msg
+                self._carry_out(self.machine.received(msg))
                 continue
-            with self._lock:
-                busy = bool(self._inbox or self._outbox)
-            if not busy:
-                # The deadline passed, or a ``wake`` ended the wait: the owner has something to
-                # send, as it would without this wrapper.
-                return None
+            if self._inbox or not self._completions.empty():
+                continue
+            # The deadline passed, or a ``wake`` ended the wait: the owner has something to send.
+            return None
 
     def wake(self) -> None:
         wake = getattr(self.inner, "wake", None)
         if callable(wake):
             wake()
 
+    def silence_s(self) -> float:
+        return self.inner.silence_s()
+
+    def sending(self) -> bool:
+        return self.inner.sending()
+
+    def receiving(self) -> bool:
+        return self.inner.receiving()
+
+    @property
+    def address(self) -> str | None:
+        return getattr(self.inner, "address", None)
+
     def close(self) -> None:
         self._closed = True
-        self._void_attempts()
+        self.machine.close()
         self._jobs.put(None)
         self.inner.close()
         thread = self._thread
@@ -208,110 +177,29 @@ class CollectiveEndpoint:
             # buffers -- is aborted by the C++ runtime: let it finish its job first.
             thread.join(CLOSE_JOIN_S)
 
-    # ------------------------------------------------------------------ from the coordinator
+    # ------------------------------------------------------------------ the owner thread
 
-    def _incoming(self, msg: Message) -> Message | None:
-        """What the session should see of ``msg`` (None: nothing, or later through the inbox)."""
-        if isinstance(msg, Welcome):
-            return self._on_welcome(msg)
-        if isinstance(msg, Error) and msg.code is ErrorCode.START_PARAMS_REQUIRED:
-            # The session answers PARAMS_REQUIRED with a Join that carries its params (as on the hub).
-            self._wants_start_params = True
-            return dataclasses.replace(msg, code=ErrorCode.PARAMS_REQUIRED)
-        if not self.collective:
-            return msg
-        if isinstance(msg, Error) and msg.code is ErrorCode.REDUCING:
-            # Our ready came while a group without us reduces the round: whatever it decides, our
-            # pseudo-gradient's base may be gone. Join again (and heal): the session does that on a
-            # stale round (C3).
-            return dataclasses.replace(msg, code=ErrorCode.STALE_ROUND, detail=f"{msg.detail} (joining again)")
-        if isinstance(msg, ReduceOrder):
-            self._on_order(msg)
-            return None
-        if isinstance(msg, ReduceAbort):
-            self._resolve(msg.fragment_id, msg.round_id, "abort", attempt=msg.attempt)
-            return None
-        if isinstance(msg, HealOrder):
-            # A joiner that re-joined got a new order: serve only the newest one per joiner.
-            self._heal_orders[msg.joiner] = msg.prefix
-            self._start_thread()
-            self._jobs.put(("heal_source", msg))
-            return None
-        if isinstance(msg, Result):
-            if msg.outcome == "stop" or not msg.digest:
-                self._resolve(msg.fragment_id, msg.round_id, "abort")
-                return msg
-            if not self._resolve(msg.fragment_id, msg.round_id, "commit", result=msg):
-                return self._lost_track(msg)
-            return None  # the data thread hands the session the Result with params
-        return msg
+    def _carry_out(self, actions) -> None:
+        for action in actions:
+            if isinstance(action, ToCoordinator):
+                self.inner.send(action.message)
+            elif isinstance(action, ToSession):
+                self._inbox.append(action.item)
+            elif isinstance(action, RunJob):
+                self._start_thread()
+                self._jobs.put(action.job)
+            elif isinstance(action, NewStore):
+                # A client of a restarted coordinator's old store never reconnects: a new one per join.
+                self._groups = None
+                self._store_port, self._timeout_s = action.port, action.timeout_s
 
-    def _on_welcome(self, msg: Welcome) -> Message | None:
-        self._void_attempts()
-        if msg.data_plane != "collective":
-            self.collective = False
-            return msg
-        self.collective = True
-        # A Welcome answers a (re)join, and a restarted coordinator hosts a new store (maybe on the
-        # same port): a client of the old one never reconnects. A new client per join is cheap.
-        self._groups = None
-        self._welcome = msg
-        self._timeout_s = float(msg.collective_timeout_s) or 30.0
-        with self._lock:
-            self._pending.clear()
-        self._start_thread()
-        if not msg.heal_source:
-            if self._held_params is None and self.replica is None:
-                return Error(ErrorCode.BAD_MESSAGE, "collective Welcome without a heal source, but this "
-                                                    "worker sent no params to start the run from", "Join")
-            # On the data thread: building the first torch.optim optimizer can take seconds, and
-            # this (communication) thread must keep heartbeating meanwhile.
-            self._welcome_withheld = True
-            self._jobs.put(("start", msg, self._held_params))
-            self._held_params = None
-            return None
-        self._welcome_withheld = True
-        self._jobs.put(("heal_joiner", msg))
-        return None
-
-    def _on_order(self, order: ReduceOrder) -> None:
-        verdict = _Verdict()
-        with self._lock:
-            old = self._verdicts.get((order.fragment_id, order.round_id))
-            if old is not None:
-                old[1].kind = old[1].kind or "abort"
-                old[1].event.set()
-            self._verdicts[(order.fragment_id, order.round_id)] = (order.attempt, verdict)
-        self._start_thread()
-        self._jobs.put(("reduce", order, verdict))
-
-    def _resolve(self, fid: int, rid: int, kind: str, *, attempt: int | None = None,
-                 result: Result | None = None) -> bool:
-        with self._lock:
-            entry = self._verdicts.get((fid, rid))
-            if entry is None or (attempt is not None and entry[0] != attempt):
-                return False
-            del self._verdicts[(fid, rid)]
-        entry[1].kind, entry[1].result = kind, result
-        entry[1].event.set()
-        return True
-
-    def _lost_track(self, msg: Result) -> Message:
-        """A commit this member did not propose for: it cannot know the params; re-join and heal."""
-        self.stats["lost_track"] += 1
-        return Error(ErrorCode.UNKNOWN_WORKER, f"fragment {msg.fragment_id} round {msg.round_id} committed "
-                                               f"without a proposal of this worker's: joining again to heal",
-                     "Submit")
-
-    def _void_attempts(self) -> None:
-        with self._lock:
-            entries = list(self._verdicts.values())
-            self._verdicts.clear()
-        for _, verdict in entries:
-            verdict.kind = verdict.kind or "reset"
-            verdict.event.set()
-
-    # ------------------------------------------------------------------ the data-plane thread
+    def _drain_completions(self) -> None:
+        while True:
+            try:
+                done = self._completions.get_nowait()
+            except queue.Empty:
+                return
+            self._carry_out(self.machine.completed(done))
 
     def _start_thread(self) -> None:
         if self._thread is None:
@@ -319,125 +207,75 @@ class CollectiveEndpoint:
                                             daemon=True)
             self._thread.start()
 
+    # ------------------------------------------------------------------ the data-plane thread
+
     def _work(self) -> None:
+        run = {ReduceJob: self._reduce, CommitJob: self._commit, RollbackJob: self._rollback,
+               StartJob: self._start, HealJob: self._heal, ServeHealJob: self._serve_heal}
         while True:
             job = self._jobs.get()
             if job is None or self._closed:
                 return
             try:
-                {"reduce": self._reduce, "heal_source": self._serve_heal,
-                 "heal_joiner": self._heal, "start": self._start}[job[0]](*job[1:])
-            except Exception as exc:  # never let the thread die: report and go on
-                self.stats["internal_errors"] += 1
-                self._welcome_withheld = False
-                self._post(Error(ErrorCode.BAD_MESSAGE, f"collective data plane: {type(exc).__name__}: {exc}",
-                                 "collective"), to_session=True)
+                done: Completion = run[type(job)](job)
+            except Exception as exc:  # never let the thread die: the machine hears of it
+                done = JobFailed(f"{type(exc).__name__}: {exc}")
+            self._completions.put(done)
+            self.wake()
 
-    def _reduce(self, order: ReduceOrder, verdict: _Verdict) -> None:
+    def _reduce(self, job: ReduceJob) -> Completion:
+        order, replica = job.order, self.replica
         fid, rid = order.fragment_id, order.round_id
-        if verdict.event.is_set():
-            return  # aborted (or superseded) before it started: no collective on a broken group
-        with self._lock:
-            pending = self._pending.get(fid)
-        replica = self.replica
-        ok, vote, detail = False, "", ""
-        if replica is None or pending is None or pending[0] != rid or self.worker_id not in order.group:
-            detail = f"no pseudo-gradient of fragment {fid} round {rid} on this worker"
-        else:
-            try:
-                cache = self._group_cache()
-                group = cache.get(order.prefix, order.group.index(self.worker_id), len(order.group))
-                shapes = {n: replica.params[n].shape for n in replica.fragments[fid]}
-                mean = mean_pseudo_gradient(group, pending[1], replica.wire_dtype, shapes, self._timeout_s,
-                                            self._reduce_buffer(fid, shapes), cache.device)
-                vote = replica.propose(fid, rid, mean)
-                ok = True
-                self.stats["bytes_sent"] += bytes_on_link(pending[1], replica.wire_dtype, len(order.group))
-            except (CollectiveError, FloatingPointError, RuntimeError) as exc:
-                self._group_cache().drop()
-                # A timed-out collective may still write into its buffer: never reuse that one.
-                self._reduce_buffers.pop(fid, None)
-                detail = str(exc)
-                self.stats["reduce_failed"] += 1
-        self._post(ReduceReport(self.worker_id, fid, rid, order.attempt, ok, vote, detail[:1000]))
-        # Wait for the verdict: a heal or the next order must see committed state only.
-        while not verdict.event.wait(0.5):
-            if self._closed:
-                break
-        if not ok:
-            return
-        if verdict.kind == "commit" and verdict.result is not None and replica.commit(
-                fid, rid, verdict.result.digest):
-            self._adopted(fid, rid, verdict.result.digest)
-            result = dataclasses.replace(verdict.result, params=self._result_params(fid, replica.fragment(fid)),
-                                         delta=False, wire_dtype="fp32", scales={}, digest="")
-            self._post(result, to_session=True)
-        elif verdict.kind == "commit":
-            self._post(self._lost_track(verdict.result), to_session=True)
-        elif verdict.kind == "abort":
-            replica.rollback(fid)
-            self.stats["aborted"] += 1
-        # "reset": the connection to the coordinator was lost with the verdict; the proposal stays
-        # until the next Welcome says whether it was committed (``_settle_orphans``).
-
-    def _adopted(self, fid: int, rid: int, digest: str) -> None:
-        with self._lock:
-            if self._pending.get(fid, (None,))[0] == rid:
-                del self._pending[fid]
-        self.stats["committed"] += 1
-        self.adopted.append((fid, rid, digest))
-
-    def _settle_orphans(self, welcome: Welcome) -> None:
-        """Proposals whose verdict a lost connection swallowed: adopt those the coordinator durably
-        committed (its Welcome names each fragment's last commit), roll back the rest (C4)."""
-        replica = self.replica
-        if replica is None:
-            return
-        for fid in range(len(replica.fragments)):
-            proposal = replica.proposal(fid)
-            if proposal is None:
-                continue
-            committed = welcome.committed[fid] if fid < len(welcome.committed) else (-1, "")
-            if tuple(committed) == (proposal.round_id, proposal.digest) and replica.commit(fid, *committed):
-                self._adopted(fid, proposal.round_id, proposal.digest)
-                self.stats["adopted_after_reconnect"] += 1
-            else:
-                replica.rollback(fid)
-
-    def _start(self, welcome: Welcome, params) -> None:
-        """C6: this member starts the run from its own params (and, restored, its outer momentum)."""
-        states, self.restored_outer = self.restored_outer, None
-        if self.replica is not None and self.replica.fragments == tuple(tuple(f) for f in welcome.fragments):
-            # The coordinator restarted and this member re-joins first: it holds the committed
-            # state in memory (and adopts a proposal whose commit Result the crash swallowed).
-            self._settle_orphans(welcome)
-            if self.replica.round_ids != list(welcome.round_ids):
-                self.stats["relabelled"] += 1
-                self.replica.round_ids = list(welcome.round_ids)
-        else:
-            if states is not None and len(states) != len(welcome.fragments):
-                states = None  # another fragment layout: fresh momentum
-            self.replica = self._new_replica(welcome, params, list(welcome.round_ids), states)
-        self._heal_attempts = 0
-        self._welcome_withheld = False
-        self._post(dataclasses.replace(welcome, params=self._session_params()), to_session=True)
-
-    def _serve_heal(self, order: HealOrder) -> None:
-        replica = self.replica
-        if replica is None or self._heal_orders.get(order.joiner) != order.prefix:
-            return  # superseded by a newer order for the same joiner (it re-joined)
-        # Committed state only: a proposal whose verdict a lost connection swallowed is still
-        # applied in place until the next Welcome settles it (C6: a heal sends what was committed).
-        round_ids, params, states = replica.committed_state()
+        assert replica is not None and job.submit is not None  # the machine checked (M2)
+        encoded = compression.Encoded(dict(job.submit.tensors), dict(job.submit.scales))
         try:
-            heal.send_state(self._group_cache().store, order.prefix, self._group_cache().interface,
-                            HEAL_TIMEOUTS * self._timeout_s, round_ids, params, states)
-            self.stats["heals_served"] += 1
-            self.stats["bytes_sent"] += compression.tensor_nbytes(replica.params) * 2  # params and momentum
-        except CollectiveError:
-            self.stats["heals_failed"] += 1
+            cache = self._group_cache()
+            group = cache.get(order.prefix, order.group.index(self.worker_id), len(order.group))
+            shapes = {n: replica.params[n].shape for n in replica.fragments[fid]}
+            mean = mean_pseudo_gradient(group, encoded, replica.wire_dtype, shapes, self._timeout_s,
+                                        self._reduce_buffer(fid, shapes), cache.device)
+            vote = replica.propose(fid, rid, mean)
+        except (CollectiveError, FloatingPointError, RuntimeError) as exc:
+            self._group_cache().drop()
+            # A timed-out collective may still write into its buffer: never reuse that one.
+            self._reduce_buffers.pop(fid, None)
+            return Reduced("", str(exc))
+        self._job_stats["bytes_sent"] += bytes_on_link(encoded, replica.wire_dtype, len(order.group))
+        return Reduced(vote)
 
-    def _heal(self, welcome: Welcome) -> None:
+    def _commit(self, job: CommitJob) -> Completion:
+        replica = self.replica
+        assert replica is not None
+        if not replica.commit(job.fragment_id, job.round_id, job.digest):
+            raise RuntimeError(f"fragment {job.fragment_id}: the replica's proposal is not round "
+                               f"{job.round_id} with digest {job.digest[:12]}")
+        return Committed(self._result_params(job.fragment_id, replica.fragment(job.fragment_id)))
+
+    def _rollback(self, job: RollbackJob) -> Completion:
+        if self.replica is not None:
+            for fid in job.fragment_ids:
+                self.replica.rollback(fid)
+        return RolledBack()
+
+    def _start(self, job: StartJob) -> Completion:
+        """C6: this member starts the run from its own params (and, restored, its outer momentum),
+        or, holding the run's state already, keeps it."""
+        welcome = job.welcome
+        if job.keep:
+            replica = self.replica
+            assert replica is not None
+            for fid in job.adopt:
+                rid, vote = replica.proposal(fid).round_id, replica.proposal(fid).digest
+                replica.commit(fid, rid, vote)
+            for fid in job.rollback:
+                replica.rollback(fid)
+            replica.round_ids = list(welcome.round_ids)
+        else:
+            self.replica = self._new_replica(welcome, job.params, list(welcome.round_ids), job.outer_states)
+        return Started(tuple(self.replica.committed_digests()), self._session_params())
+
+    def _heal(self, job: HealJob) -> Completion:
+        welcome = job.welcome
         if self.replica is not None:
             self.replica.rollback_all()  # the healed state replaces whatever this member proposed
         try:
@@ -446,23 +284,22 @@ class CollectiveEndpoint:
                                                         HEAL_TIMEOUTS * self._timeout_s)
             self.replica = self._new_replica(welcome, params, round_ids, states)
         except (CollectiveError, KeyError, ValueError, RuntimeError) as exc:
-            self._heal_attempts += 1
-            self.stats["heals_failed"] += 1
-            if self._heal_attempts >= MAX_HEAL_ATTEMPTS or self._last_join is None:
-                self._welcome_withheld = False
-                self._post(Error(ErrorCode.BAD_MESSAGE, f"could not copy the run's state from "
-                                                        f"{welcome.heal_source!r}: {exc}", "Join"), to_session=True)
-                return
-            # Join again: the coordinator names another source (or the same one, recovered). It may
-            # start the run from this member only if it holds state to start from (C6).
-            self._post(Leave(self.worker_id))
-            self._post(dataclasses.replace(self._last_join, holds_params=self.replica is not None))
-            return
-        self._heal_attempts = 0
-        self._welcome_withheld = False
-        self.stats["healed"] += 1
-        self._post(dataclasses.replace(welcome, round_ids=tuple(round_ids), parked=(),
-                                       params=self._session_params()), to_session=True)
+            return HealFailed(str(exc))
+        return Healed(tuple(round_ids), tuple(self.replica.committed_digests()), self._session_params())
+
+    def _serve_heal(self, job: ServeHealJob) -> Completion:
+        replica = self.replica
+        assert replica is not None
+        # Committed state only: a proposal whose verdict a lost connection swallowed is still
+        # applied in place until the next Welcome settles it (C6: a heal sends what was committed).
+        round_ids, params, states = replica.committed_state()
+        try:
+            heal.send_state(self._group_cache().store, job.order.prefix, self._group_cache().interface,
+                            HEAL_TIMEOUTS * self._timeout_s, round_ids, params, states)
+        except CollectiveError as exc:
+            return HealServed(False, str(exc))
+        self._job_stats["bytes_sent"] += compression.tensor_nbytes(replica.params) * 2  # params and momentum
+        return HealServed(True)
 
     # ------------------------------------------------------------------ helpers
 
@@ -470,13 +307,6 @@ class CollectiveEndpoint:
         outer = OuterConfig(**welcome.outer) if welcome.outer else OuterConfig()
         return Replica(params, tuple(tuple(f) for f in welcome.fragments), round_ids, outer, welcome.wire_dtype,
                        welcome.min_workers, states)
-
-    def committed_outer_states(self) -> list[dict] | None:
-        """The outer optimizers' committed state (for the worker's checkpoint); None on the hub."""
-        replica = self.replica
-        if not self.collective or replica is None:
-            return None
-        return replica.committed_optimizer_states()
 
     def _reduce_buffer(self, fid: int, shapes: dict) -> torch.Tensor:
         """Fragment ``fid``'s flat fp32 reduce buffer, kept from round to round. A round reuses it
@@ -508,24 +338,10 @@ class CollectiveEndpoint:
 
     def _group_cache(self) -> GroupCache:
         if self._groups is None or self._groups.timeout_s != self._timeout_s:
-            port = self._welcome.store_port if self._welcome is not None else 0
-            host = self._store_host
+            port, host = self._store_port, self._store_host
             self._groups = GroupCache(lambda: connect_store(host, port, self._timeout_s),
                                       local_address_towards(host), self._timeout_s, self.device)
         return self._groups
-
-    def _post(self, message: Message, to_session: bool = False) -> None:
-        with self._lock:
-            (self._inbox if to_session else self._outbox).append(message)
-        self.wake()
-
-    def _flush(self) -> None:
-        while True:
-            with self._lock:
-                if not self._outbox:
-                    return
-                message = self._outbox.popleft()
-            self.inner.send(message)
 
 
 def _host_of(address: str | None) -> str:

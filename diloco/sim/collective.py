@@ -15,20 +15,20 @@ or sockets, so this module models the same logic in simulated time:
   collectives on a formed group: every rank must arrive (in each rank's own order of
   operations, as gloo matches them), a dead rank breaks the group, a timeout on one rank
   tears it down for all;
-* ``SimEndpoint``, one per worker incarnation, the ``CollectiveEndpoint``'s logic: the
-  session's ``Submit`` keeps the pseudo-gradient here and goes out without tensors; a
-  ``ReduceOrder``, a ``HealOrder``, a heal from the ``Welcome``'s source and the start of
-  a run are *jobs* of one data-plane thread, run in order; each job is a generator that
-  waits for simulated events (a sleep, a rendezvous, a collective, the verdict) exactly
-  where the real thread blocks. The replica is the real ``diloco.collective.replica.Replica``
-  (the outer step, the digest, commit and rollback).
+* ``SimEndpoint``, one per worker incarnation, drives the worker's real ``MemberMachine``
+  (``diloco.collective.member``, the same machine ``CollectiveEndpoint`` drives): the machine
+  decides what the session and the coordinator see and which job runs next; this carries the
+  jobs out in simulated time, each a generator that waits for simulated events (a sleep, a
+  rendezvous, a collective) exactly where the real data-plane thread blocks. The replica is
+  the real ``diloco.collective.replica.Replica`` (the outer step, the digest, commit and
+  rollback).
 
 ``SimGloo`` needs only the clock; a ``SimEndpoint`` uses the rest of the simulation only
 through its ``world.PlaneWorld`` (the clock, the trace, its worker's link, the reduce
 faults) and talks to its own worker (``SimWorker.later``, ``deliver_local``).
 
-Faults of this plane (``diloco.sim.config.REDUCE_FAULT_KINDS``), drawn per reduce job by the
-fault injector (``PlaneWorld.reduce_fault``) while the safety phase lasts: a member dies
+Faults of this plane (``diloco.sim.config.REDUCE_FAULT_KINDS``) are this driver's behaviour,
+never the machine's: drawn per reduce job by the fault injector (``PlaneWorld.reduce_fault``) while the safety phase lasts: a member dies
 inside the reduce (before the collective or after it, before its report), its report is
 lost, it proposes from a different mean (another digest), its collective fails (it reports
 failure), or its data plane wedges after the collective for longer than the reduce timeout
@@ -39,9 +39,9 @@ Every replica change is traced as an ``adopt`` record (``src``: ``commit``, ``he
 ``start``), the only place a worker takes an outer step: the checker holds each against the
 coordinator's commits.
 
-Why one file of about 750 lines: it is the simulated counterpart of one worker's collective
-data plane (its endpoint, its data thread, its group and heal transfers) and of the gloo
-groups they meet in; every part reads the same simulated worker and group state.
+Why one file of about 650 lines: it is the simulated counterpart of one worker's collective
+data plane (its data thread, its group and heal transfers) and of the gloo groups they meet
+in; every part reads the same simulated worker and group state.
 """
 
 from __future__ import annotations
@@ -52,23 +52,32 @@ from typing import TYPE_CHECKING, Generator
 
 import torch
 
+from diloco.collective.member import (
+    HEAL_TIMEOUTS,
+    CommitJob,
+    Committed,
+    Completion,
+    HealFailed,
+    HealJob,
+    HealServed,
+    Healed,
+    MemberMachine,
+    NewStore,
+    Reduced,
+    ReduceJob,
+    RollbackJob,
+    RolledBack,
+    RunJob,
+    ServeHealJob,
+    Started,
+    StartJob,
+    ToCoordinator,
+    ToSession,
+)
 from diloco.collective.replica import Replica
 from diloco.outer import OuterConfig
-from diloco.sim.config import COLLECTIVE_HEAL_ATTEMPTS, COLLECTIVE_HEAL_TIMEOUTS
 from diloco.sim.trace import hash_values
-from diloco.wire.messages import (
-    Error,
-    ErrorCode,
-    HealOrder,
-    Join,
-    Leave,
-    ReduceAbort,
-    ReduceOrder,
-    ReduceReport,
-    Result,
-    Submit,
-    Welcome,
-)
+from diloco.wire.messages import Join, ReduceReport, Welcome
 
 if TYPE_CHECKING:  # pragma: no cover
     from diloco.sim.worker import SimWorker
@@ -289,25 +298,12 @@ class SimGloo:
 # --------------------------------------------------------------------------- a worker's side
 
 
-@dataclasses.dataclass(eq=False)
-class _Verdict:
-    """The coordinator's answer to one attempt (``commit``, ``abort``, or ``reset`` by a Welcome)."""
-
-    waiter: Waiter = dataclasses.field(default_factory=Waiter)
-    kind: str = ""
-    result: Result | None = None
-
-    def set(self, kind: str, result: Result | None = None) -> None:
-        if not self.kind:
-            self.kind, self.result = kind, result
-        self.waiter.resolve()
-
-
-Job = Generator[tuple, object, None]
+Job = Generator[tuple, object, "Completion"]
 
 
 class SimEndpoint:
-    """One worker incarnation's collective plane: ``CollectiveEndpoint``'s logic in simulated time."""
+    """One worker incarnation's driver of its ``MemberMachine`` in simulated time (``CollectiveEndpoint``'s
+    counterpart): the machine decides, this carries it out over ``SimGloo``."""
 
     def __init__(self, worker: SimWorker, world: PlaneWorld, gloo: SimGloo) -> None:
         self.w = worker
@@ -316,25 +312,11 @@ class SimEndpoint:
         self.gloo = gloo
         self.cfg = world.cfg
         self.alive = True
-        self.collective = False
+        self.machine = MemberMachine(worker.wid)
         self.replica: Replica | None = None
-        self._held_params: dict | None = None
-        self._wants_start_params = False
-        self._welcome: Welcome | None = None
         self._timeout_s = self.cfg.collective_timeout_s
-        #: fragment -> (round_id, pseudo-gradient) of the session's last Submit.
-        self._pending: dict[int, tuple[int, dict]] = {}
-        self._verdicts: dict[tuple[int, int], tuple[int, _Verdict]] = {}
-        self._jobs: collections.deque = collections.deque()
         self._job: Job | None = None
-        self._starting = False
         self._token = 0
-        self._heal_attempts = 0
-        #: joiner -> the prefix of its newest heal order (older ones are not served).
-        self._heal_orders: dict[str, str] = {}
-        self._last_join: Join | None = None
-        #: A collective Welcome is held back while this member heals or builds its replica.
-        self._welcome_withheld = False
         #: The store client (``GroupCache.store``): the store generation it connected to, or None.
         self._store_gen: int | None = None
         #: The cached group (``GroupCache``): its prefix, the group, and this rank's next op number.
@@ -343,159 +325,90 @@ class SimEndpoint:
         self._seq = 0
         #: The message id that started what the session sees next (adopt records name it).
         self._cause_mid = 0
+        #: (fragment, round, attempt) whose report an injected fault loses.
+        self._lose_report: tuple[int, int, int] | None = None
+        #: id(Welcome) -> the message id it came in (a start or heal it asks for may run later,
+        #: and its adopt records and the Welcome handed on name that message).
+        self._welcome_mids: dict[int, int] = {}
+        #: The message id the running job's completion is handed to the session under (None: as is).
+        self._job_mid: int | None = None
+
+    @property
+    def collective(self) -> bool:
+        return self.machine.collective
 
     # ------------------------------------------------------------------ the session's side
 
     def send(self, message) -> None:
         """A message of the session (``CollectiveEndpoint.send``)."""
-        if isinstance(message, Join):
-            if self._welcome_withheld:
-                return  # a resend while healing or starting: the Welcome will come
-            if message.params and self._wants_start_params:
-                # The run's first member starts it from its own params; they stay here (C6).
-                self._held_params = {n: t.detach().clone() for n, t in message.params.items()}
-                message = dataclasses.replace(message, params={}, holds_params=True)
-            elif not message.params and self.replica is not None:
-                # It offers the committed state it holds (``CollectiveEndpoint._offer_held_state``).
-                message = dataclasses.replace(message, holds_params=True, held_rounds=tuple(self.replica.round_ids),
-                                              held_digests=tuple(self.replica.committed_digests()))
-            self._last_join = message
-        elif isinstance(message, Submit) and self.collective:
-            self._pending[message.fragment_id] = (message.round_id, dict(message.tensors))
-            message = dataclasses.replace(message, tensors={}, scales={})
-        self.world.send(self.w, message)
+        if isinstance(message, Join) and message.params:
+            message = dataclasses.replace(message, params={n: t.detach().clone() for n, t in message.params.items()})
+        self._carry_out(self.machine.session_sends(message), None)
 
-    def incoming(self, msg, mid: int):
-        """What the session should see of ``msg`` (None: nothing, or later).
-
-        ``CollectiveEndpoint._incoming``, with the verdicts handled at once where the real
-        data thread is woken to handle them.
-        """
+    def incoming(self, msg, mid: int) -> list:
+        """What the session sees of ``msg`` now (in order); more may come later (``deliver_local``)."""
         self._cause_mid = mid
         if isinstance(msg, Welcome):
-            return self._on_welcome(msg)
-        if isinstance(msg, Error) and msg.code is ErrorCode.START_PARAMS_REQUIRED:
-            self._wants_start_params = True
-            return dataclasses.replace(msg, code=ErrorCode.PARAMS_REQUIRED)
-        if not self.collective:
-            return msg
-        if isinstance(msg, Error) and msg.code is ErrorCode.REDUCING:
-            # As ``CollectiveEndpoint``: join again (and heal), as on a stale round (C3).
-            return dataclasses.replace(msg, code=ErrorCode.STALE_ROUND, detail=f"{msg.detail} (joining again)")
-        if isinstance(msg, ReduceOrder):
-            self._on_order(msg)
-            return None
-        if isinstance(msg, ReduceAbort):
-            self._resolve(msg.fragment_id, msg.round_id, "abort", attempt=msg.attempt)
-            return None
-        if isinstance(msg, HealOrder):
-            # A joiner that re-joined got a new order: serve only the newest one per joiner.
-            self._heal_orders[msg.joiner] = msg.prefix
-            self._queue(self._serve_heal(msg))
-            return None
-        if isinstance(msg, Result):
-            if msg.outcome == "stop" or not msg.digest:
-                self._resolve(msg.fragment_id, msg.round_id, "abort")
-                return msg
-            if not self._resolve(msg.fragment_id, msg.round_id, "commit", result=msg):
-                return self._lost_track(msg)
-            return None  # the data thread hands the session the Result with params
-        return msg
+            self._welcome_mids[id(msg)] = mid
+            while len(self._welcome_mids) > 16:  # Welcomes whose job never ran (voided, or a hub one)
+                del self._welcome_mids[next(iter(self._welcome_mids))]
+        now: list = []
+        self._carry_out(self.machine.received(msg), now)
+        return now
 
     def close(self) -> None:
         """The process exits or dies: its attempts end, its groups break."""
         if not self.alive:
             return
         self.alive = False
-        self._void_attempts()
-        self._jobs.clear()
+        self.machine.close()
         self._job = None
         self._token += 1
         self.gloo.peer_died(self)
 
-    # ------------------------------------------------------------------ from the coordinator
+    # ------------------------------------------------------------------ the machine's actions
 
-    def _on_welcome(self, msg: Welcome):
-        self._void_attempts()
-        if msg.data_plane != "collective":
-            self.collective = False
-            return msg
-        self.collective = True
-        # As ``CollectiveEndpoint``: a new store client (and group) after every (re)join.
-        self._drop_group()
-        self._store_gen = None
-        self._welcome = msg
-        self._timeout_s = float(msg.collective_timeout_s) or 30.0
-        self._pending.clear()
-        if not msg.heal_source:
-            if self._held_params is None and self.replica is None:
-                return Error(ErrorCode.BAD_MESSAGE, "collective Welcome without a heal source, but this "
-                                                    "worker sent no params to start the run from", "Join")
-            self._welcome_withheld = True
-            self._queue(self._start(msg, self._held_params, self._cause_mid))
-            self._held_params = None
-            return None
-        self._welcome_withheld = True
-        self._queue(self._heal(msg, self._cause_mid))
-        return None
+    def _carry_out(self, actions, to_session: list | None) -> None:
+        for action in actions:
+            if isinstance(action, ToCoordinator):
+                msg = action.message
+                lose = ""
+                if isinstance(msg, ReduceReport) and self._lose_report == (msg.fragment_id, msg.round_id, msg.attempt):
+                    self._lose_report, lose = None, "fault"
+                self.world.send(self.w, msg, lose=lose)
+            elif isinstance(action, ToSession):
+                if to_session is not None:
+                    to_session.append(action.item)
+                else:
+                    self.w.deliver_local(action.item, self._job_mid)
+            elif isinstance(action, RunJob):
+                welcome = getattr(action.job, "welcome", None)
+                self._job_mid = self._welcome_mids.pop(id(welcome), self._cause_mid) if welcome is not None else None
+                self._job = self._run(action.job)
+                self._advance(None, None)
+            elif isinstance(action, NewStore):
+                # As ``CollectiveEndpoint``: a new store client (and group) after every (re)join.
+                self._drop_group()
+                self._store_gen = None
+                self._timeout_s = action.timeout_s
+            if not self.alive:
+                return
 
-    def _on_order(self, order: ReduceOrder) -> None:
-        verdict = _Verdict()
-        old = self._verdicts.get((order.fragment_id, order.round_id))
-        if old is not None:
-            old[1].set("abort")
-        self._verdicts[(order.fragment_id, order.round_id)] = (order.attempt, verdict)
-        self._queue(self._reduce(order, verdict))
-
-    def _resolve(self, fid: int, rid: int, kind: str, *, attempt: int | None = None,
-                 result: Result | None = None) -> bool:
-        entry = self._verdicts.get((fid, rid))
-        if entry is None or (attempt is not None and entry[0] != attempt):
-            return False
-        del self._verdicts[(fid, rid)]
-        entry[1].set(kind, result)
-        return True
-
-    def _lost_track(self, msg: Result):
-        return Error(ErrorCode.UNKNOWN_WORKER, f"fragment {msg.fragment_id} round {msg.round_id} committed "
-                                               f"without a proposal of this worker's: joining again to heal",
-                     "Submit")
-
-    def _void_attempts(self) -> None:
-        entries = list(self._verdicts.values())
-        self._verdicts.clear()
-        for _attempt, verdict in entries:
-            verdict.set("reset")
+    def _completed(self, done) -> None:
+        self._carry_out(self.machine.completed(done), None)
 
     # ------------------------------------------------------------------ the data-plane thread
 
-    def _queue(self, job: Job) -> None:
-        self._jobs.append(job)
-        if self._job is None:
-            self._next_job()
-
-    def _next_job(self) -> None:
-        # A loop, not recursion: many queued jobs may end at once (orders aborted before they ran).
-        if self._starting:
-            return
-        self._starting = True
-        try:
-            while self._job is None and self._jobs and self.alive:
-                self._job = self._jobs.popleft()
-                self._advance(None, None)
-        finally:
-            self._starting = False
-
     def _advance(self, value, error: Exception | None) -> None:
-        """Run the current job until it waits (or ends)."""
+        """Run the current job until it waits (or ends, with its completion for the machine)."""
         job = self._job
         self._token += 1
         try:
             request = job.throw(error) if error is not None else job.send(value)
-        except StopIteration:
-            if self._job is job:
+        except StopIteration as stop:
+            if self._job is job and self.alive:
                 self._job = None
-                self._next_job()
+                self._completed(stop.value)
             return
         if not self.alive or self._job is not job:
             return  # the job ended the process (a crash inside the reduce)
@@ -569,156 +482,126 @@ class SimEndpoint:
 
     # ------------------------------------------------------------------ jobs
 
-    def _reduce(self, order: ReduceOrder, verdict: _Verdict) -> Job:
-        """``CollectiveEndpoint._reduce``: combine, propose, report, then wait for the verdict."""
+    def _run(self, job) -> Job:
+        return {ReduceJob: self._reduce, CommitJob: self._commit, RollbackJob: self._rollback, StartJob: self._start,
+                HealJob: self._heal, ServeHealJob: self._serve_heal}[type(job)](job)
+
+    def _reduce(self, job: ReduceJob) -> Job:
+        """``CollectiveEndpoint._reduce``: combine and propose; the faults of this plane are this
+        driver's behaviour (the machine reports what it is told)."""
+        order, replica = job.order, self.replica
         fid, rid, wid = order.fragment_id, order.round_id, self.w.wid
-        if verdict.waiter.done:
-            return  # aborted (or superseded) before it started: no collective on a broken group
-        pending = self._pending.get(fid)
-        replica = self.replica
         fault = self.world.reduce_fault(self.w, order)
-        ok, vote, detail = False, "", ""
-        if replica is None or pending is None or pending[0] != rid or wid not in order.group:
-            detail = f"no pseudo-gradient of fragment {fid} round {rid} on this worker"
-        else:
-            if fault == "reduce_crash" and self.world.crash_before_collective():
-                self.world.crash_in_reduce(self.w, "before the collective")
-                return
-            try:
-                group = yield from self._get_group(order.prefix, order.group.index(wid), len(order.group))
-                names = replica.fragments[fid]
-                flat = torch.cat([pending[1][n].detach().reshape(-1).to(torch.float32) for n in names]).clone()
-                if fault == "report_fail":
-                    raise SimCollectiveError("the all-reduce failed: injected fault")
-                total = yield from self._collective(group, "allreduce", flat, self.cfg.reduce_s)
-                total = total / group.size
-                mean, offset = {}, 0
-                for n in names:
-                    k = replica.params[n].numel()
-                    mean[n] = total[offset:offset + k].view(replica.params[n].shape).clone()
-                    offset += k
-                if fault == "digest_mismatch":
-                    first = mean[names[0]].view(-1)
-                    first[0] += _MISMATCH_EPS
-                vote = replica.propose(fid, rid, mean)
-                ok = True
-            except (SimCollectiveError, FloatingPointError, RuntimeError) as exc:
-                self._drop_group()
-                detail = str(exc)
-            if fault == "reduce_crash":
-                self.world.crash_in_reduce(self.w, "after the collective, before the report")
-                return
-            if fault == "wedge":
-                yield ("sleep", self.cfg.wedge_factor * self.cfg.reduce_timeout_s)
-        report = ReduceReport(wid, fid, rid, order.attempt, ok, vote, detail[:1000])
-        self.world.send(self.w, report, lose="fault" if fault == "report_lost" else "")
-        yield ("wait", verdict.waiter, None, None)
-        if not ok:
-            return
-        if verdict.kind == "commit" and verdict.result is not None and replica.commit(fid, rid, verdict.result.digest):
-            self._commit_adopted(fid, rid, verdict.result.digest)
-            params = {n: t.clone() for n, t in replica.fragment(fid).items()}
-            result = dataclasses.replace(verdict.result, params=params, delta=False, wire_dtype="fp32", scales={},
-                                         digest="")
-            self.w.deliver_local(result)
-        elif verdict.kind == "commit":
-            self.w.deliver_local(self._lost_track(verdict.result))
-        elif verdict.kind == "abort":
-            replica.rollback(fid)
-        # "reset": a Welcome voided the attempt; the proposal stays until a start settles it
-        # against the Welcome's last commits (``_settle_orphans``), or a heal replaces it.
-
-    def _commit_adopted(self, fid: int, rid: int, digest: str, via: str = "") -> None:
-        if self._pending.get(fid, (None,))[0] == rid:
-            del self._pending[fid]
-        self._adopted(fid, "commit", digest, via=via)
-
-    def _settle_orphans(self, welcome: Welcome) -> None:
-        """``CollectiveEndpoint._settle_orphans``: adopt a proposal the coordinator durably committed
-        (the Welcome names each fragment's last commit), roll back the rest (C4)."""
-        replica = self.replica
-        for fid in range(len(replica.fragments)):
-            proposal = replica.proposal(fid)
-            if proposal is None:
-                continue
-            committed = welcome.committed[fid] if fid < len(welcome.committed) else (-1, "")
-            if tuple(committed) == (proposal.round_id, proposal.digest) and replica.commit(fid, *committed):
-                self._commit_adopted(fid, proposal.round_id, proposal.digest, via="welcome")
-            else:
-                replica.rollback(fid)
-
-    def _serve_heal(self, order: HealOrder) -> Job:
-        """``CollectiveEndpoint._serve_heal``: send the committed state to the joiner (rank 0 of 2)."""
-        replica = self.replica
-        if replica is None or self._heal_orders.get(order.joiner) != order.prefix:
-            return  # superseded by a newer order for the same joiner (it re-joined)
-        # Committed state only, as ``CollectiveEndpoint._serve_heal``: a proposal whose verdict a lost
-        # connection swallowed is still applied in place until a Welcome settles it (C6).
-        state = replica.committed_state()
+        if fault == "reduce_crash" and self.world.crash_before_collective():
+            self.world.crash_in_reduce(self.w, "before the collective")
+            return Reduced("", "crashed")
+        vote, detail = "", ""
         try:
-            group = yield from self._build(order.prefix, 0, 2, COLLECTIVE_HEAL_TIMEOUTS * self._timeout_s)
+            group = yield from self._get_group(order.prefix, order.group.index(wid), len(order.group))
+            names = replica.fragments[fid]
+            flat = torch.cat([job.submit.tensors[n].detach().reshape(-1).to(torch.float32) for n in names]).clone()
+            if fault == "report_fail":
+                raise SimCollectiveError("the all-reduce failed: injected fault")
+            total = yield from self._collective(group, "allreduce", flat, self.cfg.reduce_s)
+            total = total / group.size
+            mean, offset = {}, 0
+            for n in names:
+                k = replica.params[n].numel()
+                mean[n] = total[offset:offset + k].view(replica.params[n].shape).clone()
+                offset += k
+            if fault == "digest_mismatch":
+                first = mean[names[0]].view(-1)
+                first[0] += _MISMATCH_EPS
+            vote = replica.propose(fid, rid, mean)
+        except (SimCollectiveError, FloatingPointError, RuntimeError) as exc:
+            self._drop_group()
+            detail = str(exc)
+        if fault == "reduce_crash":
+            self.world.crash_in_reduce(self.w, "after the collective, before the report")
+            return Reduced("", "crashed")
+        if fault == "wedge":
+            yield ("sleep", self.cfg.wedge_factor * self.cfg.reduce_timeout_s)
+        if fault == "report_lost":
+            self._lose_report = (fid, rid, order.attempt)
+        return Reduced(vote, detail)
+
+    def _commit(self, job: CommitJob) -> Job:
+        replica = self.replica
+        if not replica.commit(job.fragment_id, job.round_id, job.digest):
+            raise RuntimeError(f"fragment {job.fragment_id}: no proposal of round {job.round_id} "
+                               f"with digest {job.digest[:12]}")
+        self._adopted(job.fragment_id, "commit", job.digest)
+        return Committed({n: t.clone() for n, t in replica.fragment(job.fragment_id).items()})
+        yield  # a job (a generator) like the others
+
+    def _rollback(self, job: RollbackJob) -> Job:
+        if self.replica is not None:
+            for fid in job.fragment_ids:
+                self.replica.rollback(fid)
+        return RolledBack()
+        yield  # a job (a generator) like the others
+
+    def _start(self, job: StartJob) -> Job:
+        """C6: this member starts the run from its own params, or keeps the state it holds."""
+        welcome, mid = job.welcome, self._job_mid
+        if job.keep:
+            replica = self.replica
+            for fid in job.adopt:
+                proposal = replica.proposal(fid)
+                replica.commit(fid, proposal.round_id, proposal.digest)
+                self._adopted(fid, "commit", proposal.digest, via="welcome")
+            for fid in job.rollback:
+                replica.rollback(fid)
+            replica.round_ids = list(welcome.round_ids)
+        else:
+            # (A real worker restored from its checkpoint starts with its committed outer momentum;
+            # the simulated one starts without: its checkpoint holds no outer state.)
+            self.replica = self._new_replica(welcome, job.params, list(welcome.round_ids), job.outer_states)
+        for fid in range(len(self.replica.fragments)):
+            self._adopted(fid, "start", mid=mid)
+        return Started(tuple(self.replica.committed_digests()), self._session_params())
+        yield  # a job (a generator) like the others
+
+    def _heal(self, job: HealJob) -> Job:
+        """``CollectiveEndpoint._heal``: copy the committed state from the Welcome's source (rank 1 of 2)."""
+        welcome, mid = job.welcome, self._job_mid
+        if self.replica is not None:
+            self.replica.rollback_all()  # the healed state replaces whatever this member proposed
+        try:
+            group = yield from self._build(welcome.heal_prefix, 1, 2, HEAL_TIMEOUTS * self._timeout_s)
+            round_ids, params, states = yield from self._heal_transfer(group, None)
+            self.replica = self._new_replica(welcome, params, round_ids, states)
+        except SimCollectiveError as exc:
+            self.world.emit({"k": "fault", "t": self.clock.now, "what": "heal_failed", "w": self.w.wid,
+                             "from": welcome.heal_source, "why": str(exc)})
+            return HealFailed(str(exc))
+        for fid in range(len(self.replica.fragments)):
+            self._adopted(fid, "heal", source=welcome.heal_source, mid=mid)
+        return Healed(tuple(round_ids), tuple(self.replica.committed_digests()), self._session_params())
+
+    def _serve_heal(self, job: ServeHealJob) -> Job:
+        """``CollectiveEndpoint._serve_heal``: send the committed state to the joiner (rank 0 of 2)."""
+        # Committed state only: a proposal whose verdict a lost connection swallowed is still
+        # applied in place until a Welcome settles it (C6).
+        state = self.replica.committed_state()
+        try:
+            group = yield from self._build(job.order.prefix, 0, 2, HEAL_TIMEOUTS * self._timeout_s)
             yield from self._heal_transfer(group, state)
         except SimCollectiveError as exc:
             self.world.emit({"k": "fault", "t": self.clock.now, "what": "heal_failed", "w": self.w.wid,
-                           "to": order.joiner, "why": str(exc)})
+                             "to": job.order.joiner, "why": str(exc)})
+            return HealServed(False, str(exc))
+        return HealServed(True)
 
     def _heal_transfer(self, group: SimGroup, state) -> Generator:
         meeting, waiter = self.gloo.collective(self, group, 0, "broadcast", state, self.cfg.heal_s)
         try:
-            result = yield ("wait", waiter, COLLECTIVE_HEAL_TIMEOUTS * self._timeout_s, meeting)
+            result = yield ("wait", waiter, HEAL_TIMEOUTS * self._timeout_s, meeting)
         except SimCollectiveError:
             self.gloo.drop(self, group)
             raise
         self.gloo.drop(self, group)  # a heal's group serves once
         return result
-
-    def _heal(self, welcome: Welcome, mid: int) -> Job:
-        """``CollectiveEndpoint._heal``: copy the committed state from the Welcome's source (rank 1 of 2)."""
-        if self.replica is not None:
-            self.replica.rollback_all()  # the healed state replaces whatever this member proposed
-        try:
-            group = yield from self._build(welcome.heal_prefix, 1, 2, COLLECTIVE_HEAL_TIMEOUTS * self._timeout_s)
-            round_ids, params, states = yield from self._heal_transfer(group, None)
-            self.replica = self._new_replica(welcome, params, round_ids, states)
-        except SimCollectiveError as exc:
-            self._heal_attempts += 1
-            self.world.emit({"k": "fault", "t": self.clock.now, "what": "heal_failed", "w": self.w.wid,
-                           "from": welcome.heal_source, "attempt": self._heal_attempts, "why": str(exc)})
-            if self._heal_attempts >= COLLECTIVE_HEAL_ATTEMPTS or self._last_join is None:
-                self._welcome_withheld = False
-                self.w.deliver_local(Error(ErrorCode.BAD_MESSAGE, f"could not copy the run's state from "
-                                                                  f"{welcome.heal_source!r}: {exc}", "Join"))
-                return
-            # Join again: the coordinator names another source (or the same one, recovered).
-            self.world.send(self.w, Leave(self.w.wid))
-            self.world.send(self.w, self._last_join)
-            return
-        self._heal_attempts = 0
-        self._welcome_withheld = False
-        for fid in range(len(self.replica.fragments)):
-            self._adopted(fid, "heal", source=welcome.heal_source, mid=mid)
-        self.w.deliver_local(dataclasses.replace(welcome, round_ids=tuple(round_ids), parked=(),
-                                                 params=self._session_params()), mid)
-
-    def _start(self, welcome: Welcome, params: dict, mid: int) -> Job:
-        """C6: this member starts the run from its own params (``CollectiveEndpoint._start``)."""
-        if self.replica is not None and self.replica.fragments == tuple(tuple(f) for f in welcome.fragments):
-            # The coordinator restarted (or forgot every holder) and this member re-joins first: it
-            # keeps the committed state in memory, and adopts a proposal the Welcome says committed.
-            self._settle_orphans(welcome)
-            if self.replica.round_ids != list(welcome.round_ids):
-                self.replica.round_ids = list(welcome.round_ids)
-        else:
-            # (A real worker restored from its checkpoint starts with its committed outer momentum;
-            # the simulated one starts without: its checkpoint holds no outer state.)
-            self.replica = self._new_replica(welcome, params, list(welcome.round_ids), None)
-        self._heal_attempts = 0
-        self._welcome_withheld = False
-        for fid in range(len(self.replica.fragments)):
-            self._adopted(fid, "start", mid=mid)
-        self.w.deliver_local(dataclasses.replace(welcome, params=self._session_params()), mid)
-        return
-        yield  # a job (a generator) like the others
 
     # ------------------------------------------------------------------ helpers
 

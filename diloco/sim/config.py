@@ -21,6 +21,7 @@ from __future__ import annotations
 import random
 from dataclasses import asdict, dataclass, field, fields, replace
 
+from diloco.collective.member import HEAL_TIMEOUTS, MAX_HEAL_ATTEMPTS
 from diloco.worker.session import JOIN_RESEND_MAX_S, RESYNC_INTERVALS
 
 #: Fault levels ``--faults`` accepts.
@@ -37,10 +38,10 @@ DATA_PLANES = ("hub", "collective")
 #: data plane wedges after the collective (no report: the core's reduce timeout ends the attempt).
 REDUCE_FAULT_KINDS = ("reduce_crash", "report_lost", "digest_mismatch", "report_fail", "wedge")
 
-#: Heals a joiner tries before it gives up, and how many collective timeouts bound one heal
-#: (``diloco.collective.endpoint.MAX_HEAL_ATTEMPTS``, ``HEAL_TIMEOUTS``).
-COLLECTIVE_HEAL_ATTEMPTS = 5
-COLLECTIVE_HEAL_TIMEOUTS = 6
+#: Heals a joiner tries before it gives up, and how many collective timeouts bound one heal: the
+#: member machine's own (the simulator drives it).
+COLLECTIVE_HEAL_ATTEMPTS = MAX_HEAL_ATTEMPTS
+COLLECTIVE_HEAL_TIMEOUTS = HEAL_TIMEOUTS
 
 #: Hard limits on the overrides (a limit on everything that grows).
 MAX_WORKERS = 100_000

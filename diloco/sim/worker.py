@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from diloco.collective.member import PlaneEventKind
 from diloco.sim.trace import hash_values
 from diloco.wire.messages import PROTOCOL_VERSION, Heartbeat, Join, Submit
 from diloco.worker.actions import (
@@ -81,8 +82,8 @@ TICK_S = 0.5
 _HB_SLACK_S = 1e-6
 #: Fail codes of a refused join a real worker exits on and its supervisor retries.
 RESTARTABLE_FAILS = frozenset({"too_many_workers", "already_member"})
-#: What a collective joiner that could not copy the run's state says when it gives up.
-_HEAL_FAILED = "could not copy the run's state"
+#: The fail code of a collective joiner that could not copy the run's state (``PlaneEventKind``).
+_HEAL_FAILED = PlaneEventKind.HEAL_FAILED.value
 
 _MEMBER = (WorkerState.TRAINING, WorkerState.WAITING, WorkerState.PAUSED)
 
@@ -290,7 +291,7 @@ class SimWorker:
     def _failed(self) -> None:
         fail, self._fail = self._fail, None
         self._exit(notice=False)
-        if fail.code not in RESTARTABLE_FAILS and not (self.plane is not None and _HEAL_FAILED in fail.detail):
+        if fail.code not in RESTARTABLE_FAILS and not (self.plane is not None and fail.code == _HEAL_FAILED):
             raise SimWorkerFailure(f"{self.wid} failed ({fail.code}): {fail.detail}")
         # A join refused for a reason that passes (the run is full), or a joiner that could not
         # heal after COLLECTIVE_HEAL_ATTEMPTS tries: the process exits with an error, and its
@@ -352,11 +353,13 @@ class SimWorker:
 
     def on_message(self, mid: int, msg) -> None:
         self._mid = mid
-        if self.plane is not None:
-            msg = self.plane.incoming(msg, mid)
-            if msg is None or not self.alive:
+        if self.plane is None:
+            self._run(self.session.on_message(msg, self.clock.now))
+            return
+        for item in self.plane.incoming(msg, mid):
+            if not self.alive:
                 return
-        self._run(self.session.on_message(msg, self.clock.now))
+            self._run(self.session.on_message(item, self.clock.now))
 
     def deliver_local(self, msg, mid: int | None = None) -> None:
         """A message the collective plane hands the session (a healed Welcome, a commit's Result)."""

@@ -1,7 +1,7 @@
 """``WorkerSession``: the worker's side of the protocol, pure and deterministic.
 
 (One state machine in one file, as ``diloco/core/round_fsm.py`` is: its rules
-W1-W19 share one small state, and splitting them across files would make a
+W1-W20 share one small state, and splitting them across files would make a
 reader chase that state; hence over 400 lines, about 1,000.)
 
 How to read it. ``WorkerSession.__init__`` is the inventory of that state: every
@@ -22,7 +22,7 @@ the driver must carry out, in order. No torch, sockets, clocks or threads
 (import-linter contracts in pyproject.toml): tensors only pass through, as
 opaque values inside messages and ``InstallParams``. The same session runs in
 ``DilocoWorker`` (real time, real model) and in the simulator (simulated time,
-seeded tensors). SPEC.md section 14 is its contract: states, events, rules W1-W19.
+seeded tensors). SPEC.md section 14 is its contract: states, events, rules W1-W20.
 
 Overlap (``overlap_steps`` T >= 1, Streaming DiLoCo's tau; W15-W18): a fragment
 submitted at schedule step s does not stop training; its Result is merged at
@@ -49,6 +49,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence, TypeVar, cast
 
+from diloco.collective.member import PlaneEvent, PlaneEventKind
 from diloco.core.config import Mode
 from diloco.core.reasons import ReleaseOutcome
 from diloco.wire.messages import (
@@ -85,8 +86,13 @@ from diloco.worker.states import WorkerState
 
 S = WorkerState
 
-#: W10: error codes answered by joining again (the coordinator forgot us, or we fell behind).
-REJOIN_CODES = frozenset({ErrorCode.STALE_ROUND, ErrorCode.FUTURE_ROUND, ErrorCode.UNKNOWN_WORKER})
+#: W10: error codes answered by joining again (the coordinator forgot us, or we fell behind; on the
+#: collective plane, ``reducing``: the ready came while a group without us reduces the round, and
+#: whatever it decides, our pseudo-gradient's base may be gone: join again, and heal, C3).
+REJOIN_CODES = frozenset({ErrorCode.STALE_ROUND, ErrorCode.FUTURE_ROUND, ErrorCode.UNKNOWN_WORKER,
+                          ErrorCode.REDUCING})
+#: W20: the collective plane's events that end the run for this worker.
+PLANE_FAILURES = frozenset({PlaneEventKind.HEAL_FAILED, PlaneEventKind.NO_START_STATE})
 #: W1, W12: error codes that end the run for this worker: the run is over.
 STOP_CODES = frozenset({ErrorCode.STOPPED, ErrorCode.SHUTTING_DOWN})
 #: W9: heartbeat intervals of unpaused waiting before a worker suspects a lost Result (doubles each time).
@@ -427,6 +433,10 @@ class WorkerSession:
         """A decoded message from the coordinator."""
         if self.state is None or self.state is S.STOPPED:
             return []
+        if isinstance(msg, PlaneEvent):
+            self._on_plane_event(msg, now)
+            self._settle(now)
+            return self._flush()
         self._heard(now)
         if isinstance(msg, Result) and msg.unit is not None:
             self.unit = msg.unit  # the next round's data, whatever the Result is taken for
@@ -579,8 +589,9 @@ class WorkerSession:
             if code in STOP_CODES:
                 self._stop_cmd = StopCommand(code.value, save=False)
                 self._finish(f"run {code.value} before join: {msg.detail}", save=False, now=now)
-            elif code is ErrorCode.PARAMS_REQUIRED:
-                # The run has no params yet: the first joiner's become the run's (SPEC.md section 11).
+            elif code in (ErrorCode.PARAMS_REQUIRED, ErrorCode.START_PARAMS_REQUIRED):
+                # The run has no params yet: the first joiner's become the run's (SPEC.md section 11);
+                # on the collective plane they stay on this worker (C6, M5).
                 self._out.append(SendJoinWithParams())
                 self._unanswered_since = now
             elif code is ErrorCode.ALREADY_MEMBER and self._already_member_retries < ALREADY_MEMBER_RETRIES:
@@ -758,6 +769,17 @@ class WorkerSession:
             self.merge_at.pop(fid, None)  # W16: the window ends without a merge
             self.history.append((self.inner_step, fid, msg.round_id, outcome.value))
             self._heard_stop(outcome)  # W12
+
+    def _on_plane_event(self, event: PlaneEvent, now: float) -> None:
+        """W20: what the collective plane tells the session (``diloco.collective.member``)."""
+        if event.kind is PlaneEventKind.LOST_TRACK:
+            if self.state is not S.JOINING:
+                self._note("info", f"{event.detail}")
+                self._rejoin_needed = True
+        elif event.kind in PLANE_FAILURES:
+            self._fail(event.kind.value, event.detail, now)
+        else:
+            self._note("warning", event.detail)
 
     def _on_error(self, msg: Error, now: float) -> None:
         code = error_code(msg.code)

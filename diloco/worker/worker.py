@@ -23,7 +23,7 @@ What lives where
 The protocol -- joining, heartbeats, the sync schedule, pausing below quorum,
 held-limit retries, resync after a lost Result, re-joins, outages, stops --
 is ``diloco.worker.session.WorkerSession``, pure and specified in SPEC.md
-section 14 (rules W1-W19). This driver only carries out what the session
+section 14 (rules W1-W20). This driver only carries out what the session
 asks: tensor copies (``InstallParams``), overlap merges (``MergeParams``),
 pseudo-gradients (``SubmitFragment``:
 ``global - local``, fp32, of one fragment), the worker's checkpoint (``Stop``
@@ -766,13 +766,11 @@ class DilocoWorker:
         for n, t in ckpt.global_params.items():
             self._set_global(n, t)
         self._residual = {n: t.to(torch.float32).clone() for n, t in ckpt.residual.items()}
-        # Collective plane: if this worker starts the run again, it continues its outer momentum (C6).
-        self.data_plane.restored_outer = ckpt.outer_states
         if ckpt.outer_states is not None:  # a collective run's checkpoint: it holds a committed state
-            self.data_plane.restored_params = {n: t.detach().to(torch.float32).clone()
-                                               for n, t in ckpt.global_params.items()}
-            self.data_plane.restored_rounds = list(ckpt.round_ids)
-            self.data_plane.restored_fragments = tuple(tuple(f) for f in ckpt.fragments)
+            # If this worker starts the run again, it does so from this state and continues its
+            # outer momentum (C6).
+            self.data_plane.restore({n: t.detach().to(torch.float32).clone() for n, t in ckpt.global_params.items()},
+                                    list(ckpt.round_ids), tuple(tuple(f) for f in ckpt.fragments), ckpt.outer_states)
         self.session.restore(fragments=ckpt.fragments, round_ids=ckpt.round_ids, next_close=ckpt.next_close,
                              sched_step=ckpt.sched_step, inner_step=ckpt.inner_step,
                              rounds_synced=ckpt.rounds_synced, mode=ckpt.mode)

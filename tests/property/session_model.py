@@ -54,7 +54,7 @@ DEFAULT_HEARTBEAT_S = 1.0
 JOINING, TRAINING, WAITING, PAUSED, STOPPING, STOPPED = (
     "joining", "training", "waiting", "paused", "stopping", "stopped")
 
-REJOIN_CODES = {"stale_round", "future_round", "unknown_worker"}
+REJOIN_CODES = {"stale_round", "future_round", "unknown_worker", "reducing"}
 STOP_CODES = {"stopped", "shutting_down"}
 
 
@@ -358,7 +358,7 @@ class SessionModel:
             if code in STOP_CODES:                                    # W1
                 self.stop_order = (code, False)
                 self.stop(f"run {code} before join: {msg.detail}", False, now)
-            elif code == "params_required":
+            elif code in ("params_required", "start_params_required"):
                 self.out.append(("join_with_params",))
                 self.silent_since = now
             elif code == "already_member" and self.already_member_left > 0:

@@ -1,4 +1,4 @@
-"""One focused, time-exact example per worker-session rule (SPEC.md section 14, W1-W19).
+"""One focused, time-exact example per worker-session rule (SPEC.md section 14, W1-W20).
 
 Each test is named after the rule it checks and drives a ``WorkerSession`` by
 hand with a fake clock (plain numbers: the session never reads a clock).
@@ -94,10 +94,11 @@ def test_w1_join_start_sends_the_spec_and_enters_joining():
         s.start(0.0)
 
 
-def test_w1_join_params_required_is_answered_with_a_join_carrying_params():
+@pytest.mark.parametrize("code", ["params_required", "start_params_required"])
+def test_w1_join_params_required_is_answered_with_a_join_carrying_params(code):
     s = WorkerSession(WID, 4, SPEC)
     s.start(0.0)
-    assert sent(s.on_message(err("params_required", "Join"), 0.1)) == ["JoinWithParams"]
+    assert sent(s.on_message(err(code, "Join"), 0.1)) == ["JoinWithParams"]
     assert s.state is S.JOINING
 
 
@@ -456,7 +457,7 @@ def test_w10_rejoin_commanded_by_a_heartbeat_reply_joins_again_without_leave():
     assert sent(actions) == ["Join"] and s.state is S.JOINING
 
 
-@pytest.mark.parametrize("code", ["stale_round", "future_round", "unknown_worker"])
+@pytest.mark.parametrize("code", ["stale_round", "future_round", "unknown_worker", "reducing"])
 def test_w10_rejoin_when_a_submit_is_refused_for_its_round_or_membership(code):
     s = joined(H=1)
     s.step_done(1.0)
@@ -914,11 +915,54 @@ def test_w19_dylu_ignores_a_bad_h_w_and_a_run_without_dylu_changes_nothing():
     assert s.sync_every == 4 and s.next_close == [8] and s.sched_step == 4
 
 
+# --------------------------------------------------------------------------- W20
+
+
+def test_w20_plane_lost_track_joins_again_and_is_not_the_coordinator_speaking():
+    from diloco.collective.member import PlaneEvent, PlaneEventKind
+
+    s = joined(H=1, hb=1.0, timeout=30.0)
+    s.step_done(1.0)
+    actions = s.on_message(PlaneEvent(PlaneEventKind.LOST_TRACK, "fragment 0 round 0 committed without us"), 1.1)
+    assert sent(actions) == ["Join"] and s.state is S.JOINING
+    # While joining it changes nothing (the Welcome to come places the worker).
+    assert sent(s.on_message(PlaneEvent(PlaneEventKind.LOST_TRACK, "again"), 1.2)) == []
+    # Not a message from the coordinator: the outage clock runs on from the Join (W11).
+    silent = joined(H=1, hb=1.0, timeout=30.0)
+    t, stops = 0.0, []
+    while silent.state is not S.STOPPING and t < 60.0:
+        t += 0.25
+        if t % 5.0 == 0.0:
+            silent.on_message(PlaneEvent(PlaneEventKind.JOB_FAILED, "a job failed"), t)
+        stops += [(t,) + o[1:] for o in kinds(silent.tick(t), "stop")]
+    # As W11's test: the first heartbeat (t=1) is the first message left unanswered.
+    assert stops == [(31.0, "coordinator_unreachable", True)]
+
+
+@pytest.mark.parametrize("kind", ["heal_failed", "no_start_state"])
+def test_w20_plane_failures_fail_with_their_kind(kind):
+    from diloco.collective.member import PlaneEvent, PlaneEventKind
+
+    s = WorkerSession(WID, 4, SPEC)
+    s.start(0.0)
+    actions = s.on_message(PlaneEvent(PlaneEventKind(kind), "no source could hand over the state"), 1.0)
+    assert kinds(actions, "fail") == [("fail", kind)] and s.state is S.STOPPED
+
+
+def test_w20_plane_job_failed_is_only_logged():
+    from diloco.collective.member import PlaneEvent, PlaneEventKind
+
+    s = joined(H=4)
+    before = s.state
+    actions = s.on_message(PlaneEvent(PlaneEventKind.JOB_FAILED, "ValueError: boom"), 1.0)
+    assert sent(actions) == [] and kinds(actions, "fail") == [] and s.state is before
+
+
 # --------------------------------------------------------------------------- the spec names these tests
 
 
 def test_spec_section_14_names_only_tests_that_exist():
-    """Every rule W1-W19 of SPEC.md section 14 names tests, and each name matches a test here."""
+    """Every rule W1-W20 of SPEC.md section 14 names tests, and each name matches a test here."""
     import fnmatch
     import re
     from pathlib import Path
@@ -926,7 +970,7 @@ def test_spec_section_14_names_only_tests_that_exist():
     spec = (Path(__file__).resolve().parents[2] / "SPEC.md").read_text(encoding="utf-8")
     section = spec[spec.index("## 14. The worker session"):]
     rules = re.findall(r"^- \*\*(W\d+) [^*]+\.\*\*(.*?)(?=^- \*\*W|\Z)", section, re.S | re.M)
-    assert [r for r, _ in rules] == [f"W{i}" for i in range(1, 20)]
+    assert [r for r, _ in rules] == [f"W{i}" for i in range(1, 21)]
     tests = [name for name in globals() if name.startswith("test_")]
     for rule, text in rules:
         names = re.findall(r"`(test_\w+\*?)`", text)

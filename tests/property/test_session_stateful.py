@@ -68,10 +68,10 @@ OUTCOMES = ("applied",) * 6 + ("applied_final", "stop", "lost_in_translation")
 COMMANDS = (Command.CONTINUE,) * 12 + tuple(Command)
 #: Refusals a worker acts on without failing, with the message they answer (W1, W10; the rest ignored).
 PROTOCOL_ERRORS = (
-    ("params_required", "Join"), ("already_member", "Join"), ("already_member", "Join"),
+    ("params_required", "Join"), ("start_params_required", "Join"), ("already_member", "Join"), ("already_member", "Join"),
     ("unknown_worker", "Heartbeat"), ("stale_round", "Leave"), ("duplicate", "Accepted"))
 #: A Submit's refusals that do not end the session (W8, W10; duplicate: its Result will come).
-SUBMIT_ERRORS = ("held_limit", "held_limit", "held_limit", "duplicate", "stale_round", "future_round",
+SUBMIT_ERRORS = ("held_limit", "held_limit", "held_limit", "duplicate", "stale_round", "future_round", "reducing",
                  "unknown_worker", "stopped", "shutting_down")
 IN_REPLY_TO = ("Join", "Submit", "Heartbeat", "", "Leave")
 

@@ -20,8 +20,6 @@ from diloco.core.quorum import QuorumDecision
 from diloco.core.reasons import AbortReason
 from diloco.sim import SimConfigError, check_records, derive_config, run_config
 from diloco.sim.config import (
-    COLLECTIVE_HEAL_ATTEMPTS,
-    COLLECTIVE_HEAL_TIMEOUTS,
     FAULT_KINDS,
     REDUCE_FAULT_KINDS,
     config_from_dict,
@@ -63,12 +61,6 @@ def test_collective_config_is_sync_with_its_own_knobs_and_leaves_hub_seeds_alone
         derive_config(5, data_plane="collective", mode="async")
     with pytest.raises(SimConfigError, match="data_plane"):
         derive_config(5, data_plane="ring")
-
-
-def test_heal_bounds_match_the_endpoint():
-    from diloco.collective.endpoint import HEAL_TIMEOUTS, MAX_HEAL_ATTEMPTS
-
-    assert (COLLECTIVE_HEAL_ATTEMPTS, COLLECTIVE_HEAL_TIMEOUTS) == (MAX_HEAL_ATTEMPTS, HEAL_TIMEOUTS)
 
 
 def test_cli_help_documents_the_data_plane(capsys):

@@ -4,10 +4,12 @@ the orphaned proposal a coordinator crash leaves, and the heal transfer's wire f
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
 from diloco.collective.endpoint import CollectiveEndpoint
+from diloco.collective.member import HeldState
 from diloco.collective.replica import Replica, digest
 from diloco.outer import all_finite as finite
 from diloco.outer import OuterConfig
@@ -98,19 +100,33 @@ def test_int8_and_bf16_round_the_step_like_the_hub_and_stay_finite():
 
 
 def test_an_orphaned_proposal_is_adopted_only_if_the_restarted_coordinator_committed_it():
+    """M4 through the real driver: a Welcome that starts the run from this member settles the
+    proposal a lost connection orphaned, on the data-plane thread."""
     for committed, adopted in (((0, "VOTE"), True), ((-1, ""), False)):
         ep = CollectiveEndpoint(_NullEndpoint(), "w1")
         ep.replica = replica()
+        ep.machine.held = HeldState(FRAGMENTS, (0, 0), tuple(ep.replica.committed_digests()))
         vote = ep.replica.propose(0, 0, {"a": torch.full((2, 3), 0.5)})
+        ep.machine.proposals[0] = (0, vote)
         proposed = ep.replica.params["a"].clone()
         record = (0, vote) if committed[1] == "VOTE" else committed
         welcome = Welcome("w1", (1, 0) if adopted else (0, 0), (), "sync", FRAGMENTS, 2, False, 1.0, {},
                           data_plane="collective", committed=(record, (-1, "")))
-        ep._settle_orphans(welcome)
+        ep._carry_out(ep.machine.received(welcome))
+        deadline = time.monotonic() + 30.0
+        try:
+            handed = None
+            while handed is None and time.monotonic() < deadline:
+                handed = ep.recv(0.05)  # the null endpoint does not block: poll for the completion
+                time.sleep(0.01)
+        finally:
+            ep.close()
+        assert isinstance(handed, Welcome) and handed.params, handed
         assert ep.replica.proposal(0) is None
         assert torch.equal(ep.replica.params["a"], proposed) is adopted
         assert (list(ep.adopted) == [(0, 0, vote)]) is adopted
         assert ep.replica.round_ids[0] == (1 if adopted else 0)
+        assert ep.machine.held.round_ids == tuple(handed.round_ids)
 
 
 class _NullEndpoint:

@@ -1,0 +1,357 @@
+"""One focused example per rule of the collective member's machine (SPEC.md section 7c, M1-M8).
+
+The machine is driven message by message; its jobs are answered by hand, as a driver would
+answer them, so every decision is visible: what goes to the coordinator, what the session
+hears, which job runs next.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from diloco.collective.member import (
+    MAX_HEAL_ATTEMPTS,
+    CommitJob,
+    Committed,
+    HealFailed,
+    Healed,
+    HealJob,
+    HealServed,
+    JobFailed,
+    MemberMachine,
+    NewStore,
+    PlaneEvent,
+    PlaneEventKind,
+    Reduced,
+    ReduceJob,
+    RestoredState,
+    RollbackJob,
+    RolledBack,
+    RunJob,
+    ServeHealJob,
+    Started,
+    StartJob,
+    ToCoordinator,
+    ToSession,
+)
+from diloco.wire.messages import (
+    PROTOCOL_VERSION,
+    Error,
+    ErrorCode,
+    HealOrder,
+    Join,
+    Leave,
+    ReduceAbort,
+    ReduceOrder,
+    ReduceReport,
+    Result,
+    Submit,
+    TensorSpec,
+    Welcome,
+)
+
+WID = "w1"
+FRAGMENTS = (("a",), ("b",))
+SPEC = (TensorSpec("a", (2,), "float32"), TensorSpec("b", (2,), "float32"))
+PARAMS = {"a": "tensor-a", "b": "tensor-b"}  # opaque to the machine (M1)
+
+
+def welcome(source: str = "", rounds=(0, 0), committed=((-1, ""), (-1, "")), plane: str = "collective") -> Welcome:
+    return Welcome(WID, rounds, (), "sync", FRAGMENTS, 2, False, 1.0, {}, data_plane=plane, store_port=7,
+                   heal_source=source, heal_prefix="heal1" if source else "", collective_timeout_s=2.0,
+                   committed=committed)
+
+
+def order(fid=0, rid=0, attempt=0, group=(WID, "w2")) -> ReduceOrder:
+    return ReduceOrder(fid, rid, attempt, group, "g0")
+
+
+def commit(fid=0, rid=0, digest="D") -> Result:
+    return Result(fid, rid, "applied", rid + 1, digest=digest)
+
+
+def submit(fid=0, rid=0) -> Submit:
+    return Submit(WID, fid, rid, {"a": f"pg-{fid}-{rid}"})
+
+
+def jobs(actions) -> list:
+    return [a.job for a in actions if isinstance(a, RunJob)]
+
+
+def to_coordinator(actions) -> list:
+    return [a.message for a in actions if isinstance(a, ToCoordinator)]
+
+
+def to_session(actions) -> list:
+    return [a.item for a in actions if isinstance(a, ToSession)]
+
+
+def started(m: MemberMachine, rounds=(0, 0)) -> MemberMachine:
+    """A member that started the run from its own params, and is ready for round 0 of fragment 0."""
+    m.received(Error(ErrorCode.START_PARAMS_REQUIRED, "start it", "Join"))
+    m.session_sends(Join(WID, PROTOCOL_VERSION, SPEC, dict(PARAMS)))
+    (job,) = jobs(m.received(welcome(rounds=rounds)))
+    assert isinstance(job, StartJob) and not job.keep and job.params == PARAMS
+    m.completed(Started(("d0", "d1"), {"a": "p", "b": "p"}))
+    m.session_sends(submit())
+    return m
+
+
+def reported(m: MemberMachine, digest="D", **kw) -> MemberMachine:
+    (job,) = jobs(m.received(order(**kw)))
+    assert isinstance(job, ReduceJob)
+    (report,) = to_coordinator(m.completed(Reduced(digest)))
+    assert isinstance(report, ReduceReport) and report.ok and report.digest == digest
+    return m
+
+
+# --------------------------------------------------------------------------- M1
+
+
+def test_m1_pure_the_same_events_give_the_same_actions():
+    def script():
+        m = started(MemberMachine(WID))
+        out = m.received(order())
+        out += m.completed(Reduced("D"))
+        out += m.received(commit())
+        out += m.completed(Committed({"a": "new"}))
+        return out, m.held
+
+    assert script() == script()
+
+
+def test_m1_pure_a_welcome_renews_the_store_client():
+    m = MemberMachine(WID)
+    m.received(Error(ErrorCode.START_PARAMS_REQUIRED, "start it", "Join"))
+    m.session_sends(Join(WID, PROTOCOL_VERSION, SPEC, dict(PARAMS)))
+    actions = m.received(welcome())
+    assert actions[0] == NewStore(7, 2.0)
+
+
+# --------------------------------------------------------------------------- M2
+
+
+def test_m2_one_job_at_a_time_and_the_verdict_first():
+    m = reported(started(MemberMachine(WID)))
+    # A heal order and the next fragment's order wait for the verdict of the reported attempt.
+    assert jobs(m.received(HealOrder("w3", "heal7"))) == []
+    m.session_sends(submit(fid=1))
+    assert jobs(m.received(order(fid=1))) == []
+    # The commit runs first, then the heal, then fragment 1's reduce: one at a time.
+    assert jobs(m.received(commit())) == [CommitJob(0, 0, "D")]
+    (serve,) = jobs(m.completed(Committed({"a": "new"})))
+    assert isinstance(serve, ServeHealJob) and serve.order.joiner == "w3"
+    (reduce,) = jobs(m.completed(HealServed(True)))
+    assert isinstance(reduce, ReduceJob) and reduce.order.fragment_id == 1 and reduce.submit == submit(fid=1)
+
+
+def test_m2_a_failed_report_holds_nothing_back():
+    m = started(MemberMachine(WID))
+    jobs(m.received(order()))
+    (report,) = to_coordinator(m.completed(Reduced("", "the all-reduce timed out")))
+    assert not report.ok and "timed out" in report.detail
+    (serve,) = jobs(m.received(HealOrder("w3", "heal7")))
+    assert isinstance(serve, ServeHealJob)
+
+
+# --------------------------------------------------------------------------- M3
+
+
+def test_m3_adopt_the_commit_of_the_proposal():
+    m = reported(started(MemberMachine(WID)))
+    assert jobs(m.received(commit(digest="D"))) == [CommitJob(0, 0, "D")]
+    (result,) = to_session(m.completed(Committed({"a": "new"})))
+    assert result.params == {"a": "new"} and result.digest == "" and not result.delta
+    assert m.held.round_ids == (1, 0) and m.held.digests == ("D", "d1") and list(m.adopted) == [(0, 0, "D")]
+
+
+def test_m3_a_commit_of_another_digest_rolls_back_and_rejoins():
+    m = reported(started(MemberMachine(WID)), digest="MINE")
+    actions = m.received(commit(digest="THEIRS"))
+    assert jobs(actions) == [RollbackJob((0,))]
+    (event,) = to_session(actions)
+    assert event.kind is PlaneEventKind.LOST_TRACK
+    m.completed(RolledBack())
+    assert m.held.round_ids == (0, 0) and not m.proposals and not m.adopted
+
+
+def test_m3_a_commit_for_no_attempt_of_this_member_is_lost_track():
+    m = started(MemberMachine(WID))
+    (event,) = to_session(m.received(commit(fid=1, rid=3)))
+    assert event == PlaneEvent(PlaneEventKind.LOST_TRACK, event.detail) and "round 3" in event.detail
+
+
+# --------------------------------------------------------------------------- M4
+
+
+def test_m4_an_abort_rolls_back_and_a_stale_abort_does_nothing():
+    m = reported(started(MemberMachine(WID)))
+    assert jobs(m.received(ReduceAbort(0, 0, 5, "timeout"))) == []  # another attempt's
+    assert jobs(m.received(ReduceAbort(0, 0, 0, "timeout"))) == [RollbackJob((0,))]
+
+
+def test_m4_an_order_aborted_before_it_ran_is_dropped_and_one_aborted_while_running_rolled_back():
+    m = reported(started(MemberMachine(WID)))
+    m.session_sends(submit(fid=1))
+    m.received(order(fid=1))                      # queued behind the verdict
+    m.received(ReduceAbort(1, 0, 0, "member_lost"))
+    assert jobs(m.received(ReduceAbort(0, 0, 0, "timeout"))) == [RollbackJob((0,))]
+    assert jobs(m.completed(RolledBack())) == []  # fragment 1's order never runs
+    # Aborted while its reduce runs: no report, and its proposal is rolled back once it ends.
+    (job,) = jobs(m.received(order(fid=0, rid=0, attempt=1)))
+    m.received(ReduceAbort(0, 0, 1, "member_lost"))
+    actions = m.completed(Reduced("LATE"))
+    assert to_coordinator(actions) == [] and jobs(actions) == [RollbackJob((0,))]
+
+
+def test_m4_a_newer_attempt_of_the_same_round_supersedes_the_open_one():
+    m = reported(started(MemberMachine(WID)))
+    actions = m.received(order(attempt=1))
+    assert jobs(actions) == [RollbackJob((0,))]
+    (job,) = jobs(m.completed(RolledBack()))
+    assert isinstance(job, ReduceJob) and job.order.attempt == 1
+
+
+@pytest.mark.parametrize("committed_it", [True, False])
+def test_m4_a_welcome_voids_attempts_and_the_start_settles_the_orphan(committed_it):
+    m = reported(started(MemberMachine(WID)), digest="D")
+    record = ((0, "D") if committed_it else (-1, ""), (-1, ""))
+    (job,) = jobs(m.received(welcome(rounds=(7, 3), committed=record)))
+    assert job.keep and job.adopt == ((0,) if committed_it else ()) and job.rollback == (() if committed_it else (0,))
+    assert to_coordinator(m.received(commit())) == []  # the voided attempt's verdict: no attempt is open
+    (handed,) = to_session(m.completed(Started(("D" if committed_it else "d0", "d1"), {"a": "p"})))
+    assert isinstance(handed, Welcome) and handed.params == {"a": "p"}
+    assert m.held.round_ids == (7, 3) and not m.proposals
+    assert list(m.adopted) == ([(0, 0, "D")] if committed_it else [])
+
+
+def test_m4_a_welcome_while_a_reduce_runs_leaves_its_proposal_for_the_start():
+    m = started(MemberMachine(WID))
+    jobs(m.received(order()))
+    assert jobs(m.received(welcome(rounds=(1, 0), committed=((0, "D"), (-1, ""))))) == []  # the reduce runs
+    actions = m.completed(Reduced("D"))
+    assert to_coordinator(actions) == []                   # voided: no report
+    (start,) = jobs(actions)
+    assert start.keep and start.adopt == (0,)
+
+
+# --------------------------------------------------------------------------- M5
+
+
+def test_m5_a_submit_stays_and_goes_out_as_a_ready():
+    m = started(MemberMachine(WID))
+    (ready,) = to_coordinator(m.session_sends(submit(rid=0)))
+    assert ready.tensors == {} and ready.scales == {} and ready.round_id == 0
+
+
+def test_m5_the_join_offers_what_is_held():
+    m = started(MemberMachine(WID))
+    (join,) = to_coordinator(m.session_sends(Join(WID, PROTOCOL_VERSION, SPEC)))
+    assert join.holds_params and join.held_rounds == (0, 0) and join.held_digests == ("d0", "d1")
+    fresh = MemberMachine(WID)
+    fresh.restored = RestoredState({"a": "ckpt"}, FRAGMENTS, (4, 4), ("c0", "c1"), outer_states=["m0", "m1"])
+    (join,) = to_coordinator(fresh.session_sends(Join(WID, PROTOCOL_VERSION, SPEC)))
+    assert join.holds_params and join.held_rounds == (4, 4) and join.held_digests == ("c0", "c1")
+    (start,) = jobs(fresh.received(welcome()))
+    assert start.params == {"a": "ckpt"} and start.outer_states == ["m0", "m1"]
+
+
+def test_m5_start_params_stay_here_and_join_resends_wait_for_the_withheld_welcome():
+    m = MemberMachine(WID)
+    assert to_session(m.received(Error(ErrorCode.START_PARAMS_REQUIRED, "start it", "Join")))[0].code \
+        is ErrorCode.START_PARAMS_REQUIRED
+    (join,) = to_coordinator(m.session_sends(Join(WID, PROTOCOL_VERSION, SPEC, dict(PARAMS))))
+    assert join.params == {} and join.holds_params
+    m.received(welcome())
+    assert m.session_sends(Join(WID, PROTOCOL_VERSION, SPEC)) == [] and m.stats["join_resends_held"] == 1
+
+
+# --------------------------------------------------------------------------- M6
+
+
+def test_m6_a_failed_heal_rejoins_then_gives_up():
+    m = MemberMachine(WID)
+    m.session_sends(Join(WID, PROTOCOL_VERSION, SPEC))
+    for attempt in range(1, MAX_HEAL_ATTEMPTS + 1):
+        (job,) = jobs(m.received(welcome(source="w2")))
+        assert isinstance(job, HealJob)
+        actions = m.completed(HealFailed("timed out"))
+        if attempt < MAX_HEAL_ATTEMPTS:
+            leave, join = to_coordinator(actions)
+            assert leave == Leave(WID) and isinstance(join, Join) and not join.holds_params
+            assert to_session(actions) == []
+    (event,) = to_session(actions)
+    assert event.kind is PlaneEventKind.HEAL_FAILED and f"{MAX_HEAL_ATTEMPTS} tries" in event.detail
+
+
+def test_m6_a_heal_that_succeeds_resets_the_count():
+    m = MemberMachine(WID)
+    m.session_sends(Join(WID, PROTOCOL_VERSION, SPEC))
+    jobs(m.received(welcome(source="w2")))
+    m.completed(HealFailed("timed out"))
+    jobs(m.received(welcome(source="w3")))
+    (handed,) = to_session(m.completed(Healed((5, 5), ("h0", "h1"), {"a": "healed"})))
+    assert handed.round_ids == (5, 5) and handed.params == {"a": "healed"} and handed.parked == ()
+    assert m.held.digests == ("h0", "h1") and m.stats["healed"] == 1 and m._heal_attempts == 0
+
+
+# --------------------------------------------------------------------------- M7
+
+
+def test_m7_the_session_never_sees_orders_aborts_heal_orders_or_reports():
+    m = reported(started(MemberMachine(WID)))
+    seen = to_session(m.received(HealOrder("w3", "h")))
+    seen += to_session(m.received(ReduceAbort(0, 0, 0, "timeout")))
+    seen += to_session(m.completed(RolledBack()))
+    seen += to_session(m.received(order(attempt=1)))
+    assert seen == []
+    stop = Result(0, 0, "stop", 0)
+    assert to_session(m.received(stop)) == [stop]  # a stop is the session's
+
+
+def test_m7_a_hub_welcome_passes_through_and_so_does_everything_after_it():
+    m = MemberMachine(WID)
+    hub = welcome(plane="hub")
+    assert to_session(m.received(hub)) == [hub]
+    applied = Result(0, 0, "applied", 1, params={"a": "p"})
+    assert to_session(m.received(applied)) == [applied]
+    assert to_coordinator(m.session_sends(submit())) == [submit()]
+
+
+# --------------------------------------------------------------------------- M8
+
+
+def test_m8_a_job_that_fails_unexpectedly_is_told_and_the_machine_goes_on():
+    m = started(MemberMachine(WID))
+    jobs(m.received(order()))
+    (event,) = to_session(m.completed(JobFailed("ValueError: boom")))
+    assert event.kind is PlaneEventKind.JOB_FAILED and "boom" in event.detail
+    (serve,) = jobs(m.received(HealOrder("w3", "heal7")))  # the queue moves on
+    assert isinstance(serve, ServeHealJob)
+    # A start that failed lets the session's join resend through.
+    s = MemberMachine(WID)
+    s.received(Error(ErrorCode.START_PARAMS_REQUIRED, "start it", "Join"))
+    s.session_sends(Join(WID, PROTOCOL_VERSION, SPEC, dict(PARAMS)))
+    s.received(welcome())
+    s.completed(JobFailed("RuntimeError: no memory"))
+    assert to_coordinator(s.session_sends(Join(WID, PROTOCOL_VERSION, SPEC)))
+
+
+# --------------------------------------------------------------------------- the spec names these tests
+
+
+def test_spec_section_7c_names_only_tests_that_exist():
+    import fnmatch
+    import re
+    from pathlib import Path
+
+    spec = (Path(__file__).resolve().parents[2] / "SPEC.md").read_text(encoding="utf-8")
+    section = spec[spec.index("## 7c. The collective member"):spec.index("## 8. Policies")]
+    rules = re.findall(r"^- \*\*(M\d+) [^*]+\.\*\*(.*?)(?=^- \*\*M|\Z)", section, re.S | re.M)
+    assert [r for r, _ in rules] == [f"M{i}" for i in range(1, 9)]
+    tests = [name for name in globals() if name.startswith("test_")]
+    for rule, text in rules:
+        names = re.findall(r"`(test_\w+\*?)`", text)
+        assert names, f"{rule} names no test"
+        for name in names:
+            assert fnmatch.filter(tests, name), f"{rule} names {name}, which matches no test"
