@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import queue
 import threading
 import time
@@ -34,6 +35,8 @@ from diloco.collective import heal
 from diloco.collective.groups import CollectiveError, GroupCache, connect_store, local_address_towards
 from diloco.collective.member import (
     HEAL_TIMEOUTS,
+    judge_contributions,
+    judge_mean,
     CommitJob,
     Committed,
     Completion,
@@ -56,11 +59,11 @@ from diloco.collective.member import (
     ToCoordinator,
     ToSession,
 )
-from diloco.collective.reduce import bytes_on_link, mean_pseudo_gradient
+from diloco.collective.reduce import bytes_on_link, contribution_norm, mean_pseudo_gradient, tensors_norm
 from diloco.collective.replica import Replica, digest
 from diloco.outer import OuterConfig
 from diloco.wire import compression
-from diloco.wire.messages import Join, Message, Welcome
+from diloco.wire.messages import Join, Message, ReduceOrder, Submit, Welcome
 
 #: How long ``close`` waits for the data-plane thread to finish the job it is in.
 CLOSE_JOIN_S = 30.0
@@ -131,7 +134,21 @@ class CollectiveEndpoint:
         if isinstance(message, Join) and message.params:
             # The machine keeps a start's params: copies the session will not change.
             message = dataclasses.replace(message, params={n: t.detach().clone() for n, t in message.params.items()})
+        elif isinstance(message, Submit) and self.machine.collective and message.norm is None:
+            message = dataclasses.replace(message, norm=self._declared_norm(message))
         self._carry_out(self.machine.session_sends(message))
+
+    def _declared_norm(self, submit: Submit) -> float:
+        """The norm of ``submit``'s pseudo-gradient as the group will decode it (SPEC.md section 7c)."""
+        replica = self.replica
+        if replica is None or not 0 <= submit.fragment_id < len(replica.fragments):
+            return math.nan  # no state to have trained from: refused (the machine never reduces it)
+        shapes = {n: replica.params[n].shape for n in replica.fragments[submit.fragment_id]}
+        try:
+            return contribution_norm(compression.Encoded(dict(submit.tensors), dict(submit.scales)),
+                                     submit.wire_dtype, shapes)
+        except (compression.EncodingError, KeyError):
+            return math.nan  # the coordinator refuses it (non_finite); the group never sees it
 
     def recv(self, timeout_s: float) -> Message | None:
         deadline = time.monotonic() + max(0.0, timeout_s)
@@ -232,15 +249,19 @@ class CollectiveEndpoint:
             cache = self._group_cache()
             group = cache.get(order.prefix, order.group.index(self.worker_id), len(order.group))
             shapes = {n: replica.params[n].shape for n in replica.fragments[fid]}
-            mean = mean_pseudo_gradient(group, encoded, replica.wire_dtype, shapes, self._timeout_s,
-                                        self._reduce_buffer(fid, shapes), cache.device)
+            mean, norms = mean_pseudo_gradient(group, encoded, replica.wire_dtype, shapes, self._timeout_s,
+                                               self._reduce_buffer(fid, shapes), cache.device, order.gather)
+            self._job_stats["bytes_sent"] += bytes_on_link(encoded, replica.wire_dtype, len(order.group),
+                                                           order.gather)
+            refused = _refusal(order, norms, mean)
+            if refused is not None:
+                return refused
             vote = replica.propose(fid, rid, mean)
         except (CollectiveError, FloatingPointError, RuntimeError) as exc:
             self._group_cache().drop()
             # A timed-out collective may still write into its buffer: never reuse that one.
             self._reduce_buffers.pop(fid, None)
             return Reduced("", str(exc))
-        self._job_stats["bytes_sent"] += bytes_on_link(encoded, replica.wire_dtype, len(order.group))
         return Reduced(vote)
 
     def _commit(self, job: CommitJob) -> Completion:
@@ -342,6 +363,24 @@ class CollectiveEndpoint:
             self._groups = GroupCache(lambda: connect_store(host, port, self._timeout_s),
                                       local_address_towards(host), self._timeout_s, self.device)
         return self._groups
+
+
+def _refusal(order: ReduceOrder, norms: tuple[float, ...], mean: dict[str, torch.Tensor]) -> Reduced | None:
+    """The checks of SPEC.md section 7c on what this member saw: every rank's contribution where it
+    saw them (blame), else the fp32 mean (refused: an attempt that gathers follows)."""
+    if norms:
+        blamed = judge_contributions(order, norms)
+        if blamed:
+            shown = ", ".join(f"{w} ({n:.4g} > {d:.4g})" for w, n, d in zip(order.group, norms, order.norms)
+                              if w in blamed)
+            return Reduced("", f"contributions failing the checks (norm as decoded > declared): {shown}",
+                           blame=blamed)
+        return None
+    mean_norm = tensors_norm(mean)
+    if judge_mean(order, mean_norm):
+        return Reduced("", f"the all-reduced mean's norm {mean_norm:.4g} fails the checks (the declared norms "
+                           f"bound it by {sum(order.norms) / max(1, len(order.norms)):.4g})", mean_refused=True)
+    return None
 
 
 def _host_of(address: str | None) -> str:

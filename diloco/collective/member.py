@@ -30,7 +30,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-from typing import Any, Union
+import math
+from typing import Any, Sequence, Union
 
 from diloco.wire.messages import (
     Error,
@@ -54,6 +55,36 @@ MAX_HEAL_ATTEMPTS = 5
 HEAL_TIMEOUTS = 6
 #: Longest failure detail a report carries.
 MAX_DETAIL = 1000
+#: Relative slack of a check against a declared norm: members measure the same bytes, but a sum
+#: over another number of threads rounds differently. Nothing honest is off by more.
+NORM_SLACK = 1e-3
+
+
+# --------------------------------------------------------------------------- the checks
+
+
+def judge_contributions(order: ReduceOrder, norms: Sequence[float]) -> tuple[str, ...]:
+    """The group members whose contribution, as every member decoded it (``norms``, rank order),
+    fails the checks: not finite, or beyond the norm its sender declared, which the coordinator
+    held against the run's bounds before the order. Every member measures the same bytes, so
+    every honest member blames the same members (the sender itself included)."""
+    blamed = []
+    for rank, wid in enumerate(order.group):
+        declared = order.norms[rank] if rank < len(order.norms) else math.inf
+        if _beyond(norms[rank], declared):
+            blamed.append(wid)
+    return tuple(blamed)
+
+
+def judge_mean(order: ReduceOrder, mean_norm: float) -> bool:
+    """True if an fp32 all-reduce's mean fails the checks: not finite, or beyond the mean of the
+    declared norms, which bounds it (the norm of a mean is at most the mean of the norms)."""
+    declared = sum(order.norms) / len(order.norms) if order.norms else math.inf
+    return _beyond(mean_norm, declared)
+
+
+def _beyond(norm: float, declared: float) -> bool:
+    return not math.isfinite(norm) or norm > declared * (1 + NORM_SLACK) + 1e-12
 
 
 # --------------------------------------------------------------------------- what the session hears
@@ -145,10 +176,13 @@ Job = Union[ReduceJob, CommitJob, RollbackJob, StartJob, HealJob, ServeHealJob]
 
 @dataclasses.dataclass(frozen=True)
 class Reduced:
-    """A ``ReduceJob`` ended: ``digest`` is the proposal's ("" if it failed, with ``detail``)."""
+    """A ``ReduceJob`` ended: ``digest`` is the proposal's ("" if it failed, with ``detail``; with
+    ``blame`` or ``mean_refused`` when the contributions failed the checks, and no proposal)."""
 
     digest: str
     detail: str = ""
+    blame: tuple[str, ...] = ()
+    mean_refused: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -486,7 +520,7 @@ class MemberMachine:
                 self._queue.appendleft(RollbackJob((fid,)))
             return
         out.append(ToCoordinator(ReduceReport(self.worker_id, fid, rid, attempt, bool(done.digest), done.digest,
-                                              done.detail[:MAX_DETAIL])))
+                                              done.detail[:MAX_DETAIL], tuple(done.blame), done.mean_refused)))
         if done.digest:
             self._awaiting = (fid, rid, attempt)  # M2: the verdict first
         else:

@@ -10,6 +10,12 @@ NCCL on the worker's CUDA device, the result copied back to the CPU replica).
 
 Everything travels as one flat buffer per dtype, so a fragment of many tensors costs one
 collective, not one per tensor.
+
+The checks (SPEC.md section 7c): where a member sees every contribution (the all-gathers, and
+fp32's ``gather`` attempt that follows a mean that failed its checks) it measures each rank's
+decoded contribution (``tensors_norm``, the same function a member declares its own norm with);
+an fp32 all-reduce gives only the mean, whose norm is measured instead. What those numbers mean
+is the member machine's to judge (``member.judge_contributions``, ``member.judge_mean``).
 """
 
 from __future__ import annotations
@@ -22,8 +28,30 @@ import torch.distributed as dist
 
 from diloco.collective.groups import CollectiveError
 from diloco.wire import compression
+from diloco.wire.measure import square_sum
 
 Tensors = dict[str, torch.Tensor]
+
+
+def tensors_norm(tensors: Mapping[str, torch.Tensor]) -> float:
+    """The L2 norm over ``tensors`` (fp32 per tensor, as the coordinator's checks measure): NaN for a
+    NaN, inf when the squares overflow."""
+    total = 0.0
+    for t in tensors.values():
+        if t.numel():
+            total += square_sum(t)
+    return total ** 0.5
+
+
+def contribution_norm(encoded: compression.Encoded, wire_dtype: str, shapes: Mapping[str, torch.Size]) -> float:
+    """The norm of this member's pseudo-gradient as the group will decode it: what it declares."""
+    names = list(shapes)
+    if wire_dtype == "fp32":
+        return tensors_norm({n: encoded.values[n] for n in names})
+    decoded = compression.decode({n: encoded.values[n] for n in names},
+                                 {n: encoded.scales[n] for n in names} if wire_dtype == "int8" else {},
+                                 wire_dtype, [(n, tuple(shapes[n])) for n in names], "this worker's pseudo-gradient")
+    return tensors_norm(decoded)
 
 
 def _wait(work, timeout_s: float, what: str) -> None:
@@ -54,10 +82,10 @@ def _unflat(flat: torch.Tensor, shapes: Mapping[str, torch.Size], names: list[st
     return out
 
 
-def bytes_on_link(encoded: compression.Encoded, wire_dtype: str, size: int) -> int:
+def bytes_on_link(encoded: compression.Encoded, wire_dtype: str, size: int, gather: bool = False) -> int:
     """What one member sends for one reduce, by the algorithm's own count: a ring all-reduce sends
     2(k-1)/k of the fp32 payload; an all-gather sends the encoded payload to each of the k-1 others."""
-    if wire_dtype == "fp32":
+    if wire_dtype == "fp32" and not gather:
         return int(2 * (size - 1) * compression.tensor_nbytes(encoded.values) / size)
     return (size - 1) * encoded.nbytes
 
@@ -83,8 +111,11 @@ def _allgather(group: dist.ProcessGroup, tensor: torch.Tensor, timeout_s: float,
 
 def mean_pseudo_gradient(group: dist.ProcessGroup, encoded: compression.Encoded, wire_dtype: str,
                          shapes: Mapping[str, torch.Size], timeout_s: float,
-                         buffer: torch.Tensor | None = None, device=None) -> Tensors:
-    """The group's mean pseudo-gradient (fp32, on the CPU) from this member's ``encoded`` one.
+                         buffer: torch.Tensor | None = None, device=None,
+                         gather: bool = False) -> tuple[Tensors, tuple[float, ...]]:
+    """The group's mean pseudo-gradient (fp32, on the CPU) from this member's ``encoded`` one, and
+    each rank's contribution norm in rank order (empty for an fp32 all-reduce, which shows no
+    contribution but the sum: ``gather`` all-gathers fp32 contributions too, to see them).
 
     fp32: the result is views into ``buffer`` when one of the right size is given (the caller
     keeps it from round to round: no fresh pages per round), else into a new flat tensor.
@@ -93,11 +124,11 @@ def mean_pseudo_gradient(group: dist.ProcessGroup, encoded: compression.Encoded,
     in fp32 NCCL's ring sums in its own order, identical on every rank of the group."""
     names = list(shapes)
     size = group.size()
-    if wire_dtype == "fp32":
+    if wire_dtype == "fp32" and not gather:
         flat = _flat(encoded.values, names, torch.float32, out=buffer)
         _allreduce(group, flat, timeout_s, device)
         flat /= size
-        return _unflat(flat, shapes, names)
+        return _unflat(flat, shapes, names), ()
     values = _flat(encoded.values, names, encoded.values[names[0]].dtype if names else torch.float32)
     gathered_values = _allgather(group, values, timeout_s, device, "the all-gather of values")
     gathered_scales: list[torch.Tensor] = []
@@ -106,13 +137,15 @@ def mean_pseudo_gradient(group: dist.ProcessGroup, encoded: compression.Encoded,
         gathered_scales = _allgather(group, scales, timeout_s, device, "the all-gather of scales")
     total = {n: torch.zeros(shapes[n], dtype=torch.float32) for n in names}
     scale_shapes = {n: torch.Size([encoded.scales[n].numel()]) for n in names} if wire_dtype == "int8" else {}
+    norms = []
     for rank in range(size):  # rank order: the same sum on every member
         member_values = _unflat(gathered_values[rank], shapes, names)
         member_scales = _unflat(gathered_scales[rank], scale_shapes, names) if wire_dtype == "int8" else {}
         decoded = compression.decode(member_values, member_scales, wire_dtype,
                                      [(n, tuple(shapes[n])) for n in names], f"rank {rank}'s pseudo-gradient")
+        norms.append(tensors_norm(decoded))
         for n in names:
             total[n] += decoded[n]
     for t in total.values():
         t /= size
-    return total
+    return total, tuple(norms)

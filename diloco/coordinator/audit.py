@@ -22,7 +22,8 @@ FILENAME = "events.jsonl"
 #: Coordinator events that get a line (membership, quorum, rounds, refusals, discards, the stop, data units), and
 #: every input of the machine with its effects (trace validation, ``tracecheck.py``).
 KINDS = frozenset({"join", "left", "dead", "quorum", "apply", "step_refused", "discard", "reconciled", "stop",
-                   "outlier", "input", "unit", "unit_back", "unit_mismatch", "units_finished"})
+                   "outlier", "input", "unit", "unit_back", "unit_mismatch", "units_finished", "evicted",
+                   "stuck"})
 
 
 def last_incarnation(path: pathlib.Path) -> int:

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 
 from diloco.core import ConfigError, DataPlane, FSMConfig, Mode
+from diloco.coordinator.blame import DEFAULT_MAX_FAILED_ATTEMPTS
 from diloco.coordinator.budget import check_budget
 from diloco.coordinator.units import check_units
 from diloco.outer import OuterConfig
@@ -53,6 +54,9 @@ class CoordinatorConfig:
     #: ``--data-units N``: hand out the data as N work units per epoch, each finished exactly once
     #: (``units.py``; SPEC.md section 12, "Data work units"); 0: off. The hub, one fragment.
     data_units: int = 0
+    #: Collective plane: failed attempts in a row of one round by one group after which the run stops
+    #: with a checkpoint instead of retrying forever (``blame.py``; ``--max-failed-attempts``).
+    max_failed_attempts: int = DEFAULT_MAX_FAILED_ATTEMPTS
 
     def __post_init__(self) -> None:
         if not isinstance(self.fsm, FSMConfig):
@@ -85,6 +89,9 @@ class CoordinatorConfig:
         if self.data_units and (self.fsm.data_plane is DataPlane.COLLECTIVE or self.fsm.num_fragments != 1):
             raise ConfigError("data_units", self.data_units, "0 with the collective plane or several fragments "
                               "(a unit is one round's data of the whole model: use the hub, one fragment)")
+        n = self.max_failed_attempts
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 1_000_000:
+            raise ConfigError("max_failed_attempts", n, "an integer from 1 to 1,000,000")
         if self.merge not in MERGES:
             raise ConfigError("merge", self.merge, f"one of {list(MERGES)}")
         if self.merge == "tokens" and self.fsm.data_plane is DataPlane.COLLECTIVE:
@@ -113,9 +120,6 @@ class CoordinatorConfig:
             if not self.collective_timeout_s < self.fsm.reduce_timeout_s:
                 raise ConfigError("collective_timeout_s", ct, f"less than the core's reduce timeout "
                                   f"({self.fsm.reduce_timeout_s} s)")
-            if self.max_update_norm is not None:
-                raise ConfigError("max_update_norm", self.max_update_norm, "None on the collective plane (the "
-                                  "coordinator never sees a pseudo-gradient there to measure it)")
             if self.wire_dtype == "int4":
                 raise ConfigError("wire_dtype", self.wire_dtype, "fp32, bf16 or int8 on the collective plane "
                                   "(its all-gather of encoded pseudo-gradients knows no int4 yet: use the hub)")
@@ -127,7 +131,8 @@ class CoordinatorConfig:
                 "heartbeat_interval_s": self.heartbeat_interval_s, "max_update_norm": self.max_update_norm,
                 "outlier_factor": self.outlier_factor, "wire_dtype": self.wire_dtype, "dylu": self.dylu, "sync_every": self.sync_every,
                 "collective_timeout_s": self.collective_timeout_s, "merge": self.merge,
-                "token_budget": self.token_budget, "data_units": self.data_units}
+                "token_budget": self.token_budget, "data_units": self.data_units,
+                "max_failed_attempts": self.max_failed_attempts}
 
     @property
     def token_weighted(self) -> bool:
@@ -145,4 +150,5 @@ class CoordinatorConfig:
                    outlier_factor=d.get("outlier_factor", 10.0), wire_dtype=d.get("wire_dtype", "fp32"), dylu=d.get("dylu", False),
                    sync_every=d.get("sync_every"), collective_timeout_s=d.get("collective_timeout_s", 0.0),
                    merge=d.get("merge", "uniform"), token_budget=d.get("token_budget"),
-                   data_units=d.get("data_units", 0))
+                   data_units=d.get("data_units", 0),
+                   max_failed_attempts=d.get("max_failed_attempts", DEFAULT_MAX_FAILED_ATTEMPTS))

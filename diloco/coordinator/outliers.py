@@ -75,5 +75,9 @@ class OutlierGuard:
         self.refused += 1
         return f"L2 norm {norm:.4g} is far out of line: the bound is {limit:.4g}, {basis} (--outlier-factor)"
 
+    def known(self, fragment_id: int) -> int:
+        """How many accepted norms the fragment's bound is made of (the median bound needs ``MIN_HISTORY``)."""
+        return len(self._norms[fragment_id])
+
     def accepted(self, fragment_id: int, norm: float) -> None:
         self._norms[fragment_id].append(norm)

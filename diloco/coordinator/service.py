@@ -67,6 +67,7 @@ from diloco.coordinator.access import AccessList
 from diloco.coordinator.budget import TokenBudget, check_budget
 from diloco.coordinator.units import NO_UNIT, UnitLedger
 from diloco.coordinator.config import CoordinatorConfig
+from diloco.coordinator.blame import ContributionChecks
 from diloco.coordinator.collective import CollectivePlane
 from diloco.coordinator.dylu import SpeedTable
 from diloco.coordinator.metrics import MetricsHistory
@@ -246,6 +247,14 @@ class Coordinator:
         self.trace_inputs = False
         #: The bound on contributions far out of line with the recent ones (``outliers.py``).
         self.outliers = OutlierGuard(config.fsm.num_fragments, config.outlier_factor)
+        #: Collective plane: declared norms against the same bounds, blame, evictions, failures in a
+        #: row (``blame.py``; SPEC.md section 7c).
+        self.checks = (ContributionChecks(self.outliers, config.max_update_norm, config.max_failed_attempts)
+                       if self.collective is not None else None)
+        #: Why the run stops at the end of the current step (a round that cannot commit), if it must.
+        self._stop_for: str | None = None
+        #: The reason the run stopped on its own, for the log and ``diloco status``.
+        self.stop_reason: str | None = None
         #: Steps made durable so far (``persist.py``); a checkpoint holds the steps up to it.
         self.journal_seq = 0
         #: Restored from a checkpoint (``restore_coordinator``), not started fresh.
@@ -333,9 +342,11 @@ class Coordinator:
             incarnation=self.incarnation,
             stopped=self.stopped,
             stop_kind=self._stop_kind.value if self._stop_kind else None,
+            stop_reason=self.stop_reason,
             num_params=self._num_params(),
             data_plane=self.config.fsm.data_plane.value,
-            collective=self.collective.status() if self.collective is not None else None,
+            collective=({**self.collective.status(), "checks": self.checks.status()}
+                        if self.collective is not None else None),
             outer_optimizer=self.config.outer.name,
             wire_dtype=self.config.wire_dtype,
             banned_workers=sorted(self.access.banned_ids),
@@ -564,6 +575,14 @@ class Coordinator:
                 self._refuse(peer, out, ErrorCode.BAD_MESSAGE, "this run is on the collective data plane: a Submit "
                              "says 'ready' and carries no tensors (they stay on the workers)", msg)
                 return
+            if self.fsm.phase is not Phase.STOPPED and type(fid) is int and 0 <= fid < self.config.fsm.num_fragments:
+                refusal = self.checks.check_ready(fid, msg.norm)
+                if refusal is not None:
+                    self._refuse(peer, out, refusal[0], refusal[1], msg)
+                    if refusal[0] is not ErrorCode.BAD_MESSAGE:
+                        self._notify("outlier", self.fsm.now_s, worker_id=wid, fragment_id=fid,
+                                     norm=str(msg.norm), detail=refusal[1])
+                    return
             self._step(ContributionSubmitted(wid, fid, msg.round_id), out, peer=peer, submit=msg, tensors={})
             return
         if self.store is not None and type(fid) is int and 0 <= fid < self.config.fsm.num_fragments:
@@ -614,9 +633,30 @@ class Coordinator:
             return
         if not msg.ok:
             self._notify("reduce_failed", self.fsm.now_s, worker_id=wid, fragment_id=msg.fragment_id,
-                         round_id=msg.round_id, attempt=msg.attempt, detail=msg.detail)
+                         round_id=msg.round_id, attempt=msg.attempt, detail=msg.detail, blame=list(msg.blame))
+        # Blame counts even for an attempt the core already ended (its first failure report did).
+        evict = self.checks.reported(msg)
         self._step(ReduceReported(wid, msg.fragment_id, msg.round_id, msg.attempt, msg.ok, msg.digest), out,
                    peer=peer, report=msg)
+        for blamed in evict:
+            self._evict(blamed, msg, out)
+
+    def _evict(self, worker_id: str, report: ReduceReport, out: Outgoing) -> None:
+        """Every member of an attempt's group blamed ``worker_id``: it leaves the round (it joins again
+        and heals), and past ``MAX_STRIKES`` the run (SPEC.md section 7c)."""
+        if not self.fsm.is_member(worker_id):
+            return
+        eviction = self.checks.evicted(worker_id, report.fragment_id, report.round_id, report.attempt)
+        peer = self._peers.get(worker_id)
+        self._notify("evicted", self.fsm.now_s, worker_id=worker_id, fragment_id=report.fragment_id,
+                     round_id=report.round_id, attempt=report.attempt, detail=eviction.detail,
+                     banned=eviction.banned)
+        if eviction.banned:
+            self.access.ban(worker_id)
+        self._step(WorkerLeft(worker_id, LeaveCause.EVICTED), out)
+        if peer is not None:
+            self._refuse(peer, out, ErrorCode.BANNED if eviction.banned else ErrorCode.EVICTED, eviction.detail,
+                         Submit(worker_id, report.fragment_id, report.round_id, {}))
 
     def _decode_submission(self, peer: str, msg: Submit, out: Outgoing) -> Tensors | None:
         """The submission's tensors as fp32, or None after refusing it (bad_message, tensor_mismatch)."""
@@ -767,6 +807,12 @@ class Coordinator:
             if not self.fsm.is_member(event.worker_id):
                 self._give_back_unit(event.worker_id, now)
         self._released.clear()
+        stop_for, self._stop_for = self._stop_for, None
+        if stop_for is not None and not self.stopped:
+            # A round that cannot commit: stop with a checkpoint and the reason (SPEC.md section 7c).
+            self.stop_reason = stop_for
+            self._notify("stuck", now, detail=stop_for)
+            self._step(ShutdownRequested(ShutdownKind.SAVE_AND_STOP), out)
         return effects
 
     def _forget(self, worker_id: str) -> None:
@@ -775,6 +821,7 @@ class Coordinator:
         leave keeps it; a dead worker never is one)."""
         if self.collective is not None and not self.fsm.is_member(worker_id):
             self.collective.forget(worker_id)
+            self.checks.forget(worker_id)
         self._peers.pop(worker_id, None)
         self.speeds.forget(worker_id)
 
@@ -826,7 +873,8 @@ class Coordinator:
 
     def _order(self, effect: OrderReduce, out: Outgoing, now: float) -> None:
         prefix = self.collective.group_prefix(effect.group)
-        message = ReduceOrder(effect.fragment_id, effect.round_id, effect.attempt, effect.group, prefix)
+        norms, gather = self.checks.order_fields(effect.fragment_id, effect.round_id, effect.attempt, effect.group)
+        message = ReduceOrder(effect.fragment_id, effect.round_id, effect.attempt, effect.group, prefix, norms, gather)
         for wid in effect.group:
             peer = self._peers.get(wid)
             if peer is not None:
@@ -845,6 +893,9 @@ class Coordinator:
         self.collective.stats["aborts"] += 1
         self._notify("abort", now, fragment_id=effect.fragment_id, round_id=effect.round_id,
                      attempt=effect.attempt, reason=effect.reason.value)
+        stuck = self.checks.aborted(effect.fragment_id, effect.round_id, effect.group, effect.reason.value)
+        if stuck is not None and self._stop_for is None:
+            self._stop_for = stuck  # after this step's effects: a stop is a step of its own
 
     def _accept(self, effect: AcceptContribution, submit: Submit | None, tensors: Tensors | None,
                 peer: str | None, out: Outgoing, norm: float | None = None, closes: bool = False,
@@ -855,6 +906,8 @@ class Coordinator:
             # C2: "ready"; the pseudo-gradient stays on the worker. Having been ready proves it
             # holds the committed state (it healed, or was in the last group): a heal source.
             self.collective.holds_state(effect.worker_id)
+            # Before the order this ready may complete (the next effect): it carries the norm.
+            self.checks.accepted(effect.fragment_id, effect.worker_id, float(submit.norm))
             out.append((peer, Accepted(effect.fragment_id, effect.round_id)))
             return
         assert self.store is not None
@@ -884,6 +937,7 @@ class Coordinator:
         if self.collective is not None:
             # C4: the commit. The group computed the step; what is durable here is the decision.
             self.collective.committed(effect.fragment_id, effect.round_id, effect.digest)
+            self.checks.committed(effect.fragment_id)
             self.stats.rounds_applied += 1
             self.last_applied_s = now
             self.metrics.round_applied(now, effect.fragment_id, effect.round_id, effect.contributors)

@@ -113,3 +113,6 @@ class LeaveCause(str, enum.Enum):
     #: Collective plane: the run starts again from a newer state another joiner holds; this
     #: member joins again and copies it (SPEC.md C6).
     RESEEDED = "reseeded"
+    #: Collective plane: every member of an attempt's group found its contribution failing the
+    #: run's checks, or it left its report out of attempt after attempt (SPEC.md section 7c).
+    EVICTED = "evicted"

@@ -210,6 +210,11 @@ def register(subparsers) -> None:
                         "or key cannot wreck the params with a huge but finite pseudo-gradient, and nothing needs "
                         "tuning (before 3 are known: 1000 x the params' norm). 0: off (default 10; on --resume: "
                         "the saved value)")
+    p.add_argument("--max-failed-attempts", type=_positive_int, default=None, metavar="N",
+                   help="collective plane: after N failed attempts in a row at one round by the same group "
+                        "(timeouts, digest mismatches, failed reduces), stop the run with a checkpoint and the "
+                        "reason, rather than retry forever (default 16; on --resume: the saved value). A member "
+                        "lost changes the group and starts the count again")
     p.add_argument("--data-plane", choices=("hub", "collective"), default=None,
                    help="how a round's pseudo-gradients combine. hub (default): every worker sends its "
                         "pseudo-gradient here and gets the new params back; right for a few workers, small "
@@ -447,7 +452,7 @@ def cmd_server(args) -> int:
         resume=args.resume, keep=args.keep, full_checkpoint_every=args.full_checkpoint_every,
         max_message_bytes=None if args.max_message_mb is None else int(args.max_message_mb * (1 << 20)),
         link_timeout_s=args.link_timeout, max_update_norm=args.max_update_norm, wire_dtype=args.wire_dtype,
-        outlier_factor=args.outlier_factor,
+        outlier_factor=args.outlier_factor, max_failed_attempts=args.max_failed_attempts,
         dylu=args.dylu, sync_every=args.sync_every, merge=args.merge, token_budget=args.token_budget,
         data_units=args.data_units,
         auth_dir=args.auth, io_threads=args.io_threads, http=args.http, log_dir=args.log_dir,

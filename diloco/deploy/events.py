@@ -39,8 +39,9 @@ class EventPrinter:
             line = (f"ABORTED  fragment {info['fragment_id']} round {info['round_id']} attempt {info['attempt']} "
                     f"({info['reason']}); the survivors stay ready")
         elif kind == "reduce_failed":
+            blame = f" (blames {', '.join(info['blame'])})" if info.get("blame") else ""
             line = (f"failed   {info['worker_id']}: fragment {info['fragment_id']} round {info['round_id']} "
-                    f"attempt {info['attempt']}: {info['detail']}")
+                    f"attempt {info['attempt']}: {info['detail']}{blame}")
         elif kind == "step_refused":
             self._refused = (info["fragment_id"], info["round_id"])
             who = ", ".join(info["contributors"])
@@ -68,6 +69,10 @@ class EventPrinter:
                     f"({info['reason']})")
         elif kind == "outlier":
             line = f"REFUSED  {info['worker_id']}'s fragment {info['fragment_id']} submission: {info['detail']}"
+        elif kind == "evicted":
+            line = f"EVICTED  {info['worker_id']} from fragment {info['fragment_id']} round {info['round_id']}: {info['detail']}"
+        elif kind == "stuck":
+            line = f"STUCK    {info['detail']}"
         elif kind == "reconciled":
             line = (f"RECONCILED {info['worker_id']} submitted fragment {info['fragment_id']} round "
                     f"{info['round_id']}, ahead of this coordinator's durable round {info['open_round']}: "

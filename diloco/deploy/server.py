@@ -74,6 +74,9 @@ class ServerSettings:
     max_update_norm: float | None = None
     #: ``--outlier-factor F``: refuse contributions F times the recent median norm (0: off; None: default/saved).
     outlier_factor: float | None = None
+    #: ``--max-failed-attempts N`` (collective): stop after N failed attempts in a row of one round (None:
+    #: default/saved).
+    max_failed_attempts: int | None = None
     #: ``--wire-dtype``: fp32, bf16 or int8 (None: not given, so ``DEFAULT_WIRE_DTYPE``, or on resume
     #: the checkpoint's).
     wire_dtype: str | None = None
@@ -148,15 +151,11 @@ def build_config(s: ServerSettings, base: CoordinatorConfig | None = None) -> Co
         if collective_timeout == 0.0:
             collective_timeout = fsm.heartbeat_timeout_s / 3
         if fsm.data_plane.value == "collective":
-            if max_norm is not None:
-                raise ServerError("--max-update-norm needs the hub plane: on the collective plane the coordinator "
-                                  "never sees a pseudo-gradient to measure")
             # C7: op timeout < the core's reduce deadline < ... (the heartbeat timeout bounds the op too).
             fsm = dataclasses.replace(fsm, reduce_timeout_s=4 * collective_timeout)
-        if fsm.data_plane.value == "collective":
-            outlier_factor = 0.0  # the coordinator never sees a pseudo-gradient there
+        max_failed = base.max_failed_attempts if s.max_failed_attempts is None else s.max_failed_attempts
         return CoordinatorConfig(fsm=fsm, outer=outer, heartbeat_interval_s=hb_interval, max_update_norm=max_norm,
-                                 outlier_factor=outlier_factor,
+                                 outlier_factor=outlier_factor, max_failed_attempts=max_failed,
                                  wire_dtype=wire_dtype, dylu=dylu, sync_every=sync_every, merge=merge,
                                  token_budget=token_budget, data_units=data_units,
                                  collective_timeout_s=collective_timeout)

@@ -54,6 +54,8 @@ import torch
 
 from diloco.collective.member import (
     HEAL_TIMEOUTS,
+    judge_contributions,
+    judge_mean,
     CommitJob,
     Committed,
     Completion,
@@ -74,10 +76,11 @@ from diloco.collective.member import (
     ToCoordinator,
     ToSession,
 )
+from diloco.collective.reduce import tensors_norm
 from diloco.collective.replica import Replica
 from diloco.outer import OuterConfig
 from diloco.sim.trace import hash_values
-from diloco.wire.messages import Join, ReduceReport, Welcome
+from diloco.wire.messages import Join, ReduceReport, Submit, Welcome
 
 if TYPE_CHECKING:  # pragma: no cover
     from diloco.sim.worker import SimWorker
@@ -128,7 +131,7 @@ class _Meeting:
     """A rendezvous of ``size`` ranks: a group's creation (store and barrier) or one collective."""
 
     size: int
-    kind: str                      # "form", "allreduce", "broadcast"
+    kind: str                      # "form", "allreduce", "allgather", "broadcast"
     delay_s: float
     group: "SimGroup | None" = None
     #: rank -> (endpoint, payload, waiter)
@@ -243,6 +246,12 @@ class SimGloo:
             result, error = group, None
         elif meeting.kind == "broadcast":
             result, error = meeting.parties[0][1], None
+        elif meeting.kind == "allgather":
+            flats = [meeting.parties[r][1] for r in range(meeting.size)]
+            if any(f.shape != flats[0].shape for f in flats):
+                result, error = None, SimCollectiveError("the all-gather failed: ranks sent buffers of different sizes")
+            else:
+                result, error = [f.clone() for f in flats], None
         else:
             flats = [meeting.parties[r][1] for r in range(meeting.size)]
             if any(f.shape != flats[0].shape for f in flats):
@@ -343,6 +352,8 @@ class SimEndpoint:
         """A message of the session (``CollectiveEndpoint.send``)."""
         if isinstance(message, Join) and message.params:
             message = dataclasses.replace(message, params={n: t.detach().clone() for n, t in message.params.items()})
+        elif isinstance(message, Submit) and self.machine.collective and message.norm is None:
+            message = dataclasses.replace(message, norm=tensors_norm(message.tensors))  # fp32: as decoded
         self._carry_out(self.machine.session_sends(message), None)
 
     def incoming(self, msg, mid: int) -> list:
@@ -495,24 +506,36 @@ class SimEndpoint:
         if fault == "reduce_crash" and self.world.crash_before_collective():
             self.world.crash_in_reduce(self.w, "before the collective")
             return Reduced("", "crashed")
-        vote, detail = "", ""
+        vote, detail, refused = "", "", None
         try:
             group = yield from self._get_group(order.prefix, order.group.index(wid), len(order.group))
             names = replica.fragments[fid]
             flat = torch.cat([job.submit.tensors[n].detach().reshape(-1).to(torch.float32) for n in names]).clone()
             if fault == "report_fail":
                 raise SimCollectiveError("the all-reduce failed: injected fault")
-            total = yield from self._collective(group, "allreduce", flat, self.cfg.reduce_s)
+            if order.gather:
+                flats = yield from self._collective(group, "allgather", flat, self.cfg.reduce_s)
+                norms = tuple(tensors_norm({"flat": f}) for f in flats)
+                total = torch.stack(flats).sum(dim=0)
+            else:
+                norms = ()
+                total = yield from self._collective(group, "allreduce", flat, self.cfg.reduce_s)
             total = total / group.size
             mean, offset = {}, 0
             for n in names:
                 k = replica.params[n].numel()
                 mean[n] = total[offset:offset + k].view(replica.params[n].shape).clone()
                 offset += k
-            if fault == "digest_mismatch":
-                first = mean[names[0]].view(-1)
-                first[0] += _MISMATCH_EPS
-            vote = replica.propose(fid, rid, mean)
+            blamed = judge_contributions(order, norms) if norms else ()
+            if blamed:
+                refused = Reduced("", f"contributions failing the checks: {', '.join(blamed)}", blame=blamed)
+            elif not norms and judge_mean(order, tensors_norm(mean)):
+                refused = Reduced("", "the all-reduced mean fails the checks", mean_refused=True)
+            else:
+                if fault == "digest_mismatch":
+                    first = mean[names[0]].view(-1)
+                    first[0] += _MISMATCH_EPS
+                vote = replica.propose(fid, rid, mean)
         except (SimCollectiveError, FloatingPointError, RuntimeError) as exc:
             self._drop_group()
             detail = str(exc)
@@ -523,7 +546,7 @@ class SimEndpoint:
             yield ("sleep", self.cfg.wedge_factor * self.cfg.reduce_timeout_s)
         if fault == "report_lost":
             self._lose_report = (fid, rid, order.attempt)
-        return Reduced(vote, detail)
+        return refused or Reduced(vote, detail)
 
     def _commit(self, job: CommitJob) -> Job:
         replica = self.replica

@@ -3,6 +3,9 @@
 Tensors travel as ``dict[str, torch.Tensor]`` (ordered by the run's parameter
 order); the ZeroMQ codec sends them as raw frames after a msgpack header and
 never pickles anything. SPEC.md section 11 documents every type and field.
+
+Why one file of about 420 lines: every message is here, so the wire's whole vocabulary (and the
+schemas, ``schemas.py``, that must list the same fields) is read in one place.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ if TYPE_CHECKING:  # torch only for tensors: an admin command must not pay for i
 #: a version 4 peer would take one for a new message and drop the one it interrupts. 6: a frame may
 #: come in pieces sized to the link, and big messages are acked as they arrive (the ``DLCP`` and
 #: ``DLCK`` tags, ``transport/zmq/tags.py``): a version 5 peer would take either for garbage.
-PROTOCOL_VERSION = 6
+#: 7: the collective plane's checks (``Submit.norm``, ``ReduceOrder.norms``/``gather``,
+#: ``ReduceReport.blame``/``mean_refused``, the ``evicted`` code; SPEC.md section 7c).
+PROTOCOL_VERSION = 7
 
 #: How tensors of ``Submit`` and ``Result`` travel (``diloco.wire.compression``, SPEC.md
 #: section 11, "Wire dtypes"). Plain names here so that decoding a header needs no torch.
@@ -70,6 +75,8 @@ TRANSPORT_ERROR_CODES: dict[str, str] = {
                     "entry allows more: workers/NAME.max_ids)",
     "START_PARAMS_REQUIRED": "collective plane: no member holds the run's state yet; join again with "
                              "holds_params (your own initial params start the run; they are not sent)",
+    "EVICTED": "collective plane: every member of the group found this worker's contribution failing the "
+               "run's checks; it leaves the round and joins again with the run's state",
 }
 
 #: Codes in ``Error`` replies: every ``RejectReason`` of the core (same names and
@@ -109,6 +116,7 @@ if TYPE_CHECKING:
         BANNED = "banned"
         KEY_ID_LIMIT = "key_id_limit"
         START_PARAMS_REQUIRED = "start_params_required"
+        EVICTED = "evicted"
 else:
     ErrorCode = enum.Enum(
         "ErrorCode",
@@ -206,6 +214,9 @@ class Submit:
     tokens: int | None = None
     #: Data work units: the unit this pseudo-gradient trained on (the one the worker was handed); None: none.
     unit: int | None = None
+    #: Collective plane: the L2 norm of the pseudo-gradient as the group will decode it (any float:
+    #: NaN or inf is refused ``non_finite``); the coordinator's checks of a ready (SPEC.md section 7c).
+    norm: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +233,11 @@ class ReduceReport:
     ok: bool
     digest: str = ""
     detail: str = ""
+    #: Not ok: the group members whose contribution failed the checks, as this member saw them
+    #: (SPEC.md section 7c, "Checks and blame").
+    blame: tuple[str, ...] = ()
+    #: Not ok: fp32's all-reduced mean failed the checks (whose contribution it was, nobody saw).
+    mean_refused: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,6 +311,12 @@ class ReduceOrder:
     attempt: int
     group: tuple[str, ...]
     prefix: str
+    #: Each group member's declared contribution norm (``Submit.norm``, as the coordinator checked
+    #: it), in group order: what every member holds each contribution against.
+    norms: tuple[float, ...] = ()
+    #: Gather every member's contribution (even in fp32), so each can be checked: the attempt
+    #: after an fp32 mean failed its checks.
+    gather: bool = False
 
 
 @dataclass(frozen=True, slots=True)

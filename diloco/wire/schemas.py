@@ -62,6 +62,22 @@ def _float(v: Any) -> float:
     return float(v)
 
 
+def _any_float(v: Any) -> float | None:
+    """A number that may be NaN or infinite (``Submit.norm``: the coordinator refuses those itself,
+    with ``non_finite``), or nil."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise FieldError("a number, or nil")
+    return float(v)
+
+
+def _norms(v: Any) -> tuple[float, ...]:
+    if not isinstance(v, (list, tuple)) or len(v) > MAX_GROUP:
+        raise FieldError(f"a list of at most {MAX_GROUP} numbers")
+    return tuple(_float(x) for x in v)
+
+
 def _tokens(v: Any) -> int | None:
     """``Submit.tokens``: an integer in 1..2^53 (exact as a float weight), or nil."""
     if v is None:
@@ -218,7 +234,7 @@ def _metrics(v: Any) -> dict | None:
 #: Fields a sender may leave out (they are then None); encoders omit them when None.
 OPTIONAL_FIELDS: dict[str, frozenset[str]] = {"Heartbeat": frozenset({"metrics"}),
                                                "Join": frozenset({"unit"}),
-                                               "Submit": frozenset({"tokens", "unit"}),
+                                               "Submit": frozenset({"tokens", "unit", "norm"}),
                                                "Welcome": frozenset({"sync_every", "data_units", "unit"}),
                                                "Result": frozenset({"unit"}),
                                                "HeartbeatReply": frozenset({"sync_every"})}
@@ -234,7 +250,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "Heartbeat": {"worker_id": _str, "metrics": _metrics},
     "Submit": {"worker_id": _str, "fragment_id": _int, "round_id": _int, "tensors": TENSOR_FIELD,
                "wire_dtype": _wire_dtype, "scales": TENSOR_FIELD, "tokens": _tokens,
-               "unit": _unit},
+               "unit": _unit, "norm": _any_float},
     "Leave": {"worker_id": _str},
     "Welcome": {"worker_id": _str, "round_ids": _int_tuple, "parked": _pair_tuple, "mode": _str,
                 "fragments": _names_tuple, "min_workers": _int, "below_min_workers": _bool,
@@ -251,9 +267,10 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "Error": {"code": _enum(ErrorCode), "detail": _str, "in_reply_to": _str},
     "AdminRequest": {"command": _str, "args": _plain_map},
     "AdminReply": {"ok": _bool, "data": _plain_map, "error": _str},
-    "ReduceOrder": {"fragment_id": _int, "round_id": _int, "attempt": _int, "group": _str_tuple, "prefix": _str},
+    "ReduceOrder": {"fragment_id": _int, "round_id": _int, "attempt": _int, "group": _str_tuple, "prefix": _str,
+                    "norms": _norms, "gather": _bool},
     "ReduceReport": {"worker_id": _str, "fragment_id": _int, "round_id": _int, "attempt": _int, "ok": _bool,
-                     "digest": _str, "detail": _str},
+                     "digest": _str, "detail": _str, "blame": _str_tuple, "mean_refused": _bool},
     "ReduceAbort": {"fragment_id": _int, "round_id": _int, "attempt": _int, "reason": _str},
     "HealOrder": {"joiner": _str, "prefix": _str},
 }

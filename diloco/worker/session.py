@@ -88,9 +88,10 @@ S = WorkerState
 
 #: W10: error codes answered by joining again (the coordinator forgot us, or we fell behind; on the
 #: collective plane, ``reducing``: the ready came while a group without us reduces the round, and
-#: whatever it decides, our pseudo-gradient's base may be gone: join again, and heal, C3).
+#: whatever it decides, our pseudo-gradient's base may be gone: join again, and heal, C3; and
+#: ``evicted``: the group found our contribution failing the checks, section 7c).
 REJOIN_CODES = frozenset({ErrorCode.STALE_ROUND, ErrorCode.FUTURE_ROUND, ErrorCode.UNKNOWN_WORKER,
-                          ErrorCode.REDUCING})
+                          ErrorCode.REDUCING, ErrorCode.EVICTED})
 #: W20: the collective plane's events that end the run for this worker.
 PLANE_FAILURES = frozenset({PlaneEventKind.HEAL_FAILED, PlaneEventKind.NO_START_STATE})
 #: W1, W12: error codes that end the run for this worker: the run is over.

@@ -54,7 +54,7 @@ DEFAULT_HEARTBEAT_S = 1.0
 JOINING, TRAINING, WAITING, PAUSED, STOPPING, STOPPED = (
     "joining", "training", "waiting", "paused", "stopping", "stopped")
 
-REJOIN_CODES = {"stale_round", "future_round", "unknown_worker", "reducing"}
+REJOIN_CODES = {"stale_round", "future_round", "unknown_worker", "reducing", "evicted"}
 STOP_CODES = {"stopped", "shutting_down"}
 
 

@@ -457,7 +457,7 @@ def test_w10_rejoin_commanded_by_a_heartbeat_reply_joins_again_without_leave():
     assert sent(actions) == ["Join"] and s.state is S.JOINING
 
 
-@pytest.mark.parametrize("code", ["stale_round", "future_round", "unknown_worker", "reducing"])
+@pytest.mark.parametrize("code", ["stale_round", "future_round", "unknown_worker", "reducing", "evicted"])
 def test_w10_rejoin_when_a_submit_is_refused_for_its_round_or_membership(code):
     s = joined(H=1)
     s.step_done(1.0)

@@ -89,7 +89,7 @@ def test_initial_params_give_way_to_any_committed_state_but_after_a_commit_every
     # One round, committed by both: ready (a tensorless Submit), the order, two matching reports.
     orders = []
     for wid in ("w0", "w1"):
-        orders += replies(c.handle(wid, Submit(wid, 0, 0, {}), 3.0), ReduceOrder)
+        orders += replies(c.handle(wid, Submit(wid, 0, 0, {}, norm=1.0), 3.0), ReduceOrder)
     order = orders[-1][1]
     out = []
     for wid in order.group:
