@@ -518,6 +518,11 @@ class MemberMachine:
         if self._orders.get((fid, rid)) != attempt:
             if done.digest:  # aborted (or superseded) while it ran
                 self._queue.appendleft(RollbackJob((fid,)))
+            elif done.blame:
+                # Another member's report ended the attempt first; this member's blame still counts
+                # (an eviction needs every member's, section 7c).
+                out.append(ToCoordinator(ReduceReport(self.worker_id, fid, rid, attempt, False, "",
+                                                      done.detail[:MAX_DETAIL], tuple(done.blame))))
             return
         out.append(ToCoordinator(ReduceReport(self.worker_id, fid, rid, attempt, bool(done.digest), done.digest,
                                               done.detail[:MAX_DETAIL], tuple(done.blame), done.mean_refused)))

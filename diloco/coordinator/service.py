@@ -677,6 +677,10 @@ class Coordinator:
             return compression.decode(msg.tensors, msg.scales, wire_dtype, spec, what)
         except compression.EncodedMismatch as exc:
             self._refuse(peer, out, ErrorCode.TENSOR_MISMATCH, str(exc), msg)
+        except compression.NonFiniteScale as exc:  # the pseudo-gradient was not finite before encoding
+            self._refuse(peer, out, ErrorCode.NON_FINITE, str(exc), msg)
+            self._notify("outlier", self.fsm.now_s, worker_id=msg.worker_id, fragment_id=fid, norm="nan",
+                         detail=str(exc))
         except compression.EncodingError as exc:
             self._refuse(peer, out, ErrorCode.BAD_MESSAGE, str(exc), msg)
         return None

@@ -77,6 +77,10 @@ class EncodedMismatch(EncodingError):
     """Encoded tensors whose names or shapes are not the expected ones."""
 
 
+class NonFiniteScale(EncodingError):
+    """An int8 or int4 scale that is NaN or infinite: the values it scales were not finite."""
+
+
 @dataclass(frozen=True)
 class Encoded:
     """``values`` (one tensor per name) and ``scales`` (int8 only: one fp32 vector per name)."""
@@ -220,8 +224,9 @@ def decode(values: Mapping[str, torch.Tensor], scales: Mapping[str, torch.Tensor
         bad = ~(torch.isfinite(s * qmax) & (s >= 0))
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
-            raise EncodingError(f"{what}: scale {i} of tensor {name!r} is {float(s[i]):g}; scales must be finite, "
-                                f">= 0 and at most float32's largest value / {qmax}")
+            error = NonFiniteScale if not math.isfinite(float(s[i])) else EncodingError
+            raise error(f"{what}: scale {i} of tensor {name!r} is {float(s[i]):g}; scales must be finite, "
+                        f">= 0 and at most float32's largest value / {qmax}")
         if wire_dtype == "int4":
             _check_int4(t, numel, name, what)
             out[name] = dequantize_int4(t, s, shape)

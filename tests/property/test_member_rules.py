@@ -33,6 +33,8 @@ from diloco.collective.member import (
     StartJob,
     ToCoordinator,
     ToSession,
+    judge_contributions,
+    judge_mean,
 )
 from diloco.wire.messages import (
     PROTOCOL_VERSION,
@@ -337,6 +339,37 @@ def test_m8_a_job_that_fails_unexpectedly_is_told_and_the_machine_goes_on():
     assert to_coordinator(s.session_sends(Join(WID, PROTOCOL_VERSION, SPEC)))
 
 
+# --------------------------------------------------------------------------- M9
+
+
+def test_m9_checks_judge_each_contribution_against_its_declared_norm():
+    o = ReduceOrder(0, 0, 0, ("w1", "w2", "w3"), "g0", norms=(1.0, 2.0, 3.0))
+    assert judge_contributions(o, (1.0, 2.0, 3.0)) == ()
+    assert judge_contributions(o, (1.0 + 1e-6, 2.0, 3.0)) == ()        # rounding: within the slack
+    assert judge_contributions(o, (1.5, 2.0, float("nan"))) == ("w1", "w3")
+    assert judge_contributions(o, (1.0, float("inf"), 3.0)) == ("w2",)
+    # fp32's mean: bounded by the mean of the declared norms (2.0 here).
+    assert not judge_mean(o, 2.0) and judge_mean(o, 2.1) and judge_mean(o, float("nan"))
+
+
+def test_m9_checks_a_refused_reduce_reports_its_blame_even_after_the_attempt_ended():
+    m = started(MemberMachine(WID))
+    jobs(m.received(order()))
+    (report,) = to_coordinator(m.completed(Reduced("", "w2's contribution fails", blame=("w2",))))
+    assert not report.ok and report.blame == ("w2",) and not m.proposals
+    # Another member's report ended the next attempt first: the blame still goes out.
+    m.session_sends(submit())
+    jobs(m.received(order(attempt=1)))
+    m.received(ReduceAbort(0, 0, 1, "reduce_failed"))
+    (late,) = to_coordinator(m.completed(Reduced("", "w2's contribution fails", blame=("w2",))))
+    assert late.attempt == 1 and late.blame == ("w2",) and not late.ok
+    # fp32's refused mean: reported as such, no proposal to wait for.
+    jobs(m.received(order(attempt=2)))
+    (refused,) = to_coordinator(m.completed(Reduced("", "the mean fails", mean_refused=True)))
+    assert refused.mean_refused and not refused.ok
+    assert isinstance(jobs(m.received(HealOrder("w3", "h")))[0], ServeHealJob)  # nothing held back
+
+
 # --------------------------------------------------------------------------- the spec names these tests
 
 
@@ -348,7 +381,7 @@ def test_spec_section_7c_names_only_tests_that_exist():
     spec = (Path(__file__).resolve().parents[2] / "SPEC.md").read_text(encoding="utf-8")
     section = spec[spec.index("## 7c. The collective member"):spec.index("## 8. Policies")]
     rules = re.findall(r"^- \*\*(M\d+) [^*]+\.\*\*(.*?)(?=^- \*\*M|\Z)", section, re.S | re.M)
-    assert [r for r, _ in rules] == [f"M{i}" for i in range(1, 9)]
+    assert [r for r, _ in rules] == [f"M{i}" for i in range(1, 10)]
     tests = [name for name in globals() if name.startswith("test_")]
     for rule, text in rules:
         names = re.findall(r"`(test_\w+\*?)`", text)

@@ -354,3 +354,61 @@ def test_a_whole_run_resumes_from_the_newest_worker_checkpoint_and_an_older_one_
     rounds = [e["round_id"] for k, e in run.events if k == "apply"]
     assert rounds == list(range(len(rounds))), rounds
     assert_plane_promise(run, [a, b], 2)
+
+
+def _liar(worker, after_round: int, factor: float = 1e6) -> None:
+    """From ``after_round`` on, ``worker`` sends its pseudo-gradient times ``factor`` while it declares
+    the honest one's norm: a lie (or a fault between the measure and the wire) only the group sees."""
+    import dataclasses
+
+    ep = worker.data_plane
+    send = ep.send
+
+    def lying_send(message):
+        if isinstance(message, Submit) and ep.collective and message.round_id >= after_round:
+            norm = ep._declared_norm(message)
+            if message.scales:
+                message = dataclasses.replace(message, scales={n: s * factor for n, s in message.scales.items()})
+            else:
+                message = dataclasses.replace(message, tensors={n: t * factor for n, t in message.tensors.items()})
+            message = dataclasses.replace(message, norm=norm)
+        send(message)
+
+    ep.send = lying_send
+
+
+@pytest.mark.parametrize("wire_dtype", ["fp32", "int8"])
+def test_a_member_whose_contribution_is_not_what_it_declares_is_blamed_evicted_and_banned(store, wire_dtype):
+    """SPEC.md section 7c: the group sees the lie (int8: in the all-gather; fp32: the mean fails its
+    check and the round's next attempt gathers), blames the liar unanimously -- its own machine
+    included -- and the coordinator evicts it; after three evictions it is banned. Nothing it sent
+    after it turned bad is in a commit, and the honest members' params stay bounded."""
+    with collective_run(store, min_workers=2, wire_dtype=wire_dtype) as run:
+        workers = [run.worker(f"w{i}", mlp(i), sync_every=3, coordinator_timeout_s=20.0) for i in range(3)]
+        liar = workers[2]
+        _liar(liar, after_round=3)
+        handles = [run.start(w, batches(i), max_steps=120) for i, w in enumerate(workers)]
+        wait_for(lambda: any(k == "evicted" and e["banned"] for k, e in run.events), 90, "the liar banned")
+        banned_at = run.coordinator.fsm.rounds_applied
+        wait_for(lambda: run.coordinator.fsm.rounds_applied >= banned_at + 3, 60, "three commits after the ban")
+        handles[2].join(30, expect_error=True)
+        for w in workers[:2]:
+            w.request_stop()
+        for h in handles[:2]:
+            h.join(60)
+        evictions = [e for k, e in run.events if k == "evicted"]
+        assert [e["worker_id"] for e in evictions] == ["w2"] * 3, evictions
+        assert [e["banned"] for e in evictions] == [False, False, True]
+        # Whoever was in the group blamed w2: the liar's own machine too (it measured the same bytes).
+        blamers = {e["worker_id"] for k, e in run.events if k == "reduce_failed" and e.get("blame") == ["w2"]}
+        assert "w2" in blamers and blamers & {"w0", "w1"}, blamers
+        if wire_dtype == "fp32":
+            assert any(k == "reduce_failed" and "mean" in e["detail"] for k, e in run.events)
+        for fid, rid, _digest, _n in commits(run):
+            assert rid < 3 or "w2" not in next(e["contributors"] for k, e in run.events
+                                               if k == "apply" and e["round_id"] == rid and e["fragment_id"] == fid)
+        assert "w2" in run.coordinator.access.banned_ids
+        assert_plane_promise(run, workers[:2], 2)
+        assert_same_params(run, workers[:2])
+        for w in workers[:2]:
+            assert all(bool(t.abs().max() < 100) for t in w.data_plane.replica.params.values())
