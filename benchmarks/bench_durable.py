@@ -138,7 +138,7 @@ def collective_coordinator_writes(num_params: int, rounds: int, workers: int, ck
         t0 = time.perf_counter()
         orders = []
         for k, wid in enumerate(ids):  # "ready": a Submit without tensors
-            orders += [m for _, m in c.handle(f"p{k}", Submit(wid, 0, r, {}), now) if isinstance(m, ReduceOrder)]
+            orders += [m for _, m in c.handle(f"p{k}", Submit(wid, 0, r, {}, norm=1.0), now) if isinstance(m, ReduceOrder)]
         assert orders, f"round {r}: no ReduceOrder"
         vote = hashlib.sha256(f"round {r}".encode()).hexdigest()
         results = []

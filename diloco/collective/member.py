@@ -588,7 +588,10 @@ class MemberMachine:
                                             f"could not copy the run's state from {job.welcome.heal_source!r} "
                                             f"({self._heal_attempts} tries): {done.detail}")))
             return
-        # It may start the run from this member only if it holds state to start from (C6).
+        # It may start the run from this member only if it holds state to start from (C6). No
+        # Welcome is withheld now: were the answer to this Join lost, the session's own resends
+        # must reach the coordinator, not wait here forever.
+        self.welcome_withheld = False
         out.append(ToCoordinator(Leave(self.worker_id)))
         out.append(ToCoordinator(self._offer_held_state(
             dataclasses.replace(self._last_join, holds_params=False, held_rounds=(), held_digests=()))))

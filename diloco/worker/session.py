@@ -87,11 +87,15 @@ from diloco.worker.states import WorkerState
 S = WorkerState
 
 #: W10: error codes answered by joining again (the coordinator forgot us, or we fell behind; on the
-#: collective plane, ``reducing``: the ready came while a group without us reduces the round, and
-#: whatever it decides, our pseudo-gradient's base may be gone: join again, and heal, C3; and
-#: ``evicted``: the group found our contribution failing the checks, section 7c).
+#: collective plane, ``evicted``: the group found our contribution failing the checks, section 7c).
 REJOIN_CODES = frozenset({ErrorCode.STALE_ROUND, ErrorCode.FUTURE_ROUND, ErrorCode.UNKNOWN_WORKER,
-                          ErrorCode.REDUCING, ErrorCode.EVICTED})
+                          ErrorCode.EVICTED})
+#: W8: error codes answered by submitting again a heartbeat interval later: ``held_limit`` (async,
+#: the fragment's buffer is full) and, on the collective plane, ``reducing`` (a group without us
+#: reduces the round: after its abort our ready is wanted for the next attempt; after its commit
+#: the retry is ``stale_round``, and W10 joins again and heals). Joining again at once would
+#: make every ready of a joiner meet the attempt its own heal delays: a loop of heals.
+RETRY_CODES = frozenset({ErrorCode.HELD_LIMIT, ErrorCode.REDUCING})
 #: W20: the collective plane's events that end the run for this worker.
 PLANE_FAILURES = frozenset({PlaneEventKind.HEAL_FAILED, PlaneEventKind.NO_START_STATE})
 #: W1, W12: error codes that end the run for this worker: the run is over.
@@ -791,7 +795,7 @@ class WorkerSession:
                 self._rejoin_needed = True
             elif code is ErrorCode.DUPLICATE:
                 pass  # it is already pending: its Result will come (P1)
-            elif code is ErrorCode.HELD_LIMIT and fid is not None:
+            elif code in RETRY_CODES and fid is not None:
                 self.waiting.pop(fid, None)
                 self.merge_at.pop(fid, None)  # not submitted any more: its retry opens a new window
                 self.retry_at[fid] = now + self.heartbeat_interval_s

@@ -54,7 +54,7 @@ DEFAULT_HEARTBEAT_S = 1.0
 JOINING, TRAINING, WAITING, PAUSED, STOPPING, STOPPED = (
     "joining", "training", "waiting", "paused", "stopping", "stopped")
 
-REJOIN_CODES = {"stale_round", "future_round", "unknown_worker", "reducing", "evicted"}
+REJOIN_CODES = {"stale_round", "future_round", "unknown_worker", "evicted"}
 STOP_CODES = {"stopped", "shutting_down"}
 
 
@@ -470,7 +470,7 @@ class SessionModel:
                 self.must_rejoin = True
             elif code == "duplicate":
                 pass
-            elif code == "held_limit" and f is not None:              # W8
+            elif code in ("held_limit", "reducing") and f is not None:  # W8
                 self.waiting.pop(f, None)
                 self.merge_at.pop(f, None)
                 self.retry[f] = now + self.hb_s

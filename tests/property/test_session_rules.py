@@ -369,10 +369,11 @@ def test_w7_release_async_moves_the_close_one_period_on():
 # --------------------------------------------------------------------------- W8
 
 
-def test_w8_held_limit_submits_again_one_heartbeat_interval_later():
-    s = joined(H=1, mode="async", hb=1.0)
+@pytest.mark.parametrize("code, mode", [("held_limit", "async"), ("reducing", "sync")])
+def test_w8_held_limit_submits_again_one_heartbeat_interval_later(code, mode):
+    s = joined(H=1, mode=mode, hb=1.0)
     s.step_done(0.5)
-    s.on_message(err("held_limit", "Submit"), 0.75)
+    s.on_message(err(code, "Submit"), 0.75)
     assert s.retry_at == {0: 1.75} and s.state is S.WAITING
     assert ("submit", 0, 0) not in sent(s.tick(1.5))
     assert sent(s.tick(1.75)) == [("submit", 0, 0), "Heartbeat"]
@@ -457,7 +458,7 @@ def test_w10_rejoin_commanded_by_a_heartbeat_reply_joins_again_without_leave():
     assert sent(actions) == ["Join"] and s.state is S.JOINING
 
 
-@pytest.mark.parametrize("code", ["stale_round", "future_round", "unknown_worker", "reducing", "evicted"])
+@pytest.mark.parametrize("code", ["stale_round", "future_round", "unknown_worker", "evicted"])
 def test_w10_rejoin_when_a_submit_is_refused_for_its_round_or_membership(code):
     s = joined(H=1)
     s.step_done(1.0)

@@ -166,7 +166,8 @@ def test_badly_encoded_submissions_get_a_precise_error_and_change_nothing():
     scales["w"] = scales["w"].clone()
     scales["w"][1] = float("nan")
     err = _refusal(c, _encoded_submit("a", g, "int8", scales=scales))
-    assert err.code is ErrorCode.BAD_MESSAGE and "scale 1 of tensor 'w' is nan" in err.detail
+    # A NaN scale: the pseudo-gradient was not finite before it was encoded.
+    assert err.code is ErrorCode.NON_FINITE and "scale 1 of tensor 'w' is nan" in err.detail
     err = _refusal(c, _encoded_submit("a", g, "int8", scales={"w": torch.ones(1), "b": torch.ones(1)}))
     assert err.code is ErrorCode.BAD_MESSAGE and "shape [1]" in err.detail and "[4]" in err.detail
     err = _refusal(c, _encoded_submit("a", g, "int8", values={"w": g["w"]}))  # fp32 values marked int8
