@@ -109,6 +109,11 @@ class CollectiveEndpoint:
         return self.machine.stats + self._job_stats
 
     @property
+    def state_confirmed(self) -> bool:
+        """Whether a checkpoint may label the committed state with its round ids (M10)."""
+        return self.machine.state_confirmed
+
+    @property
     def adopted(self) -> collections.deque:
         """The last commits this member adopted: (fragment, round, digest), newest last."""
         return self.machine.adopted

@@ -293,6 +293,9 @@ class MemberMachine:
         self.welcome: Welcome | None = None
         #: The replica's committed state, or None before a start or heal built one.
         self.held: HeldState | None = None
+        #: Per fragment: whether the held state is the one its round label names in this run (the
+        #: last commit made it, or no commit was ever made): M10.
+        self._confirmed: list[bool] = []
         #: A checkpoint's state this worker may start or restart the run from (C6).
         self.restored: RestoredState | None = None
         #: fragment -> (round, digest) of a proposal open on the replica.
@@ -321,6 +324,22 @@ class MemberMachine:
         self.stats: collections.Counter = collections.Counter()
         #: The commits this member adopted: (fragment, round, digest), newest last (bounded).
         self.adopted: collections.deque[tuple[int, int, str]] = collections.deque(maxlen=4096)
+
+    @property
+    def state_confirmed(self) -> bool:
+        """M10: whether a checkpoint may label the held state with its round ids (always, off the
+        collective plane or before any state is held)."""
+        return not self.collective or self.held is None or all(self._confirmed)
+
+    def _confirm(self, welcome: Welcome) -> None:
+        """M10: a start's or heal's state is confirmed per fragment when the Welcome's record of the
+        run's last commit is that state (its round and digest), or the run never committed it."""
+        held = self.held
+        assert held is not None
+        committed = tuple(welcome.committed)
+        self._confirmed = [f >= len(committed) or tuple(committed[f])[0] < 0
+                           or (held.round_ids[f] == committed[f][0] + 1 and held.digests[f] == committed[f][1])
+                           for f in range(len(held.fragments))]
 
     # ------------------------------------------------------------------ what the session sends
 
@@ -543,6 +562,8 @@ class MemberMachine:
         assert held is not None
         self.held = dataclasses.replace(held, round_ids=_set(held.round_ids, fid, rid + 1),
                                         digests=_set(held.digests, fid, digest))
+        if fid < len(self._confirmed):
+            self._confirmed[fid] = True  # a commit of this run made it
         pending = self._pending.get(fid)
         if pending is not None and pending.round_id == rid:
             del self._pending[fid]
@@ -561,12 +582,14 @@ class MemberMachine:
             if self.held is not None and self.held.round_ids != tuple(welcome.round_ids):
                 self.stats["relabelled"] += 1
         self.held = HeldState(_fragments(welcome), tuple(welcome.round_ids), tuple(done.digests))
+        self._confirm(welcome)
         self.restored = None  # its momentum was used, or another layout's was not; either way, once
         self._welcomed(dataclasses.replace(welcome, params=done.params), out)
 
     def _healed(self, job: HealJob, done: Healed, out: list[Action]) -> None:
         self.proposals.clear()
         self.held = HeldState(_fragments(job.welcome), tuple(done.round_ids), tuple(done.digests))
+        self._confirm(job.welcome)
         self.stats["healed"] += 1
         self._welcomed(dataclasses.replace(job.welcome, round_ids=tuple(done.round_ids), parked=(),
                                            params=done.params), out)

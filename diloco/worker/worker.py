@@ -436,16 +436,39 @@ class DilocoWorker:
         if self.checkpoint_path is None:
             raise DilocoWorkerError("save_checkpoint(): this worker has no checkpoint_dir")
         s = self.session
-        save_worker_checkpoint(self.checkpoint_path, WorkerCheckpoint(
-            worker_id=self.worker_id, sync_every=self.sync_every, inner_step=s.inner_step,
-            sched_step=s.sched_step, next_close=list(s.next_close), round_ids=list(s.round_ids),
-            rounds_synced=s.rounds_synced, mode=s.mode, fragments=s.fragments,
-            model_state=self.model.state_dict(), optimizer_state=self.inner_optimizer.state_dict(),
-            global_params=self._global, outer_states=self.data_plane.committed_outer_states(),
-            residual=self._residual,
-        ))
+        while True:
+            self._run_model_queue()  # the params of every Result the session took, installed
+            with self._lock:
+                if self._model_queue:
+                    continue
+                why_not = self._unlabelled_state()
+                if why_not is not None:
+                    log.info("worker %s: checkpoint not written now: %s", self.worker_id, why_not)
+                    return
+                # Taken together under the lock: the labels and the params they name (installs run
+                # on this thread, and the queue is empty).
+                checkpoint = WorkerCheckpoint(
+                    worker_id=self.worker_id, sync_every=self.sync_every, inner_step=s.inner_step,
+                    sched_step=s.sched_step, next_close=list(s.next_close), round_ids=list(s.round_ids),
+                    rounds_synced=s.rounds_synced, mode=s.mode, fragments=s.fragments,
+                    model_state=self.model.state_dict(), optimizer_state=self.inner_optimizer.state_dict(),
+                    global_params=dict(self._global), outer_states=self.data_plane.committed_outer_states(),
+                    residual=self._residual,
+                )
+            break
+        save_worker_checkpoint(self.checkpoint_path, checkpoint)
         log.info("worker %s: checkpoint written to %s (inner step %d)", self.worker_id, self.checkpoint_path,
                  s.inner_step)
+
+    def _unlabelled_state(self) -> str | None:
+        """Why the global copy is not, right now, the state its round labels name (None: it is). A
+        checkpoint must never offer one state under another's round (SPEC.md section 14, W18)."""
+        if self.session.held:
+            return "a Result is held for its overlap window; its round is the label, not yet the params"
+        if not self.data_plane.state_confirmed:
+            return ("the collective state this worker started the run from carries the run's round ids but no "
+                    "commit has confirmed it yet")
+        return None
 
     # ------------------------------------------------------------------ the training thread
 
@@ -505,6 +528,7 @@ class DilocoWorker:
                     actions = self._took(self.session.on_message(msg, self._clock()))
                     if isinstance(msg, Welcome) and any(isinstance(a, InstallParams) for a in actions):
                         self.wire_dtype = msg.wire_dtype  # adopted with the Welcome the session took
+                    actions = self._queue_model_actions(actions)
                 self._run(actions)
                 msg = self.link.recv(0.0)
         sending, receiving = self.link.transport_activity()
@@ -545,6 +569,20 @@ class DilocoWorker:
             self._wake.notify_all()
 
     # ------------------------------------------------------------------ actions
+
+    def _queue_model_actions(self, actions: list[Action]) -> list[Action]:
+        """Off the training thread, under ``_lock``: queue the first model action and all after it for
+        the training thread in the same critical section that changed the session, and return the
+        rest. So the session's round ids never run ahead of a queue that lacks their params: a
+        checkpoint taken under the lock with the queue drained holds the params of its labels."""
+        if threading.get_ident() == self._training_thread:
+            return actions
+        first = next((i for i, a in enumerate(actions) if isinstance(a, MODEL_ACTIONS)), None)
+        if first is None:
+            return actions
+        self._model_queue.extend(actions[first:])
+        self._wake.notify_all()
+        return actions[:first]
 
     def _run(self, actions: list[Action]) -> None:
         """Carry out the session's actions in order; model actions only on the training thread."""

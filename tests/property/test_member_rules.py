@@ -370,6 +370,42 @@ def test_m9_checks_a_refused_reduce_reports_its_blame_even_after_the_attempt_end
     assert isinstance(jobs(m.received(HealOrder("w3", "h")))[0], ServeHealJob)  # nothing held back
 
 
+# --------------------------------------------------------------------------- M10
+
+
+def test_m10_provenance_a_relabelled_older_state_is_not_checkpointable_until_a_commit():
+    m = MemberMachine(WID)
+    m.restored = RestoredState({"a": "old"}, FRAGMENTS, (219, 219), ("old0", "old1"))
+    m.session_sends(Join(WID, PROTOCOL_VERSION, SPEC))
+    # The run's record: fragment 0 last committed at 225 (digest "new0"); fragment 1 never.
+    (start,) = jobs(m.received(welcome(rounds=(226, 0), committed=((225, "new0"), (-1, "")))))
+    m.completed(Started(("old0", "old1"), {"a": "old"}))
+    assert m.held.round_ids == (226, 0) and not m.state_confirmed   # round 226's label, round 219's state
+    m.session_sends(submit(rid=226))
+    jobs(m.received(order(rid=226)))
+    m.completed(Reduced("D226"))
+    jobs(m.received(commit(rid=226, digest="D226")))
+    m.completed(Committed({"a": "new"}))
+    assert m.state_confirmed                                        # a commit of this run made it
+
+
+def test_m10_provenance_the_state_the_last_commits_made_is_confirmed_at_once():
+    m = MemberMachine(WID)
+    m.restored = RestoredState({"a": "ckpt"}, FRAGMENTS, (226, 0), ("new0", "d1"))
+    m.session_sends(Join(WID, PROTOCOL_VERSION, SPEC))
+    jobs(m.received(welcome(rounds=(226, 0), committed=((225, "new0"), (-1, "")))))
+    m.completed(Started(("new0", "d1"), {"a": "ckpt"}))
+    assert m.state_confirmed
+    healer = MemberMachine(WID)
+    healer.session_sends(Join(WID, PROTOCOL_VERSION, SPEC))
+    jobs(healer.received(welcome(source="w2", committed=((4, "h0"), (-1, "")))))
+    healer.completed(Healed((5, 0), ("h0", "d1"), {"a": "healed"}))
+    assert healer.state_confirmed
+    hub = MemberMachine(WID)
+    hub.received(welcome(plane="hub"))
+    assert hub.state_confirmed  # nothing to confirm off the collective plane
+
+
 # --------------------------------------------------------------------------- the spec names these tests
 
 
@@ -381,7 +417,7 @@ def test_spec_section_7c_names_only_tests_that_exist():
     spec = (Path(__file__).resolve().parents[2] / "SPEC.md").read_text(encoding="utf-8")
     section = spec[spec.index("## 7c. The collective member"):spec.index("## 8. Policies")]
     rules = re.findall(r"^- \*\*(M\d+) [^*]+\.\*\*(.*?)(?=^- \*\*M|\Z)", section, re.S | re.M)
-    assert [r for r, _ in rules] == [f"M{i}" for i in range(1, 10)]
+    assert [r for r, _ in rules] == [f"M{i}" for i in range(1, 11)]
     tests = [name for name in globals() if name.startswith("test_")]
     for rule, text in rules:
         names = re.findall(r"`(test_\w+\*?)`", text)
