@@ -304,6 +304,9 @@ class MemberMachine:
         self._pending: dict[int, Submit] = {}
         #: (fragment, round) -> attempt of an order whose verdict has not come.
         self._orders: dict[tuple[int, int], int] = {}
+        #: fragment -> (round, attempt) of the newest order since the last Welcome: an order not newer
+        #: is a duplicate or stale, and ignored (each attempt is reported once, M9).
+        self._newest_order: dict[int, tuple[int, int]] = {}
         #: Attempts a Welcome voided while their reduce ran: their proposal waits for a start (M4).
         self._voided: set[tuple[int, int, int]] = set()
         #: (fragment, round, attempt) reported ok: no other job runs until its verdict (M2).
@@ -436,6 +439,11 @@ class MemberMachine:
         self._start_params = None
 
     def _on_order(self, order: ReduceOrder, out: list[Action]) -> None:
+        newest = self._newest_order.get(order.fragment_id)
+        if newest is not None and (order.round_id, order.attempt) <= newest:
+            self.stats["stale_orders"] += 1
+            return
+        self._newest_order[order.fragment_id] = (order.round_id, order.attempt)
         key = (order.fragment_id, order.round_id)
         if key in self._orders:
             # A newer attempt of the same round: the old one was aborted (its abort may be lost).
@@ -481,10 +489,11 @@ class MemberMachine:
         """M4: a Welcome ends every attempt this member was in (its connection was lost or renewed)."""
         running = self._running
         if isinstance(running, ReduceJob):
-            key = (running.order.fragment_id, running.order.round_id)
-            if self._orders.get(key) == running.order.attempt:
-                self._voided.add((*key, running.order.attempt))
+            # Whatever it comes to is the old connection's: no report of it (the attempt numbers
+            # of a restarted coordinator start again, and would be taken for its own).
+            self._voided.add((running.order.fragment_id, running.order.round_id, running.order.attempt))
         self._orders.clear()
+        self._newest_order.clear()  # a restarted coordinator numbers its attempts from 0 again
         self._awaiting = None
         self._queue = collections.deque(j for j in self._queue if not isinstance(j, ReduceJob))
 
