@@ -685,13 +685,17 @@ def collective_worker(i: int, addr_q, shapes, rounds: int, barrier, out_q, welco
     while welcomed.value < n_workers:  # keep receiving: a member serves the joiners' heals
         ep.recv(0.05)
     grad = make_params(shapes, 0.001 * (i + 1))
+    # A worker measures its pseudo-gradient's norm as it makes it (``DilocoWorker._submit``, before this
+    # timing starts), and its ready declares it: so does this one, once.
+    from diloco.collective.reduce import tensors_norm
+    norm = tensors_norm(grad)
     import resource
     for r in range(rounds):
         barrier.wait()
         probe.take()
         ru0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.monotonic()
-        ep.send(Submit(wid, 0, r, grad))
+        ep.send(Submit(wid, 0, r, grad, norm=norm))
         while True:
             msg = ep.recv(600.0)
             if isinstance(msg, Result):

@@ -33,13 +33,30 @@ from diloco.wire.measure import square_sum
 Tensors = dict[str, torch.Tensor]
 
 
+#: Elements per block of ``tensors_norm``: fp32 sums this short, combined in float64.
+_NORM_BLOCK = 4096
+
+
 def tensors_norm(tensors: Mapping[str, torch.Tensor]) -> float:
-    """The L2 norm over ``tensors`` (fp32 per tensor, as the coordinator's checks measure): NaN for a
-    NaN, inf when the squares overflow."""
+    """The L2 norm over ``tensors``: NaN for a NaN, inf when a block's squares overflow fp32.
+
+    Exact to about 1e-6 at any size, for the same cost as one fp32 pass: fp32's own norm of
+    100M elements is off by several percent (its running sum grows too large for its mantissa),
+    so it sums squares in fp32 per block of ``_NORM_BLOCK`` elements and the blocks in float64.
+    Members compare norms of the same contribution measured in different processes (a
+    declared one, a received one) to a relative slack of 1e-3 (``member.NORM_SLACK``)."""
     total = 0.0
     for t in tensors.values():
-        if t.numel():
-            total += square_sum(t)
+        flat = t.detach().reshape(-1)
+        if flat.dtype != torch.float32:
+            flat = flat.float()
+        n = flat.numel()
+        full = n - n % _NORM_BLOCK
+        if full:
+            blocks = torch.linalg.vector_norm(flat[:full].view(-1, _NORM_BLOCK), dim=1).double()
+            total += float((blocks * blocks).sum())
+        if full < n:
+            total += square_sum(flat[full:])
     return total ** 0.5
 
 

@@ -90,6 +90,7 @@ from typing import Callable, Mapping
 import torch
 
 from diloco.collective.endpoint import CollectiveEndpoint
+from diloco.collective.reduce import tensors_norm
 
 from diloco.wire import compression
 from diloco.wire.endpoints import WorkerEndpoint
@@ -694,17 +695,23 @@ class DilocoWorker:
                 r = self._residual.get(n)
                 if r is not None:
                     t.add_(r)
-        self.last_update_norm = math.sqrt(sum(float(torch.linalg.vector_norm(t)) ** 2 for t in tensors.values()))
+        self.last_update_norm = tensors_norm(tensors)  # exact at any size (fp32's own norm drifts by percents)
+        # The collective plane's ready declares the norm as the group decodes it (SPEC.md M9): fp32's is
+        # the one just measured, a lossy wire's that of what error feedback decodes anyway; else the
+        # data plane measures it.
+        declared = self.last_update_norm if self.data_plane.collective and self.wire_dtype == "fp32" else None
         enc = compression.encode(tensors, self.wire_dtype)  # the run's wire dtype, from the Welcome
         if feedback:
             sent = compression.decoded(enc, self.wire_dtype, tensors)
+            if self.data_plane.collective:
+                declared = tensors_norm(sent)
             for n, t in tensors.items():
                 self._residual[n] = t.sub_(sent[n])  # t is this Submit's own buffer, encoded already
         fid = action.fragment_id
         tokens = self._tokens_since - self._tokens_at_submit.get(fid, 0)
         self._tokens_at_submit[fid] = self._tokens_since
         self.link.post(Submit(self.worker_id, fid, action.round_id, enc.values, self.wire_dtype, enc.scales,
-                              tokens if tokens > 0 else None, unit=self.session.unit))
+                              tokens if tokens > 0 else None, unit=self.session.unit, norm=declared))
         self.bytes_sent += enc.nbytes
 
     @property
