@@ -159,4 +159,11 @@ def render_status(status: dict, address: str = "", *, width: int = 120) -> str:
         console.print(f"collective: {plane.get('commits', 0)} commits, {plane.get('aborts', 0)} aborted attempts, "
                       f"{plane.get('heals', 0)} heals, group epoch {plane.get('epoch', 0)}, holders "
                       f"{plane.get('holders', [])}; last commits {commits or 'none'}", soft_wrap=True)
+        checks = plane.get("checks") or {}
+        if checks.get("evictions") or checks.get("blames_disputed") or checks.get("strikes"):
+            strikes = ", ".join(f"{w} {n}" for w, n in sorted(checks.get("strikes", {}).items()))
+            console.print(f"  checks: {checks.get('evictions', 0)} evictions (strikes: {strikes or 'none'}), "
+                          f"{checks.get('blames_disputed', 0)} disputed blames", soft_wrap=True)
+    if status.get("stop_reason"):
+        console.print(f"stopped because: {status['stop_reason']}", soft_wrap=True)
     return buf.getvalue().rstrip() + "\n"

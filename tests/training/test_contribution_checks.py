@@ -172,3 +172,22 @@ def test_the_coordinator_stops_a_round_that_keeps_failing_with_the_reason():
         out = c.handle("w0", ReduceReport("w0", 0, 0, attempt, False, "", "gloo timed out"), 3.0 + attempt)
     assert c.stopped and "3 attempts in a row" in c.status()["stop_reason"]
     assert c.fsm.rounds_applied == 0
+
+
+def test_diloco_status_names_the_evictions_and_why_the_run_stopped():
+    from diloco.deploy.admin import render_status
+
+    c = coordinator(max_failed_attempts=3)
+    out = []
+    for wid in GROUP:
+        out += c.handle(wid, Submit(wid, 0, 0, {}, norm=1.0), 2.0)
+    order = replies(out, ReduceOrder)[0][1]
+    for wid in GROUP:
+        out = c.handle(wid, ReduceReport(wid, 0, 0, order.attempt, False, "", "checks", ("w2",)), 3.0)
+    page = render_status(c.status(), width=400)
+    assert "checks: 1 evictions (strikes: w2 1), 0 disputed blames" in page
+    # The eviction ended attempt 1 (member lost); the group w0, w1 fails attempts 2, 3 and 4.
+    for attempt in range(2, 5):
+        c.handle("w0", ReduceReport("w0", 0, 0, attempt, False, "", "gloo timed out"), 4.0 + attempt)
+    page = render_status(c.status(), width=400)
+    assert "stopped because: fragment 0 round 0: 3 attempts in a row" in page
