@@ -61,9 +61,8 @@ from diloco.collective.member import (
 )
 from diloco.collective.reduce import bytes_on_link, contribution_norm, mean_pseudo_gradient, tensors_norm
 from diloco.collective.replica import Replica, digest
-from diloco.outer import OuterConfig
 from diloco.wire import compression
-from diloco.wire.messages import Join, Message, ReduceOrder, Submit, Welcome
+from diloco.wire.messages import Join, Message, ReduceOrder, Submit
 
 #: How long ``close`` waits for the data-plane thread to finish the job it is in.
 CLOSE_JOIN_S = 30.0
@@ -297,8 +296,8 @@ class CollectiveEndpoint:
                 replica.rollback(fid)
             replica.round_ids = list(welcome.round_ids)
         else:
-            self.replica = self._new_replica(welcome, job.params, list(welcome.round_ids), job.outer_states)
-        return Started(tuple(self.replica.committed_digests()), self._session_params())
+            self.replica = Replica.for_welcome(welcome, job.params, list(welcome.round_ids), job.outer_states)
+        return Started(tuple(self.replica.committed_digests()), self.replica.params_copy())
 
     def _heal(self, job: HealJob) -> Completion:
         welcome = job.welcome
@@ -308,10 +307,10 @@ class CollectiveEndpoint:
             round_ids, params, states = heal.recv_state(self._group_cache().store, welcome.heal_prefix,
                                                         self._group_cache().interface,
                                                         HEAL_TIMEOUTS * self._timeout_s)
-            self.replica = self._new_replica(welcome, params, round_ids, states)
+            self.replica = Replica.for_welcome(welcome, params, round_ids, states)
         except (CollectiveError, KeyError, ValueError, RuntimeError) as exc:
             return HealFailed(str(exc))
-        return Healed(tuple(round_ids), tuple(self.replica.committed_digests()), self._session_params())
+        return Healed(tuple(round_ids), tuple(self.replica.committed_digests()), self.replica.params_copy())
 
     def _serve_heal(self, job: ServeHealJob) -> Completion:
         replica = self.replica
@@ -328,11 +327,6 @@ class CollectiveEndpoint:
         return HealServed(True)
 
     # ------------------------------------------------------------------ helpers
-
-    def _new_replica(self, welcome: Welcome, params, round_ids, states) -> Replica:
-        outer = OuterConfig(**welcome.outer) if welcome.outer else OuterConfig()
-        return Replica(params, tuple(tuple(f) for f in welcome.fragments), round_ids, outer, welcome.wire_dtype,
-                       welcome.min_workers, states)
 
     def _reduce_buffer(self, fid: int, shapes: dict) -> torch.Tensor:
         """Fragment ``fid``'s flat fp32 reduce buffer, kept from round to round. A round reuses it
@@ -358,9 +352,6 @@ class CollectiveEndpoint:
             out[n].copy_(t)
         return dict(out)
 
-    def _session_params(self) -> dict:
-        assert self.replica is not None
-        return {n: t.clone() for n, t in self.replica.params.items()}
 
     def _group_cache(self) -> GroupCache:
         if self._groups is None or self._groups.timeout_s != self._timeout_s:

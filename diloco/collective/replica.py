@@ -91,6 +91,18 @@ class Replica:
         #: Guards proposals against a checkpoint read from the training thread.
         self._lock = threading.Lock()
 
+    @classmethod
+    def for_welcome(cls, welcome, params: Mapping[str, torch.Tensor], round_ids, states) -> "Replica":
+        """The replica a collective ``Welcome`` describes (its fragments, outer optimizer, wire dtype and
+        quorum), holding ``params`` at ``round_ids`` with outer-optimizer ``states`` (None: fresh)."""
+        outer = OuterConfig(**welcome.outer) if welcome.outer else OuterConfig()
+        return cls(params, tuple(tuple(f) for f in welcome.fragments), list(round_ids), outer, welcome.wire_dtype,
+                   welcome.min_workers, states)
+
+    def params_copy(self) -> Tensors:
+        """Every param, copied: what a session is handed with a start's or heal's Welcome."""
+        return {n: t.clone() for n, t in self.params.items()}
+
     def fragment(self, fid: int) -> Tensors:
         return {n: self.params[n] for n in self.fragments[fid]}
 

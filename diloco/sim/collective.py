@@ -78,7 +78,6 @@ from diloco.collective.member import (
 )
 from diloco.collective.reduce import tensors_norm
 from diloco.collective.replica import Replica
-from diloco.outer import OuterConfig
 from diloco.sim.trace import hash_values
 from diloco.wire.messages import Join, ReduceReport, Submit, Welcome
 
@@ -579,10 +578,10 @@ class SimEndpoint:
         else:
             # (A real worker restored from its checkpoint starts with its committed outer momentum;
             # the simulated one starts without: its checkpoint holds no outer state.)
-            self.replica = self._new_replica(welcome, job.params, list(welcome.round_ids), job.outer_states)
+            self.replica = Replica.for_welcome(welcome, job.params, list(welcome.round_ids), job.outer_states)
         for fid in range(len(self.replica.fragments)):
             self._adopted(fid, "start", mid=mid)
-        return Started(tuple(self.replica.committed_digests()), self._session_params())
+        return Started(tuple(self.replica.committed_digests()), self.replica.params_copy())
         yield  # a job (a generator) like the others
 
     def _heal(self, job: HealJob) -> Job:
@@ -593,14 +592,14 @@ class SimEndpoint:
         try:
             group = yield from self._build(welcome.heal_prefix, 1, 2, HEAL_TIMEOUTS * self._timeout_s)
             round_ids, params, states = yield from self._heal_transfer(group, None)
-            self.replica = self._new_replica(welcome, params, round_ids, states)
+            self.replica = Replica.for_welcome(welcome, params, round_ids, states)
         except SimCollectiveError as exc:
             self.world.emit({"k": "fault", "t": self.clock.now, "what": "heal_failed", "w": self.w.wid,
                              "from": welcome.heal_source, "why": str(exc)})
             return HealFailed(str(exc))
         for fid in range(len(self.replica.fragments)):
             self._adopted(fid, "heal", source=welcome.heal_source, mid=mid)
-        return Healed(tuple(round_ids), tuple(self.replica.committed_digests()), self._session_params())
+        return Healed(tuple(round_ids), tuple(self.replica.committed_digests()), self.replica.params_copy())
 
     def _serve_heal(self, job: ServeHealJob) -> Job:
         """``CollectiveEndpoint._serve_heal``: send the committed state to the joiner (rank 0 of 2)."""
@@ -644,11 +643,3 @@ class SimEndpoint:
         if via:
             rec["via"] = via  # an orphan proposal adopted on a Welcome's last commits
         self.world.emit(rec)
-
-    def _new_replica(self, welcome: Welcome, params, round_ids, states) -> Replica:
-        outer = OuterConfig(**welcome.outer) if welcome.outer else OuterConfig()
-        return Replica(params, tuple(tuple(f) for f in welcome.fragments), round_ids, outer, welcome.wire_dtype,
-                       welcome.min_workers, states)
-
-    def _session_params(self) -> dict:
-        return {n: t.clone() for n, t in self.replica.params.items()}
