@@ -35,8 +35,8 @@ from diloco.collective import heal
 from diloco.collective.groups import CollectiveError, GroupCache, connect_store, local_address_towards
 from diloco.collective.member import (
     HEAL_TIMEOUTS,
-    judge_contributions,
-    judge_mean,
+    judge_reduce,
+    mean_bound,
     CommitJob,
     Committed,
     Completion,
@@ -60,7 +60,7 @@ from diloco.collective.member import (
     ToSession,
 )
 from diloco.collective.reduce import bytes_on_link, contribution_norm, mean_pseudo_gradient, tensors_norm
-from diloco.collective.replica import Replica, digest
+from diloco.collective.replica import Replica, StepRefused, digest
 from diloco.wire import compression
 from diloco.wire.messages import Join, Message, ReduceOrder, Submit
 
@@ -257,10 +257,12 @@ class CollectiveEndpoint:
                                                self._reduce_buffer(fid, shapes), cache.device, order.gather)
             self._job_stats["bytes_sent"] += bytes_on_link(encoded, replica.wire_dtype, len(order.group),
                                                            order.gather)
-            refused = _refusal(order, norms, mean)
+            refused = judge_reduce(order, norms, lambda: tensors_norm(mean))
             if refused is not None:
                 return refused
-            vote = replica.propose(fid, rid, mean)
+            vote = replica.propose(fid, rid, mean, mean_bound(order))
+        except StepRefused as exc:
+            return Reduced("", str(exc))  # this member's own state, not the group's: keep the group
         except (CollectiveError, FloatingPointError, RuntimeError) as exc:
             self._group_cache().drop()
             # A timed-out collective may still write into its buffer: never reuse that one.
@@ -359,24 +361,6 @@ class CollectiveEndpoint:
             self._groups = GroupCache(lambda: connect_store(host, port, self._timeout_s),
                                       local_address_towards(host), self._timeout_s, self.device)
         return self._groups
-
-
-def _refusal(order: ReduceOrder, norms: tuple[float, ...], mean: dict[str, torch.Tensor]) -> Reduced | None:
-    """The checks of SPEC.md section 7c on what this member saw: every rank's contribution where it
-    saw them (blame), else the fp32 mean (refused: an attempt that gathers follows)."""
-    if norms:
-        blamed = judge_contributions(order, norms)
-        if blamed:
-            shown = ", ".join(f"{w} ({n:.4g} > {d:.4g})" for w, n, d in zip(order.group, norms, order.norms)
-                              if w in blamed)
-            return Reduced("", f"contributions failing the checks (norm as decoded > declared): {shown}",
-                           blame=blamed)
-        return None
-    mean_norm = tensors_norm(mean)
-    if judge_mean(order, mean_norm):
-        return Reduced("", f"the all-reduced mean's norm {mean_norm:.4g} fails the checks (the declared norms "
-                           f"bound it by {sum(order.norms) / max(1, len(order.norms)):.4g})", mean_refused=True)
-    return None
 
 
 def _host_of(address: str | None) -> str:

@@ -31,7 +31,7 @@ import collections
 import dataclasses
 import enum
 import math
-from typing import Any, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 from diloco.wire.messages import (
     Error,
@@ -79,8 +79,36 @@ def judge_contributions(order: ReduceOrder, norms: Sequence[float]) -> tuple[str
 def judge_mean(order: ReduceOrder, mean_norm: float) -> bool:
     """True if an fp32 all-reduce's mean fails the checks: not finite, or beyond the mean of the
     declared norms, which bounds it (the norm of a mean is at most the mean of the norms)."""
-    declared = sum(order.norms) / len(order.norms) if order.norms else math.inf
-    return _beyond(mean_norm, declared)
+    return _beyond(mean_norm, _declared_mean(order))
+
+
+def judge_reduce(order: ReduceOrder, norms: Sequence[float], mean_norm: Callable[[], float]) -> "Reduced | None":
+    """The checks on what this member saw of a reduce, as the report of a refused attempt (None:
+    it passed): every rank's contribution where it saw them (``norms``: blame, M8), else the fp32
+    mean (``mean_norm``, measured only then: refused, and an attempt that gathers follows, M9)."""
+    if norms:
+        blamed = judge_contributions(order, norms)
+        if not blamed:
+            return None
+        shown = ", ".join(f"{w} ({n:.4g} > {d:.4g})" for w, n, d in zip(order.group, norms, order.norms)
+                          if w in blamed)
+        return Reduced("", f"contributions failing the checks (norm as decoded > declared): {shown}",
+                       blame=blamed)
+    measured = mean_norm()
+    if judge_mean(order, measured):
+        return Reduced("", f"the all-reduced mean's norm {measured:.4g} fails the checks (the declared norms "
+                           f"bound it by {_declared_mean(order):.4g})", mean_refused=True)
+    return None
+
+
+def mean_bound(order: ReduceOrder) -> float:
+    """What the checks bound the norm of the order's mean pseudo-gradient by, once they passed:
+    the bound of its outer step starts from it (M11)."""
+    return _declared_mean(order) * (1 + NORM_SLACK) + 1e-12
+
+
+def _declared_mean(order: ReduceOrder) -> float:
+    return sum(order.norms) / len(order.norms) if order.norms else math.inf
 
 
 def _beyond(norm: float, declared: float) -> bool:

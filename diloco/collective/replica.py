@@ -29,19 +29,29 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import math
 import threading
 from dataclasses import dataclass
 from typing import Mapping
 
 import torch
 
-from diloco.outer import OptimizerBackup, OuterConfig, all_finite, build_outer_optimizer
+from diloco.collective.reduce import difference_norm, tensors_norm
+from diloco.outer import OptimizerBackup, OuterConfig, build_outer_optimizer
+from diloco.step_bound import state_keys, step_bound
 from diloco.wire import compression
 
 Tensors = dict[str, torch.Tensor]
 
 #: 64-bit words per block sum: a 100M-parameter model hashes about 1,500 sums.
 _BLOCK_WORDS = 1 << 15
+
+#: Elements of the scratch buffer a step's norm is measured through (4 MB).
+_SCRATCH = 1 << 20
+
+
+class StepRefused(FloatingPointError):
+    """The outer step was not finite, or moved the params further than its bound allows (M11)."""
 
 
 def digest(params: Mapping[str, torch.Tensor]) -> str:
@@ -65,6 +75,17 @@ class _Backup:
     params: Tensors  # the fragment's buffers (``Replica._buffers``), valid while the proposal is open
     optimizer: OptimizerBackup
     digest: str
+    #: The carried bounds (``Replica._bounds``) once this proposal is committed.
+    bounds: "_Bounds | None" = None
+
+
+@dataclass(frozen=True)
+class _Bounds:
+    """What a fragment's next step is bounded with (``step_bound``): bounds on the norms of its
+    committed params and of its optimizer state, carried from commit to commit and measured
+    afresh only when the replica is built from a state."""
+    params: float
+    state: dict[str, float]
 
 
 class Replica:
@@ -88,6 +109,9 @@ class Replica:
         #: Per fragment: the backup buffers a proposal copies the committed state into.
         self._buffers: list[Tensors] = [{} for _ in fragments]
         self._optimizer_backups = [OptimizerBackup() for _ in fragments]
+        #: Per fragment: what its next step is bounded with; None until measured.
+        self._bounds: list[_Bounds | None] = [None for _ in fragments]
+        self._scratch = torch.empty(_SCRATCH, dtype=torch.float32)
         #: Guards proposals against a checkpoint read from the training thread.
         self._lock = threading.Lock()
 
@@ -113,8 +137,11 @@ class Replica:
         """The open proposal of ``fid`` (its round and digest), or None."""
         return self._proposals.get(fid)
 
-    def propose(self, fid: int, round_id: int, mean: Mapping[str, torch.Tensor]) -> str:
-        """Step fragment ``fid`` with the group's mean pseudo-gradient; return the digest to vote with."""
+    def propose(self, fid: int, round_id: int, mean: Mapping[str, torch.Tensor],
+                mean_bound: float = math.inf) -> str:
+        """Step fragment ``fid`` with the group's mean pseudo-gradient, whose norm the checks bound by
+        ``mean_bound``; return the digest to vote with. ``StepRefused`` (and the fragment as it was)
+        if the step is not finite or beyond its bound (SPEC.md M11)."""
         if fid in self._proposals:
             raise RuntimeError(f"fragment {fid} already has a proposal (round {self._proposals[fid].round_id})")
         if round_id != self.round_ids[fid]:
@@ -129,6 +156,8 @@ class Replica:
             before[n].copy_(p.detach())
         opt_before = self._optimizer_backups[fid]
         opt_before.take(opt)
+        if self._bounds[fid] is None:
+            self._bounds[fid] = self._measure(fid)
         with self._lock:  # from here a checkpoint reads the backup, not the state being stepped
             self._proposals[fid] = _Backup(round_id, before, opt_before, "")
         try:
@@ -148,15 +177,44 @@ class Replica:
         finally:
             for p in params.values():
                 p.grad = None
-        bad = next((n for n, p in params.items() if not all_finite(p)), None)
-        if bad is not None:
+        refused = self._check_step(fid, before, mean_bound)
+        if refused is not None:
             self._restore(fid, before, opt_before)
             with self._lock:
                 del self._proposals[fid]
-            raise FloatingPointError(f"fragment {fid}: the outer step made {bad!r} non-finite")
+            raise StepRefused(refused)
         vote = digest(params)
         self._proposals[fid].digest = vote
         return vote
+
+    def _check_step(self, fid: int, before: Tensors, mean_bound: float) -> str | None:
+        """Why the step fragment ``fid`` just took must not be voted for, or None (M11); on None the
+        proposal carries the optimizer state's bounds its commit will keep."""
+        params = self.fragment(fid)
+        norm = difference_norm(params, before, self._scratch)
+        if not math.isfinite(norm):
+            bad = next((n for n, p in params.items() if not math.isfinite(tensors_norm({n: p}))), None)
+            return (f"fragment {fid}: the outer step made {bad!r} non-finite" if bad is not None
+                    else f"fragment {fid}: the outer step overflows fp32")
+        opt, carried = self.optimizers[fid], self._bounds[fid]
+        assert carried is not None
+        bound = step_bound(self.outer.name, opt.param_groups[0], mean_bound, carried.state, _steps_taken(opt),
+                           sum(p.numel() for p in params.values()), self.wire_dtype != "fp32", carried.params)
+        if norm > bound.step:
+            return (f"fragment {fid}: the outer step's norm {norm:.4g} is beyond its bound {bound.step:.4g} "
+                    f"(mean pseudo-gradient within {mean_bound:.4g}; the optimizer state is not what its "
+                    f"history allows)")
+        # The triangle inequality carries the params' bound; 1e-5 covers the measurement's rounding.
+        self._proposals[fid].bounds = _Bounds(carried.params + norm * (1 + 1e-5), bound.state)
+        return None
+
+    def _measure(self, fid: int) -> _Bounds:
+        """The norms of fragment ``fid``'s params and of the optimizer state ``step_bound`` carries."""
+        opt = self.optimizers[fid]
+        state = {bound: tensors_norm({str(i): opt.state[p][key] for i, p in enumerate(_params_of(opt))
+                                      if key in opt.state.get(p, {})})
+                 for bound, key in state_keys(self.outer.name).items()}
+        return _Bounds(tensors_norm(self.fragment(fid)) * (1 + 1e-5), state)
 
     def commit(self, fid: int, round_id: int, committed_digest: str) -> bool:
         """Adopt the proposal if it is the one committed; False (and rolled back) if not."""
@@ -169,6 +227,7 @@ class Replica:
         with self._lock:
             del self._proposals[fid]
             self.round_ids[fid] = round_id + 1
+        self._bounds[fid] = backup.bounds
         return True
 
     def rollback(self, fid: int) -> None:
@@ -218,3 +277,16 @@ class Replica:
             for n, p in self.fragment(fid).items():
                 p.copy_(params[n])
         optimizer.restore(self.optimizers[fid])
+
+
+def _params_of(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def _steps_taken(opt: torch.optim.Optimizer) -> int:
+    """The optimizer's own step count (Adam's, Delayed Nesterov's; 0 for SGD, which keeps none)."""
+    for p in _params_of(opt):
+        step = opt.state.get(p, {}).get("step")
+        if step is not None:
+            return int(step)
+    return 0

@@ -54,8 +54,8 @@ import torch
 
 from diloco.collective.member import (
     HEAL_TIMEOUTS,
-    judge_contributions,
-    judge_mean,
+    judge_reduce,
+    mean_bound,
     CommitJob,
     Committed,
     Completion,
@@ -77,7 +77,7 @@ from diloco.collective.member import (
     ToSession,
 )
 from diloco.collective.reduce import tensors_norm
-from diloco.collective.replica import Replica
+from diloco.collective.replica import Replica, StepRefused
 from diloco.sim.trace import hash_values
 from diloco.wire.messages import Join, ReduceReport, Submit, Welcome
 
@@ -525,16 +525,14 @@ class SimEndpoint:
                 k = replica.params[n].numel()
                 mean[n] = total[offset:offset + k].view(replica.params[n].shape).clone()
                 offset += k
-            blamed = judge_contributions(order, norms) if norms else ()
-            if blamed:
-                refused = Reduced("", f"contributions failing the checks: {', '.join(blamed)}", blame=blamed)
-            elif not norms and judge_mean(order, tensors_norm(mean)):
-                refused = Reduced("", "the all-reduced mean fails the checks", mean_refused=True)
-            else:
+            refused = judge_reduce(order, norms, lambda: tensors_norm(mean))
+            if refused is None:
                 if fault == "digest_mismatch":
                     first = mean[names[0]].view(-1)
                     first[0] += _MISMATCH_EPS
-                vote = replica.propose(fid, rid, mean)
+                vote = replica.propose(fid, rid, mean, mean_bound(order))
+        except StepRefused as exc:
+            detail = str(exc)  # this member's own state, not the group's: keep the group
         except (SimCollectiveError, FloatingPointError, RuntimeError) as exc:
             self._drop_group()
             detail = str(exc)

@@ -1,0 +1,127 @@
+"""M11: a member checks its own proposal before it votes on it. The outer step must be finite and
+within the bound ``diloco.step_bound`` derives from the checked mean pseudo-gradient's bound; an
+honest optimizer, whatever its pseudo-gradients, never exceeds it, and a corrupted optimizer state
+does, and is refused with the replica left exactly as it was."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from diloco.collective.reduce import difference_norm, tensors_norm
+from diloco.collective.replica import Replica, StepRefused, digest
+from diloco.outer import OuterConfig
+
+FRAGMENTS = (("a", "b"),)
+
+CONFIGS = {
+    "nesterov": OuterConfig(),
+    "nesterov-0.95": OuterConfig(momentum=0.95),
+    "sgd-momentum": OuterConfig(name="sgd", lr=0.5, momentum=0.9),
+    "sgd-plain": OuterConfig(name="sgd", lr=1.0, momentum=0.0),
+    "adam": OuterConfig(name="adam", lr=0.01, momentum=0.9),
+    "delayed-3": OuterConfig(name="delayed_nesterov", delay=3),
+    "scheduled": OuterConfig(momentum=0.9, momentum_warmup=3, momentum_decay_start=4, momentum_decay_rounds=3),
+}
+
+
+def fresh(config: OuterConfig, wire: str = "fp32", seed: int = 0) -> Replica:
+    g = torch.Generator().manual_seed(seed)
+    params = {"a": torch.randn(40, 30, generator=g), "b": torch.randn(17, generator=g)}
+    return Replica(params, FRAGMENTS, [0], config, wire, 2)
+
+
+def mean_of_norm(norm: float, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    raw = {"a": torch.randn(40, 30, generator=g), "b": torch.randn(17, generator=g)}
+    scale = norm / tensors_norm(raw)
+    return {n: t * scale for n, t in raw.items()}
+
+
+def run_rounds(r: Replica, norms: list[float], start: int = 0) -> None:
+    """Commit one round per norm, each mean exactly that norm and declared as that bound."""
+    for i, norm in enumerate(norms):
+        rid = r.round_ids[0]
+        vote = r.propose(0, rid, mean_of_norm(norm, start + i), mean_bound=norm * (1 + 1e-6))
+        assert r.commit(0, rid, vote)
+
+
+@settings(max_examples=80, deadline=None)
+@given(name=st.sampled_from(sorted(CONFIGS)), wire=st.sampled_from(["fp32", "int8", "bf16"]),
+       norms=st.lists(st.floats(1e-4, 1e3), min_size=1, max_size=12), seed=st.integers(0, 1000))
+def test_an_honest_optimizer_never_exceeds_its_bound(name, wire, norms, seed):
+    r = fresh(CONFIGS[name], wire, seed)
+    run_rounds(r, norms, seed)  # raises StepRefused if a bound were too tight
+    assert r.round_ids == [len(norms)]
+
+
+@pytest.mark.parametrize("name", ["nesterov", "sgd-momentum", "delayed-3"])
+def test_a_corrupted_momentum_buffer_is_refused_and_the_replica_is_left_as_it_was(name):
+    r = fresh(CONFIGS[name])
+    run_rounds(r, [1.0] * 6)
+    opt = r.optimizers[0]
+    for p in opt.param_groups[0]["params"]:
+        opt.state[p]["momentum_buffer"].mul_(1e3)  # a faulty device's momentum, not its history's
+    before_params, before_state = digest(r.params), [opt.state[p]["momentum_buffer"].clone()
+                                                    for p in opt.param_groups[0]["params"]]
+    with pytest.raises(StepRefused, match="beyond its bound"):
+        for i in range(3):  # delayed nesterov steps its momentum every third round
+            rid = r.round_ids[0]
+            vote = r.propose(0, rid, mean_of_norm(1.0, 100 + i), mean_bound=1.0)
+            assert r.commit(0, rid, vote)
+    assert not r.has_proposal(0)
+    if name != "delayed-3":  # its refused round is the third; two honest ones committed before it
+        assert digest(r.params) == before_params and r.round_ids == [6]
+        assert all(torch.equal(opt.state[p]["momentum_buffer"], b)
+                   for p, b in zip(opt.param_groups[0]["params"], before_state))
+
+
+def test_adam_with_a_corrupted_second_moment_is_refused():
+    r = fresh(CONFIGS["adam"])
+    run_rounds(r, [1.0] * 4)
+    opt = r.optimizers[0]
+    for p in opt.param_groups[0]["params"]:
+        opt.state[p]["exp_avg_sq"].mul_(1e-8)  # steps of about lr / 1e-4 per element
+    with pytest.raises(StepRefused, match="beyond its bound"):
+        r.propose(0, 4, mean_of_norm(1.0, 9), mean_bound=1.0)
+    assert r.round_ids == [4] and not r.has_proposal(0)
+
+
+def test_a_mean_larger_than_its_declared_bound_makes_a_step_beyond_the_bound():
+    r = fresh(CONFIGS["nesterov"])
+    run_rounds(r, [1.0] * 3)
+    with pytest.raises(StepRefused, match="beyond its bound"):
+        r.propose(0, 3, mean_of_norm(10.0, 5), mean_bound=1.0)
+    vote = r.propose(0, 3, mean_of_norm(10.0, 5), mean_bound=10.0)  # declared honestly: fine
+    assert r.commit(0, 3, vote)
+
+
+def test_a_replica_built_from_a_state_measures_its_momentum_once_and_goes_on():
+    r = fresh(CONFIGS["nesterov"])
+    run_rounds(r, [2.0] * 5)
+    _, params, states = r.committed_state()
+    again = Replica(params, FRAGMENTS, [5], CONFIGS["nesterov"], "fp32", 2, optimizer_states=states)
+    run_rounds(again, [2.0] * 3, start=50)
+    assert again.round_ids == [8]
+
+
+def test_a_non_finite_step_is_refused_as_non_finite():
+    r = fresh(CONFIGS["nesterov"])
+    mean = mean_of_norm(1.0, 1)
+    mean["b"][3] = math.nan
+    with pytest.raises(StepRefused, match="made 'b' non-finite"):
+        r.propose(0, 0, mean)
+    assert r.round_ids == [0] and not r.has_proposal(0)
+
+
+def test_difference_norm_is_exact_through_a_small_scratch():
+    a = {"x": torch.randn(10_007), "y": torch.randn(3)}
+    b = {"x": torch.randn(10_007), "y": torch.randn(3)}
+    expected = float(torch.cat([(a[n] - b[n]).double().reshape(-1) for n in a]).norm())
+    assert difference_norm(a, b, torch.empty(4096 * 2 + 5)) == pytest.approx(expected, rel=1e-6)
+    a["x"][9_000] = math.inf
+    assert not math.isfinite(difference_norm(a, b, torch.empty(4096)))
