@@ -1,4 +1,4 @@
-"""One focused example per rule of the collective member's machine (SPEC.md section 7c, M1-M8).
+"""One focused example per rule of the collective member's machine (SPEC.md section 7c, M1-M11).
 
 The machine is driven message by message; its jobs are answered by hand, as a driver would
 answer them, so every decision is visible: what goes to the coordinator, what the session
@@ -6,6 +6,8 @@ hears, which job runs next.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -35,6 +37,8 @@ from diloco.collective.member import (
     ToSession,
     judge_contributions,
     judge_mean,
+    mean_bound,
+    NORM_SLACK,
 )
 from diloco.wire.messages import (
     PROTOCOL_VERSION,
@@ -214,10 +218,14 @@ def test_m4_a_newer_attempt_of_the_same_round_supersedes_the_open_one():
     assert isinstance(job, ReduceJob) and job.order.attempt == 1
 
 
-@pytest.mark.parametrize("committed_it", [True, False])
+@pytest.mark.parametrize("committed_it", [True, False, "another digest", "another round"])
 def test_m4_a_welcome_voids_attempts_and_the_start_settles_the_orphan(committed_it):
     m = reported(started(MemberMachine(WID)), digest="D")
-    record = ((0, "D") if committed_it else (-1, ""), (-1, ""))
+    # Only the round and digest the orphan proposed count as its commit (C4): the same round with
+    # another member's digest, or another round, is rolled back.
+    record = ({True: (0, "D"), False: (-1, ""), "another digest": (0, "E"), "another round": (1, "D")}[committed_it],
+              (-1, ""))
+    committed_it = committed_it is True
     (job,) = jobs(m.received(welcome(rounds=(7, 3), committed=record)))
     assert job.keep and job.adopt == ((0,) if committed_it else ()) and job.rollback == (() if committed_it else (0,))
     assert to_coordinator(m.received(commit())) == []  # the voided attempt's verdict: no attempt is open
@@ -406,6 +414,23 @@ def test_m10_provenance_the_state_the_last_commits_made_is_confirmed_at_once():
     assert hub.state_confirmed  # nothing to confirm off the collective plane
 
 
+# --------------------------------------------------------------------------- M11
+
+
+def test_m11_the_step_is_bounded_from_the_declared_mean_and_a_refused_step_is_no_proposal():
+    o = ReduceOrder(0, 0, 0, ("w1", "w2"), "g0", norms=(1.0, 3.0))
+    assert mean_bound(o) == pytest.approx(2.0 * (1 + NORM_SLACK))
+    assert mean_bound(order()) == math.inf  # no declared norms: only finiteness bounds the step
+    # What the replica refuses (``StepRefused``) completes the reduce with no digest: a failed
+    # report, no proposal held, nothing waited for.
+    m = started(MemberMachine(WID))
+    jobs(m.received(order()))
+    (report,) = to_coordinator(m.completed(Reduced("", "fragment 0: the outer step's norm 9 is beyond its bound 1")))
+    assert not report.ok and not report.digest and "beyond its bound" in report.detail
+    assert not m.proposals and not report.blame and not report.mean_refused
+    assert isinstance(jobs(m.received(HealOrder("w3", "h")))[0], ServeHealJob)
+
+
 # --------------------------------------------------------------------------- the spec names these tests
 
 
@@ -417,7 +442,7 @@ def test_spec_section_7c_names_only_tests_that_exist():
     spec = (Path(__file__).resolve().parents[2] / "SPEC.md").read_text(encoding="utf-8")
     section = spec[spec.index("## 7c. The collective member"):spec.index("## 8. Policies")]
     rules = re.findall(r"^- \*\*(M\d+) [^*]+\.\*\*(.*?)(?=^- \*\*M|\Z)", section, re.S | re.M)
-    assert [r for r, _ in rules] == [f"M{i}" for i in range(1, 11)]
+    assert [r for r, _ in rules] == [f"M{i}" for i in range(1, 12)]
     tests = [name for name in globals() if name.startswith("test_")]
     for rule, text in rules:
         names = re.findall(r"`(test_\w+\*?)`", text)

@@ -8,12 +8,17 @@ or times out; a heal copies the source's committed state if the source lives. Th
 each member's session (join, say ready with a contribution, take a Result, join again when told)
 and can, in any order: deliver or lose a message, finish a job, time a reduce out, change a mean
 (a nondeterministic kernel: another digest), crash a member before, inside or after a reduce and
-start it again, let the clock run past the reduce deadline -- and one member, ``w2``, may turn
-bad: its contributions huge or NaN, declared honestly or not (a lie only the group can see).
+start it again, let the clock run past the reduce deadline, restart the coordinator from a
+snapshot taken at any earlier moment (``restore_coordinator``; members' connections drop and
+their sessions join again) -- and one member, ``w2``, may turn bad: its contributions huge or
+NaN, declared honestly or not (a lie only the group can see).
 
 After every step: no member adopts what the machine did not commit; members that adopt a
-(fragment, round) hold the same digest; no commit has fewer than ``min_workers`` contributors;
-no committed step contains a contribution that fails the checks; no honest member is evicted.
+(fragment, round) under one coordinator hold the same digest (a coordinator restored from an
+older snapshot numbers rounds from its record again, C6, so a round id names one state per
+coordinator incarnation; M10 keeps such labels out of checkpoints); no commit has fewer than
+``min_workers`` contributors; no committed step contains a contribution that fails the checks;
+no honest member is evicted.
 At the end, with the faults stopped: when at least ``min_workers`` honest members live, a round
 commits within a bounded number of steps (or the run stopped with a reason).
 """
@@ -27,6 +32,7 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from diloco.coordinator.checkpoint import coordinator_state, restore_coordinator
 from diloco.collective.member import (
     NORM_SLACK,
     CommitJob,
@@ -87,6 +93,7 @@ class Member:
         self.value: float | None = None
         self.proposal: tuple[int, float] | None = None
         self.job = None
+        self.job_generation = 0  # the coordinator generation whose message started the job
         self.inbox: collections.deque = collections.deque()
         self.welcomed = False
         self.round = 0
@@ -104,7 +111,16 @@ class MemberWorld(RuleBasedStateMachine):
         self.events: list[tuple[str, dict]] = []
         self.c = make_coordinator(self.now, min_workers=2, data_plane="collective", heartbeat_timeout_s=1e6,
                                   reduce_timeout_s=10.0, collective_timeout_s=1.0, max_update_norm=MAX_NORM,
-                                  max_failed_attempts=1000, observer=lambda k, t, info: self.events.append((k, info)))
+                                  max_failed_attempts=1000, observer=self._observe)
+        #: The coordinator's incarnation (restarts count up), and the snapshot a restart restores.
+        self.generation = 0
+        self.snapshot: tuple[dict, dict] | None = None
+        #: generation -> (fragment, round) -> digest: what that coordinator committed, and the
+        #: record of last commits it was restored with.
+        self.commits: dict[int, dict[tuple[int, int], str]] = {0: {}}
+        #: A member incarnation (its peer name) -> how many of its machine's adoptions are checked, and under which
+        #: coordinator generation each was made.
+        self.adoptions: dict[str, list[int]] = {}
         self.members: dict[str, Member] = {}
         self.incarnations = collections.Counter()
         #: (wid, fid, rid) -> (actual contribution, declared norm) of the Submits made.
@@ -120,6 +136,21 @@ class MemberWorld(RuleBasedStateMachine):
         self.incarnations[wid] += 1
         m = self.members[wid] = Member(wid, self.incarnations[wid])
         self._session_send(m, Join(wid, PROTOCOL_VERSION, SPEC))
+
+    def _observe(self, kind: str, _now: float, info: dict) -> None:
+        self.events.append((kind, info))
+        if kind == "apply":
+            # Checked as it happens: contributions are what their senders submitted for this round
+            # (a later submit for the same round id, after a restart, may differ).
+            fid, rid, digest = info["fragment_id"], info["round_id"], info["digest"]
+            contributors = tuple(info["contributors"])
+            assert len(contributors) >= 2, f"a commit below min_workers: {contributors}"
+            for wid in contributors:
+                actual, declared = self.sent[(wid, fid, rid)]
+                assert math.isfinite(actual) and math.isfinite(declared) and declared <= MAX_NORM
+                assert abs(actual) <= declared * (1 + NORM_SLACK) + 1e-12, (wid, rid, actual, declared)
+            known = self.commits[self.generation].setdefault((fid, rid), digest)
+            assert known == digest, f"one coordinator committed {fid}/{rid} twice: {known} and {digest}"
 
     def _session_send(self, m: Member, message) -> None:
         self._carry_out(m, m.machine.session_sends(message))
@@ -143,7 +174,7 @@ class MemberWorld(RuleBasedStateMachine):
                 self._session(m, action.item)
             elif isinstance(action, RunJob):
                 assert m.job is None, "M2: one job at a time"
-                m.job = action.job
+                m.job, m.job_generation = action.job, self.generation
 
     def _contribution(self, m: Member, fid: int, rid: int) -> tuple[float, float]:
         honest = 0.1 + 0.01 * (hash((m.wid, rid)) % 7)
@@ -234,7 +265,10 @@ class MemberWorld(RuleBasedStateMachine):
             done = RolledBack()
         elif isinstance(job, StartJob):
             if job.keep:
-                for _ in job.adopt:
+                for fid in job.adopt:  # M4: an orphaned proposal is adopted only as what was committed
+                    rid, digest = job.welcome.committed[fid]
+                    assert m.proposal is not None and (m.proposal[0], _digest(fid, m.proposal[1])) == (rid, digest), (
+                        f"{m.wid} adopts an orphaned proposal {m.proposal} as the commit {rid}/{digest}")
                     m.value, m.proposal = m.proposal[1], None
                 if job.rollback:
                     m.proposal = None
@@ -256,7 +290,10 @@ class MemberWorld(RuleBasedStateMachine):
         else:
             return False
         m.job = None
+        self._tag_adoptions()
+        generation = m.job_generation  # a commit heard before a restart is that coordinator's
         self._carry_out(m, m.machine.completed(done))
+        self._tag_adoptions(m, generation)
         return True
 
     def _finish_reduce(self, m: Member, job: ReduceJob, timed_out: bool) -> bool:
@@ -393,6 +430,28 @@ class MemberWorld(RuleBasedStateMachine):
         for peer, reply in self.c.tick(self.now):
             self._deliver_later(peer, reply)
 
+    @rule()
+    def take_snapshot(self):
+        if self.c.has_state and not self.c.stopped:
+            self.snapshot = coordinator_state(self.c)
+
+    @precondition(lambda self: self.faults and self.snapshot is not None)
+    @rule()
+    def restart_coordinator(self):
+        """The coordinator's process dies and starts again from the last snapshot: messages in
+        flight are lost, every member's session finds its connection gone and joins again."""
+        self._tag_adoptions()
+        meta, tensors = self.snapshot
+        self.generation += 1
+        self.c = restore_coordinator(meta, tensors, self.now, observer=self._observe)
+        self.c.collective.incarnation = f"gen{self.generation}"
+        self.commits[self.generation] = {(f, r): d for f, (r, d) in enumerate(self.c.collective.last_commit)
+                                         if r >= 0}
+        for m in self._live():
+            m.inbox.clear()
+            m.welcomed, m.retry, m.quiet = False, False, 0
+            self._session_send(m, Join(m.wid, PROTOCOL_VERSION, SPEC))
+
     @precondition(lambda self: self.faults)
     @rule(mode=st.sampled_from(["honest", "huge", "nan", "lie_huge", "lie_nan", "blame_w0"]))
     def turn(self, mode):
@@ -400,25 +459,23 @@ class MemberWorld(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ invariants
 
-    def _commits(self) -> dict[tuple[int, int], tuple[str, tuple[str, ...]]]:
-        return {(e["fragment_id"], e["round_id"]): (e["digest"], tuple(e["contributors"]))
-                for k, e in self.events if k == "apply"}
+    def _tag_adoptions(self, only: Member | None = None, generation: int | None = None) -> None:
+        """Note the coordinator generation of each adoption made since the last look: the one
+        whose commit (or Welcome) the adopting job answered."""
+        for m in [only] if only is not None else self.members.values():
+            tags = self.adoptions.setdefault(m.peer, [])
+            gen = self.generation if generation is None else generation
+            tags.extend([gen] * (len(m.machine.adopted) - len(tags)))
 
     @invariant()
     def nothing_adopted_uncommitted_and_one_state_per_round(self):
-        commits = self._commits()
+        # With the commits' own checks in ``_observe`` (quorum, contributions, one digest per
+        # round per coordinator): whatever a member adopts is what its coordinator committed.
+        self._tag_adoptions()
         for m in self.members.values():
-            for fid, rid, digest in m.machine.adopted:
-                assert commits.get((fid, rid), ("",))[0] == digest, f"{m.wid} adopted uncommitted {fid}/{rid}"
-
-    @invariant()
-    def no_commit_below_quorum_nor_with_a_failing_contribution(self):
-        for (fid, rid), (_digest_, contributors) in self._commits().items():
-            assert len(contributors) >= 2, f"a commit below min_workers: {contributors}"
-            for wid in contributors:
-                actual, declared = self.sent[(wid, fid, rid)]
-                assert math.isfinite(actual) and math.isfinite(declared) and declared <= MAX_NORM
-                assert abs(actual) <= declared * (1 + NORM_SLACK) + 1e-12, (wid, rid, actual, declared)
+            for (fid, rid, digest), gen in zip(m.machine.adopted, self.adoptions[m.peer]):
+                assert self.commits[gen].get((fid, rid)) == digest, (
+                    f"{m.wid} adopted uncommitted {fid}/{rid} under coordinator {gen}")
 
     @invariant()
     def no_honest_member_evicted(self):
@@ -432,6 +489,7 @@ class MemberWorld(RuleBasedStateMachine):
         self.bad_mode = "honest"
         event(f"commits during the faults: {min(self.c.fsm.rounds_applied, 3)}{'+' if self.c.fsm.rounds_applied >= 3 else ''}")
         event(f"evictions: {sum(1 for k, _ in self.events if k == 'evicted')}")
+        event(f"coordinator restarts: {min(self.generation, 2)}{'+' if self.generation >= 2 else ''}")
         if self.c.stopped:
             assert self.c.stop_reason, "the run stopped with no reason"
             return
@@ -460,5 +518,5 @@ class MemberWorld(RuleBasedStateMachine):
             f"members {[m.wid for m in self._live()]}, jobs {[type(m.job).__name__ for m in self._live()]}")
 
 
-MemberWorld.TestCase.settings = settings(max_examples=120, stateful_step_count=60, deadline=None)
+MemberWorld.TestCase.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
 TestMemberWorld = MemberWorld.TestCase
