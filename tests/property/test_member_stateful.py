@@ -518,5 +518,9 @@ class MemberWorld(RuleBasedStateMachine):
             f"members {[m.wid for m in self._live()]}, jobs {[type(m.job).__name__ for m in self._live()]}")
 
 
-MemberWorld.TestCase.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
+# Sized from the loaded profile (tests/conftest.py; ci runs 250 examples): 300 here under ci,
+# fewer under mutation, more under long.
+_SCALE = settings.default.max_examples / 250
+MemberWorld.TestCase.settings = settings(max_examples=max(20, int(300 * _SCALE)), stateful_step_count=60,
+                                         deadline=None)
 TestMemberWorld = MemberWorld.TestCase
