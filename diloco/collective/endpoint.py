@@ -175,7 +175,9 @@ class CollectiveEndpoint:
             wake()
 
     def silence_s(self) -> float:
-        return self.inner.silence_s()
+        # M5: a withheld Welcome is the coordinator's answer, its state still on its way (a start
+        # or heal, bounded by M6): no outage, however long the heal takes.
+        return 0.0 if self.machine.welcome_withheld else self.inner.silence_s()
 
     def sending(self) -> bool:
         return self.inner.sending()

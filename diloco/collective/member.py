@@ -346,7 +346,9 @@ class MemberMachine:
         #: The params the session sent to start the run with (opaque; the driver copied them).
         self._start_params: Any = None
         self._last_join: Join | None = None
-        #: A collective Welcome is held from the session while this member starts or heals.
+        #: A collective Welcome is held from the session while this member starts or heals. The
+        #: coordinator has answered meanwhile: a driver reports no silence to the session's outage
+        #: clock (W11), or a heal longer than ``--coordinator-timeout`` would end the worker (M5).
         self.welcome_withheld = False
         self._heal_attempts = 0
         #: joiner -> the prefix of its newest heal order (older ones are not served).

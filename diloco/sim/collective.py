@@ -67,6 +67,7 @@ from diloco.collective.member import (
     NewStore,
     Reduced,
     ReduceJob,
+    RestoredState,
     RollbackJob,
     RolledBack,
     RunJob,
@@ -77,7 +78,7 @@ from diloco.collective.member import (
     ToSession,
 )
 from diloco.collective.reduce import tensors_norm
-from diloco.collective.replica import Replica, StepRefused
+from diloco.collective.replica import Replica, StepRefused, digest
 from diloco.sim.trace import hash_values
 from diloco.wire.messages import Join, ReduceReport, Submit, Welcome
 
@@ -344,6 +345,18 @@ class SimEndpoint:
     @property
     def collective(self) -> bool:
         return self.machine.collective
+
+    @property
+    def state_confirmed(self) -> bool:
+        """``CollectiveEndpoint.state_confirmed``: whether a checkpoint may label the state (M10)."""
+        return self.machine.state_confirmed
+
+    def restore(self, params: dict[str, torch.Tensor], round_ids: list[int],
+                fragments: tuple[tuple[str, ...], ...]) -> None:
+        """``CollectiveEndpoint.restore``: a checkpoint's committed state, offered in the Join (C6).
+        (A simulated checkpoint holds no outer momentum: the run goes on from fresh momentum.)"""
+        digests = tuple(digest({n: params[n] for n in f}) for f in fragments)
+        self.machine.restored = RestoredState(params, tuple(tuple(f) for f in fragments), tuple(round_ids), digests)
 
     # ------------------------------------------------------------------ the session's side
 

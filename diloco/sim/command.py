@@ -116,6 +116,10 @@ def register(subparsers) -> None:
                      help="async grace window in seconds (SPEC.md P5): contributions within S of the first "
                           "pending one merge into one outer step; async only (the seed's mode is ignored); adds "
                           "the P5 checks (default 0: none)")
+    run.add_argument("--worker-checkpoints", action="store_true", default=None, dest="worker_checkpoints",
+                     help="every worker writes a checkpoint at each sync point it may (as --checkpoint-every 1), "
+                          "a crashed worker restarts from its last one, and the checker holds every checkpoint's "
+                          "round labels against the commits that made its state (SPEC.md M10)")
     out = p.add_argument_group("output")
     out.add_argument("--trace", metavar="FILE.jsonl", help="write the trace (one JSON record per line)")
     out.add_argument("--plot", metavar="FILE.png", help="write the membership timeline (PNG)")
@@ -129,7 +133,8 @@ def register(subparsers) -> None:
     p.set_defaults(handler=handle)
 
 
-_OVERRIDES = ("workers", "rounds", "faults", "mode", "fragments", "shutdown", "data_plane", "grace_window")
+_OVERRIDES = ("workers", "rounds", "faults", "mode", "fragments", "shutdown", "data_plane", "grace_window",
+              "worker_checkpoints")
 
 
 def _usage(msg: str):
@@ -143,7 +148,7 @@ def _overrides(args) -> dict:
 
 
 def _rerun_command(seed: int, overrides: dict, extra: str = "") -> str:
-    flags = "".join(f" --{k.replace('_', '-')} {v}" for k, v in overrides.items())
+    flags = "".join(f" --{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in overrides.items())
     return f"diloco sim --seed {seed}{flags}{extra}"
 
 
@@ -241,6 +246,8 @@ def format_summary(r: RunResult) -> list[str]:
     verdict = "all hold" if r.violation_count == 0 else f"{r.violation_count} VIOLATION(S)"
     checked = "I1 I2 I3 I4 I5 I6 I7 I11 I12 I13 I14, C4 C5 C6, W5 W6 W8" if cfg.collective else \
         "I1 I2 I3 I4 I5 I6 I7 I11 I12, W5 W6 W8, outer steps, params"
+    if cfg.worker_checkpoints:
+        checked += f", M10 ({c.get('checkpoints_checked', 0):,} checkpoints)"
     rows.append(("invariants", f"{verdict} ({checked})"))
     if r.plot_path:
         rows.append(("plot", r.plot_path))

@@ -149,6 +149,11 @@ class SimConfig:
     #: Async grace window (SPEC.md P5), seconds; an override only (``--grace-window``): a seed alone
     #: always means no window, and a run without one leaves it out of its config record.
     grace_window_s: float = 0.0
+    #: Each worker writes a checkpoint at every sync point it may (``--checkpoint-every 1``; W18,
+    #: M10: not while its round labels do not name its state), traced as ``ckpt`` records the
+    #: checker holds against the commits; a crashed worker's restart resumes from its last one.
+    #: An override only (``--worker-checkpoints``); a run without it leaves it out of its config.
+    worker_checkpoints: bool = False
 
     # ------------------------------------------------------------ derived timings
 
@@ -227,12 +232,15 @@ class SimConfig:
                 del d[name]
         if not self.grace_window_s:
             del d["grace_window_s"]  # as before the grace window existed
+        if not self.worker_checkpoints:
+            del d["worker_checkpoints"]
         return d
 
     def describe(self) -> str:
         plane = (f"data_plane=collective reduce_timeout_s={self.reduce_timeout_s:.1f} "
                  f"collective_timeout_s={self.collective_timeout_s:.2f} " if self.collective else "")
         window = f"grace_window_s={self.grace_window_s:g} " if self.grace_window_s else ""
+        window += "worker_checkpoints " if self.worker_checkpoints else ""
         return (f"{plane}{window}mode={self.mode} workers={self.workers} min_workers={self.min_workers} "
                 f"fragments={self.num_fragments} faults={self.faults} rounds={self.rounds} "
                 f"shutdown={self.shutdown} heartbeat_timeout_s={self.heartbeat_timeout_s:.1f} "
@@ -252,7 +260,8 @@ def _check_override(name: str, value, low: int, high: int) -> int:
 def derive_config(seed: int, *, workers: int | None = None, rounds: int | None = None,
                   faults: str | None = None, mode: str | None = None,
                   fragments: int | None = None, shutdown: str | None = None,
-                  data_plane: str | None = None, grace_window: float | None = None) -> SimConfig:
+                  data_plane: str | None = None, grace_window: float | None = None,
+                  worker_checkpoints: bool | None = None) -> SimConfig:
     """The run that ``seed`` (plus the given overrides) stands for.
 
     ``data_plane="collective"`` runs the coordinator on the collective plane (SPEC.md C1-C7),
@@ -298,6 +307,8 @@ def derive_config(seed: int, *, workers: int | None = None, rounds: int | None =
                                  f"plane: the grace window is async only (SPEC.md P5)")
         if grace_window:
             overrides["grace_window"] = grace_window
+    if worker_checkpoints:
+        overrides["worker_checkpoints"] = True
 
     rng = random.Random(seed)
     # A fixed number of draws in a fixed order, before any override is looked at.
@@ -395,6 +406,7 @@ def derive_config(seed: int, *, workers: int | None = None, rounds: int | None =
         param_sizes=sizes,
         overrides=overrides,
         grace_window_s=float(overrides.get("grace_window", 0.0)),
+        worker_checkpoints=bool(overrides.get("worker_checkpoints", False)),
     )
     if collective:
         cfg = replace(cfg, **_collective_knobs(seed, cfg))
@@ -429,7 +441,7 @@ def _collective_knobs(seed: int, cfg: SimConfig) -> dict:
 def config_from_dict(d: dict) -> SimConfig:
     """Rebuild a config from a trace's first record (``--replay``)."""
     names = {f.name for f in fields(SimConfig)}
-    missing = sorted(names - set(d) - set(_COLLECTIVE_FIELDS) - {"grace_window_s"})
+    missing = sorted(names - set(d) - set(_COLLECTIVE_FIELDS) - {"grace_window_s", "worker_checkpoints"})
     if missing:
         raise SimConfigError(f"the trace's config record lacks {missing}")
     kwargs = {k: d[k] for k in names if k in d}

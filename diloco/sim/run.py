@@ -150,7 +150,7 @@ def run_config(cfg: SimConfig, *, trace_path: str | None = None, plot_path: str 
 
 def run_seed(seed: int, **kwargs) -> RunResult:
     overrides = {k: kwargs.pop(k) for k in ("workers", "rounds", "faults", "mode", "fragments", "shutdown",
-                                            "data_plane", "grace_window")
+                                            "data_plane", "grace_window", "worker_checkpoints")
                  if k in kwargs}
     return run_config(derive_config(seed, **overrides), **kwargs)
 

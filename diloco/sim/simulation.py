@@ -175,6 +175,8 @@ class Simulation:
         if self.clock.stopped:
             return
         cfg = self.cfg
+        if checkpoint is None and cfg.worker_checkpoints and wid in self.workers:
+            checkpoint = self.workers[wid].checkpoint  # a crashed worker resumes from its last checkpoint
         inc = self._incarnations.get(wid, 0) + 1
         self._incarnations[wid] = inc
         delay = self.rng.uniform(cfg.link_delay_min_s, cfg.link_delay_max_s)

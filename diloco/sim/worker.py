@@ -135,10 +135,8 @@ class SimWorker:
         self.session = WorkerSession(worker_id, world.cfg.num_fragments, world.model.spec,
                                      coordinator_timeout_s=world.cfg.coordinator_timeout_s)
         self.params: dict[str, torch.Tensor] = {}
-        if checkpoint is not None:
-            self.session.restore(**checkpoint["session"])
-            self.params = dict(checkpoint["params"])
-        #: What the process wrote when it stopped with ``save`` (a supervisor restart resumes from it).
+        #: The checkpoint it last wrote (at a save stop, or at a sync point with ``worker_checkpoints``):
+        #: a supervisor's restart resumes from it.
         self.checkpoint: dict | None = None
         self._stepping = False
         self._hb_due = 0.0
@@ -147,6 +145,14 @@ class SimWorker:
         self._fail: Fail | None = None
         #: Collective plane: what ``CollectiveEndpoint`` does around the session (``collective.py``).
         self.plane: SimEndpoint | None = world.endpoint(self)
+        if checkpoint is not None and world.cfg.worker_checkpoints:
+            self.checkpoint = checkpoint  # the file stays until this incarnation writes its own
+        if checkpoint is not None:
+            self.session.restore(**checkpoint["session"])
+            self.params = dict(checkpoint["params"])
+            if self.plane is not None:  # as DilocoWorker: the committed state is offered in the Join (C6)
+                s = self.session
+                self.plane.restore(self.params, list(s.round_ids), s.fragments)
 
     # ------------------------------------------------------------ plumbing
 
@@ -196,7 +202,9 @@ class SimWorker:
             return
         now = self.clock.now
         if kind == TICK:
-            self._run(self.session.tick(now))
+            # As CollectiveEndpoint.silence_s: a withheld Welcome is the coordinator's answer (M5).
+            withheld = self.plane is not None and self.plane.machine.welcome_withheld
+            self._run(self.session.tick(now, 0.0 if withheld else None))
             if self.alive:
                 self._arm_tick()
         else:
@@ -227,6 +235,8 @@ class SimWorker:
                     self._hb_due = self.clock.now + self.session.heartbeat_interval_s + _HB_SLACK_S
                     self._arm_tick()
             elif typ is SubmitFragment:
+                if world.cfg.worker_checkpoints:
+                    self._write_checkpoint()  # at the sync point, as ``--checkpoint-every 1``
                 fid, rid = a.fragment_id, a.round_id
                 tensors = seeded_update(world.cfg.seed, self.wid, fid, rid, self.session.fragments[fid],
                                         world.model.sizes)
@@ -276,17 +286,31 @@ class SimWorker:
         s = self.session
         now = self.clock.now
         if stop.save:
-            self.checkpoint = {
-                "session": dict(fragments=s.fragments, round_ids=list(s.round_ids), next_close=list(s.next_close),
-                                sched_step=s.sched_step, inner_step=s.inner_step, rounds_synced=s.rounds_synced,
-                                mode=s.mode),
-                "params": dict(self.params),
-            }
+            self._write_checkpoint()
         self._run(s.stopped_done(now))
         self._run(s.leave(now))  # as run_training does on its way out: Leave, unless the run ended it
         self._exit(notice=False)
         if stop.reason == "coordinator_unreachable":
             self.world.exited(self, "coordinator_unreachable")
+
+    def _write_checkpoint(self) -> None:
+        """``DilocoWorker.save_checkpoint``: nothing while the round labels do not name the global copy
+        (a Result held for its overlap window; a collective start state no commit confirmed: W18,
+        M10), else the labels and the params together, traced as a ``ckpt`` record."""
+        s = self.session
+        model = self.world.model
+        if s.held or (self.plane is not None and not self.plane.state_confirmed):
+            return
+        if not s.fragments or set(self.params) != set(model.params):
+            return  # nothing installed yet: no state to write
+        self.checkpoint = {
+            "session": dict(fragments=s.fragments, round_ids=list(s.round_ids), next_close=list(s.next_close),
+                            sched_step=s.sched_step, inner_step=s.inner_step, rounds_synced=s.rounds_synced,
+                            mode=s.mode),
+            "params": dict(self.params),
+        }
+        self._emit({"k": "ckpt", "t": self.clock.now, "w": self.wid, "r": list(s.round_ids),
+                    "h": [hash_values((n, self.params[n].tolist()) for n in names) for names in s.fragments]})
 
     def _failed(self) -> None:
         fail, self._fail = self._fail, None

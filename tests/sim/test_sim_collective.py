@@ -238,3 +238,50 @@ def test_swarm_catches_a_core_that_ignores_the_quorum_on_the_commit(quorum_ignor
     assert hits, "the checker did not notice a commit below min_workers"
     assert {v.rule for v in hits} >= {"I13", "C5"}
     assert any("min_workers" in v.detail for v in hits if v.rule == "I13")
+
+
+# ---------------------------------------------------------------- checkpoints name their state (M10)
+
+
+@pytest.mark.parametrize("plane", ["collective", "hub"])
+def test_every_checkpoint_holds_a_state_a_commit_made_for_its_label(plane):
+    """With ``worker_checkpoints`` every worker writes a checkpoint at each sync point it may, and a
+    crashed worker resumes from its last one (the restarts, coordinator crashes included, that made
+    two states share one label before M10); the checker holds each against the commits."""
+    checked = resumed = 0
+    for seed in (101, 104, 110, 115):
+        r = run_config(derive_config(seed, faults="heavy", data_plane=plane, worker_checkpoints=True))
+        assert r.ok, f"seed {seed}:\n" + "\n".join(str(v) for v in r.violations[:5])
+        checked += r.counts["checkpoints_checked"]
+        resumed += r.stats.faults.get("restart", 0)
+    assert checked > 100 and resumed > 0, (checked, resumed)
+
+
+def test_a_worker_that_writes_its_unconfirmed_start_state_is_caught(monkeypatch):
+    """Break M10 on purpose: checkpoints written whether or not a commit confirmed the state."""
+    from diloco.sim.collective import SimEndpoint
+
+    monkeypatch.setattr(SimEndpoint, "state_confirmed", property(lambda self: True))
+    caught = [v for seed in range(100, 116)
+              for v in run_config(derive_config(seed, faults="heavy", data_plane="collective",
+                                                worker_checkpoints=True)).violations if v.rule == "M10"]
+    assert caught and "a state no commit made for that label" in caught[0].detail
+
+
+def test_checker_catches_a_checkpoint_whose_params_are_not_its_labels():
+    recs = [json.loads(json.dumps(r)) for r in _records_with_checkpoints(104)]
+    assert check_records(recs)[0] == []
+    i = next(i for i, r in enumerate(recs) if r["k"] == "ckpt" and r["r"][0] > 1)
+    recs[i]["r"] = [recs[i]["r"][0] + 1] + recs[i]["r"][1:]  # the same params under the next round's label
+    violations = [v for v in check_records(recs)[0] if v.rule == "M10"]
+    assert violations and "labelled round" in violations[0].detail
+
+
+def _records_with_checkpoints(seed: int) -> list[dict]:
+    from diloco.sim.simulation import Simulation
+    from diloco.sim.trace import TraceWriter
+
+    out: list[dict] = []
+    cfg = derive_config(seed, faults="light", data_plane="collective", worker_checkpoints=True)
+    Simulation(cfg, TraceWriter(None, [], [lambda r: out.append(json.loads(json.dumps(r)))])).run()
+    return out

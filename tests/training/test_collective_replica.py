@@ -164,3 +164,18 @@ def test_the_heal_transfer_carries_params_momentum_and_round_ids():
     assert torch.equal(healed.optimizer_states()[0]["state"][0]["momentum_buffer"],
                        source.optimizer_states()[0]["state"][0]["momentum_buffer"])
     assert host.forget("run/heal1", 2) == 2 and host.num_keys() == 0, "a retired prefix leaves no key behind"
+
+
+def test_a_withheld_welcome_is_no_silence_to_the_session():
+    """M5: while a start or heal carries the coordinator's Welcome, the session's outage clock (W11)
+    hears no silence, however quiet the socket; a heal longer than --coordinator-timeout once made
+    the worker give up on a coordinator that had answered."""
+
+    class Quiet(_NullEndpoint):
+        def silence_s(self) -> float:
+            return 25.0
+
+    ep = CollectiveEndpoint(Quiet(), "w1")
+    assert ep.silence_s() == 25.0
+    ep.machine.welcome_withheld = True
+    assert ep.silence_s() == 0.0

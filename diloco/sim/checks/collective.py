@@ -333,6 +333,7 @@ class CollectiveChecks:
             if sent is None or not sent[1] or sent[2] != d:
                 self._violate("C4", f"{wid} adopted fragment {f} round {rid} digest {d[:16]}, but its own report for "
                                     f"that round was {sent} (it adopts only what it proposed)")
+            self._made(f, rid + 1, h)
             first = self.commit_h.setdefault((f, rid, d), h)
             if first != h:
                 self._violate("C4", f"{wid} adopted fragment {f} round {rid} digest {d[:16]} with params {h}; another "

@@ -38,6 +38,7 @@ class ParamsChecks:
                             hist=[{} for _ in range(nf)], opt=opt, delay=delay)
         for f in range(nf):
             self.model.hist[f][0] = self.model.fhash(f)
+            self._made(f, 0, self.model.hist[f][0])
 
     def _check_outer_step(self, f: int, r: int, grads: list[dict], rec: dict) -> None:
         m = self.model

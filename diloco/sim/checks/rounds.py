@@ -280,6 +280,7 @@ class RoundChecks:
         if h != rec["h"]:
             self._violate("params", f"fragment {f} round {r}: recorded hash {rec['h']} does not match its params")
         m.hist[f][r + 1] = h
+        self._made(f, r + 1, h)
         if len(m.hist[f]) > 64:
             del m.hist[f][min(m.hist[f])]
         outcome = {"applied_final"} if self.phase == "draining" else {"applied"}
