@@ -7,6 +7,7 @@ hears, which job runs next.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -35,10 +36,12 @@ from diloco.collective.member import (
     StartJob,
     ToCoordinator,
     ToSession,
+    NORM_SLACK,
+    HeldState,
     judge_contributions,
     judge_mean,
+    judge_reduce,
     mean_bound,
-    NORM_SLACK,
 )
 from diloco.wire.messages import (
     PROTOCOL_VERSION,
@@ -429,6 +432,255 @@ def test_m11_the_step_is_bounded_from_the_declared_mean_and_a_refused_step_is_no
     assert not report.ok and not report.digest and "beyond its bound" in report.detail
     assert not m.proposals and not report.blame and not report.mean_refused
     assert isinstance(jobs(m.received(HealOrder("w3", "h")))[0], ServeHealJob)
+
+
+# --------------------------------------------------------------------------- what it says, exactly
+#
+# The rules above, pinned to the exact words and fields the machine sends: what the coordinator,
+# the session and an operator's logs read (and what mutation testing holds it to, tests/MUTANTS.md).
+
+
+def test_exact_the_checks_judge_at_their_bounds():
+    o = ReduceOrder(0, 0, 0, ("w1", "w2", "w3"), "g0", norms=(1.0, 2.0))  # w3 declared no norm
+    edge = 1.0 * (1 + NORM_SLACK) + 1e-12
+    assert judge_contributions(o, (edge, 2.0, 1e30)) == ()                 # at the bound: not beyond
+    assert judge_contributions(o, (edge * (1 + 1e-9), 2.0, 5.0)) == ("w1",)
+    assert judge_contributions(o, (1.0, 2.0, float("nan"))) == ("w3",)     # undeclared: only finiteness
+    assert mean_bound(o) == 1.5 * (1 + NORM_SLACK) + 1e-12
+    assert not judge_mean(o, 1.5 * (1 + NORM_SLACK) + 1e-12) and judge_mean(o, 1.5 * (1 + NORM_SLACK) + 2e-12)
+
+
+def test_exact_judge_reduce_reports_blame_or_a_refused_mean_and_measures_the_mean_only_without_norms():
+    o = ReduceOrder(0, 4, 1, ("w1", "w2"), "g0", norms=(1.0, 3.0))
+    measured = []
+
+    def mean_norm():
+        measured.append(1)
+        return 2.0
+
+    assert judge_reduce(o, (1.0, 3.0), mean_norm) is None and not measured
+    assert judge_reduce(o, (1.0, 30.0), mean_norm) == Reduced(
+        "", "contributions failing the checks (norm as decoded > declared): w2 (30 > 3)", blame=("w2",))
+    assert judge_reduce(o, (), mean_norm) is None and measured == [1]     # 2.0 <= mean of (1, 3)
+    assert judge_reduce(o, (), lambda: 2.5) == Reduced(
+        "", "the all-reduced mean's norm 2.5 fails the checks (the declared norms bound it by 2)",
+        mean_refused=True)
+
+
+def test_exact_a_reduce_with_nothing_to_contribute_reports_why_and_counts_it():
+    m = started(MemberMachine(WID))
+    out = m.received(ReduceOrder(0, 0, 0, ("w2", "w3"), "g0"))  # a group without this member
+    assert out == [ToCoordinator(ReduceReport(WID, 0, 0, 0, False, "",
+                                              "no pseudo-gradient of fragment 0 round 0 on this worker"))]
+    assert m.stats["reduce_failed"] == 1
+    # The next attempt includes it again and runs: the failed one left no open attempt behind.
+    assert isinstance(jobs(m.received(order(attempt=1)))[0], ReduceJob)
+    m2 = started(MemberMachine(WID))
+    assert to_coordinator(m2.received(order(fid=1))) == [ReduceReport(
+        WID, 1, 0, 0, False, "", "no pseudo-gradient of fragment 1 round 0 on this worker")]  # no Submit
+
+
+def test_exact_reports_of_a_reduce_carry_every_field():
+    m = started(MemberMachine(WID))
+    jobs(m.received(order()))
+    assert to_coordinator(m.completed(Reduced("", "x" * 2000, blame=("w2",), mean_refused=True))) == [
+        ReduceReport(WID, 0, 0, 0, False, "", "x" * 1000, ("w2",), True)]
+    assert m.stats["reduce_failed"] == 1 and not m.proposals
+    m.session_sends(submit())
+    jobs(m.received(order(attempt=1)))
+    m.received(ReduceAbort(0, 0, 1, "reduce_failed"))            # ended by another member's report
+    assert to_coordinator(m.completed(Reduced("", "blamed", blame=("w2",)))) == [
+        ReduceReport(WID, 0, 0, 1, False, "", "blamed", ("w2",))]
+    jobs(m.received(order(attempt=2)))
+    m.received(ReduceAbort(0, 0, 2, "reduce_failed"))
+    assert m.completed(Reduced("", "plain failure")) == []         # no blame: nothing to add
+
+
+def test_exact_a_commit_reaches_the_session_as_fp32_params_and_a_stop_rolls_back():
+    m = reported(started(MemberMachine(WID)), digest="D")
+    result = Result(0, 0, "applied", 1, delta=True, wire_dtype="int8", scales={"a": "s"}, digest="D")
+    (job,) = jobs(m.received(result))
+    assert job == CommitJob(0, 0, "D")
+    (handed,) = to_session(m.completed(Committed({"a": "new"})))
+    assert handed == Result(0, 0, "applied", 1, params={"a": "new"}, delta=False, wire_dtype="fp32", scales={},
+                            digest="")
+    assert m.held.round_ids == (1, 0) and m.held.digests[0] == "D" and list(m.adopted) == [(0, 0, "D")]
+    assert m.stats["committed"] == 1 and m.state_confirmed
+    # A stop Result while a proposal waits: the proposal is rolled back and the session told.
+    m.session_sends(submit(rid=1))
+    jobs(m.received(order(rid=1)))
+    m.completed(Reduced("E"))
+    stop = Result(0, 1, "stop", 0)
+    out = m.received(stop)
+    assert jobs(out) == [RollbackJob((0,))] and to_session(out) == [stop]
+    m.completed(RolledBack())
+    assert m.stats["aborted"] == 1 and not m.proposals
+
+
+def test_exact_a_result_without_a_digest_is_the_session_s_and_ends_the_attempt():
+    m = started(MemberMachine(WID))
+    jobs(m.received(order()))
+    plain = Result(0, 0, "applied", 1)
+    out = m.received(plain)
+    assert to_session(out) == [plain] and jobs(out) == []
+    assert m.completed(Reduced("LATE")) != [] and not to_coordinator(m.completed(RolledBack()))
+
+
+def test_exact_completions_after_close_or_of_the_wrong_kind():
+    m = started(MemberMachine(WID))
+    jobs(m.received(order()))
+    with pytest.raises(TypeError, match="^Committed does not answer a ReduceJob$"):
+        m.completed(Committed({}))
+    m2 = started(MemberMachine(WID))
+    jobs(m2.received(order()))
+    m2.close()
+    assert m2.closed and m2.completed(Reduced("D")) == [] and m2.session_sends(submit(rid=1)) != []
+    assert jobs(m2.received(order(attempt=1))) == []                  # nothing runs once closed
+
+
+def test_exact_a_stale_order_is_counted_and_a_newer_one_supersedes():
+    m = started(MemberMachine(WID))
+    m.received(order(attempt=3))
+    assert m.received(order(attempt=2)) == [] and m.stats["stale_orders"] == 1
+    assert m.received(order(attempt=3)) == [] and m.stats["stale_orders"] == 2
+
+
+def test_exact_the_start_and_heal_paths_say_what_went_wrong():
+    # Welcomed as the start with nothing to start from.
+    m = MemberMachine(WID)
+    m.session_sends(Join(WID, PROTOCOL_VERSION, SPEC))
+    assert m.received(welcome()) == [NewStore(7, 2.0), ToSession(PlaneEvent(
+        PlaneEventKind.NO_START_STATE,
+        "the coordinator welcomed this worker as the run's start, but it sent no params to start from"))]
+    assert not m.welcome_withheld and m.welcome is not None and m.collective
+    # A collective_timeout_s of 0 falls back to 30 s for the store client.
+    m0 = MemberMachine(WID)
+    m0.session_sends(Join(WID, PROTOCOL_VERSION, SPEC))
+    assert m0.received(Welcome(WID, (0, 0), (), "sync", FRAGMENTS, 2, False, 1.0, {}, data_plane="collective",
+                               store_port=9, heal_source="w3", heal_prefix="h"))[0] == NewStore(9, 30.0)
+    assert m0.welcome_withheld
+    # Holding another fragment layout, welcomed as the start without params.
+    other = started(MemberMachine(WID))
+    other.received(Error(ErrorCode.START_PARAMS_REQUIRED, "start it", "Join"))
+    layout = Welcome(WID, (0,), (), "sync", (("a", "b"),), 2, False, 1.0, {}, data_plane="collective",
+                     store_port=7, collective_timeout_s=2.0)
+    assert to_session(other.received(layout)) == [PlaneEvent(
+        PlaneEventKind.NO_START_STATE, "welcomed as the run's start with another fragment layout than the state "
+                                       "this worker holds, and no params to start from")]
+    assert not other.welcome_withheld
+
+
+def test_exact_a_restored_checkpoint_starts_the_run_with_its_momentum_if_the_layout_matches():
+    for states, layout, expected in ((["m0", "m1"], FRAGMENTS, ["m0", "m1"]), (["m0"], FRAGMENTS, None)):
+        m = MemberMachine(WID)
+        m.restored = RestoredState({"a": "ckpt"}, FRAGMENTS, (4, 4), ("d0", "d1"), states)
+        m.received(Error(ErrorCode.START_PARAMS_REQUIRED, "start it", "Join"))
+        (join,) = to_coordinator(m.session_sends(Join(WID, PROTOCOL_VERSION, SPEC, dict(PARAMS))))
+        assert join.holds_params and join.held_rounds == (4, 4) and join.params == {}
+        (job,) = jobs(m.received(welcome(rounds=(4, 4))))
+        assert job.params == {"a": "ckpt"} and job.outer_states == expected and not job.keep
+        m.completed(Started(("d0", "d1"), {"a": "ckpt"}))
+        assert m.restored is None and m.held == HeldState(FRAGMENTS, (4, 4), ("d0", "d1"))
+
+
+def test_exact_a_kept_replica_relabelled_and_its_orphans_are_counted():
+    m = reported(started(MemberMachine(WID)), digest="D")
+    (job,) = jobs(m.received(welcome(rounds=(7, 3), committed=((0, "D"), (-1, "")))))
+    (handed,) = to_session(m.completed(Started(("D", "d1"), {"a": "p"})))
+    assert handed.round_ids == (7, 3) and m.stats["adopted_after_reconnect"] == 1 and m.stats["relabelled"] == 1
+    assert m.held == HeldState(FRAGMENTS, (7, 3), ("D", "d1"))
+    # Welcomed again at the rounds it holds: nothing relabelled.
+    jobs(m.received(welcome(rounds=(7, 3), committed=((6, "D"), (2, "d1")))))
+    m.completed(Started(("D", "d1"), {"a": "p"}))
+    assert m.stats["relabelled"] == 1 and m.state_confirmed
+
+
+def test_exact_heals_failing_rejoin_without_the_failed_state_then_give_up():
+    m = MemberMachine(WID)
+    m.session_sends(Join(WID, PROTOCOL_VERSION, SPEC))
+    for attempt in range(1, MAX_HEAL_ATTEMPTS + 1):
+        (job,) = jobs(m.received(welcome(source="w3")))
+        assert isinstance(job, HealJob) and m.welcome_withheld
+        assert m.session_sends(Join(WID, PROTOCOL_VERSION, SPEC)) == []           # held back while healing
+        out = m.completed(HealFailed("source gone"))
+        assert m.stats["heals_failed"] == attempt and not m.welcome_withheld
+        if attempt < MAX_HEAL_ATTEMPTS:
+            assert to_coordinator(out) == [Leave(WID), Join(WID, PROTOCOL_VERSION, SPEC)]
+        else:
+            assert out == [ToSession(PlaneEvent(
+                PlaneEventKind.HEAL_FAILED,
+                f"could not copy the run's state from 'w3' ({MAX_HEAL_ATTEMPTS} tries): source gone"))]
+    assert m.stats["join_resends_held"] == MAX_HEAL_ATTEMPTS
+
+
+def test_exact_a_heal_offers_the_state_it_holds_when_it_joins_again():
+    m = started(MemberMachine(WID))
+    m.received(welcome(source="w3"))  # a re-join after a lost track: heal
+    out = m.completed(HealFailed("timed out"))
+    assert to_coordinator(out) == [Leave(WID), Join(WID, PROTOCOL_VERSION, SPEC, holds_params=True,
+                                                    held_rounds=(0, 0), held_digests=("d0", "d1"))]
+
+
+def test_exact_a_heal_hands_on_its_rounds_and_no_parked_fragments():
+    m = MemberMachine(WID)
+    m.session_sends(Join(WID, PROTOCOL_VERSION, SPEC))
+    w = dataclasses.replace(welcome(source="w3"), parked=((0, 1),))
+    jobs(m.received(w))
+    (handed,) = to_session(m.completed(Healed((5, 2), ("h0", "h1"), {"a": "healed"})))
+    assert handed == dataclasses.replace(w, round_ids=(5, 2), parked=(), params={"a": "healed"})
+    assert m.stats["healed"] == 1 and not m.welcome_withheld and m.held.round_ids == (5, 2)
+
+
+def test_exact_a_failed_job_is_named_and_frees_its_attempt():
+    m = started(MemberMachine(WID))
+    jobs(m.received(order()))
+    out = m.completed(JobFailed("boom"))
+    assert out == [ToSession(PlaneEvent(PlaneEventKind.JOB_FAILED, "collective data plane, ReduceJob: boom"))]
+    assert m.stats["internal_errors"] == 1
+    # The attempt is no longer open here: a commit of it is not this member's proposal.
+    assert to_session(m.received(commit(digest="D")))[0].kind is PlaneEventKind.LOST_TRACK
+    assert isinstance(jobs(m.received(order(attempt=1)))[0], ReduceJob)
+    h = MemberMachine(WID)
+    h.session_sends(Join(WID, PROTOCOL_VERSION, SPEC))
+    jobs(h.received(welcome(source="w3")))
+    h.completed(JobFailed("torch"))
+    assert not h.welcome_withheld and h.stats["internal_errors"] == 1
+
+
+def test_exact_serving_heals_is_counted_and_only_the_newest_order_per_joiner_is_served():
+    m = started(MemberMachine(WID))
+    (job,) = jobs(m.received(HealOrder("w3", "h1")))
+    m.received(HealOrder("w3", "h2"))                       # w3 joined again meanwhile
+    m.received(HealOrder("w4", "h3"))
+    (nxt,) = jobs(m.completed(HealServed(True)))
+    assert nxt == ServeHealJob(HealOrder("w3", "h2"))       # h1 ran; the later w3 order is served too
+    (last,) = jobs(m.completed(HealServed(False)))
+    assert last == ServeHealJob(HealOrder("w4", "h3"))
+    m.completed(HealServed(True))
+    assert m.stats["heals_served"] == 2 and m.stats["heals_failed"] == 1
+    fresh = MemberMachine(WID)                               # holds nothing: serves nothing
+    fresh.received(welcome(plane="collective", source="w9"))
+    assert jobs(fresh.received(HealOrder("w3", "h9"))) == []
+
+
+def test_exact_lost_track_is_counted_and_explained():
+    m = started(MemberMachine(WID))
+    out = m.received(commit(digest="Z"))
+    assert out == [ToSession(PlaneEvent(PlaneEventKind.LOST_TRACK, "fragment 0 round 0 committed without a "
+                                                                   "proposal of this worker's: joining again to heal"))]
+    assert m.stats["lost_track"] == 1
+
+
+def test_exact_a_welcome_drops_queued_reduces_but_keeps_other_jobs():
+    m = reported(started(MemberMachine(WID)))
+    m.received(HealOrder("w3", "h1"))                         # queued behind the verdict
+    m.session_sends(submit(fid=1))
+    m.received(order(fid=1))                                  # queued too
+    (served,) = jobs(m.received(welcome(rounds=(1, 0), committed=((0, "D"), (-1, "")))))
+    assert served == ServeHealJob(HealOrder("w3", "h1"))      # the heal order stays (no verdict to wait for) ...
+    (job,) = jobs(m.completed(HealServed(True)))
+    assert isinstance(job, StartJob) and job.adopt == (0,)    # ... the start follows ...
+    assert jobs(m.completed(Started(("D", "d1"), {"a": "p"}))) == []  # ... and the voided reduce is gone
 
 
 # --------------------------------------------------------------------------- the spec names these tests
