@@ -683,6 +683,133 @@ def test_exact_a_welcome_drops_queued_reduces_but_keeps_other_jobs():
     assert jobs(m.completed(Started(("D", "d1"), {"a": "p"}))) == []  # ... and the voided reduce is gone
 
 
+def test_exact_counters_count_every_event():
+    m = started(MemberMachine(WID))
+    for rid in (0, 1):                                    # two commits adopted
+        m.session_sends(submit(rid=rid))
+        jobs(m.received(order(rid=rid)))
+        m.completed(Reduced(f"D{rid}"))
+        m.received(commit(rid=rid, digest=f"D{rid}"))
+        m.completed(Committed({"a": rid}))
+    m.received(commit(rid=5, digest="Z"))                 # two commits it never proposed for
+    m.received(commit(rid=6, digest="Z"))
+    for attempt in (0, 1):                                # two failed reduces
+        m.session_sends(submit(rid=2))
+        jobs(m.received(order(rid=2, attempt=attempt)))
+        m.completed(Reduced("", "failed"))
+    for attempt in (2, 3):                                # two jobs that raised
+        jobs(m.received(order(rid=2, attempt=attempt)))
+        m.completed(JobFailed("boom"))
+    assert m.stats == {"committed": 2, "lost_track": 2, "reduce_failed": 2, "internal_errors": 2}
+    h = MemberMachine(WID)
+    h.session_sends(Join(WID, PROTOCOL_VERSION, SPEC))
+    for _ in range(2):                                    # two heals
+        jobs(h.received(welcome(source="w3")))
+        h.completed(Healed((1, 1), ("h0", "h1"), {"a": "x"}))
+    assert h.stats == {"healed": 2}
+    k = started(MemberMachine(WID))
+    for n in (1, 2):                                      # two restarts that keep an orphan and relabel
+        k.session_sends(submit(rid=n - 1))
+        jobs(k.received(order(rid=n - 1)))
+        k.completed(Reduced(f"O{n}"))
+        jobs(k.received(welcome(rounds=(10 * n, 10 * n), committed=((n - 1, f"O{n}"), (-1, "")))))
+        k.completed(Started((f"O{n}", "d1"), {"a": "p"}))
+    assert k.stats == {"adopted_after_reconnect": 2, "relabelled": 2, "committed": 2}
+
+
+def test_exact_two_blamed_members_are_both_named():
+    o = ReduceOrder(0, 0, 0, ("w1", "w2"), "g0", norms=(1.0, 1.0))
+    assert judge_reduce(o, (5.0, 6.0), lambda: 0.0) == Reduced(
+        "", "contributions failing the checks (norm as decoded > declared): w1 (5 > 1), w2 (6 > 1)",
+        blame=("w1", "w2"))
+
+
+def test_exact_provenance_with_a_short_record_and_a_round_zero_commit():
+    m = MemberMachine(WID)
+    m.restored = RestoredState({"a": "old"}, FRAGMENTS, (1, 3), ("x0", "old1"))
+    m.session_sends(Join(WID, PROTOCOL_VERSION, SPEC))
+    # The record names fragment 0's commit at round 0 with another digest, and nothing of fragment 1.
+    jobs(m.received(welcome(rounds=(1, 3), committed=((0, "other"),))))
+    m.completed(Started(("x0", "old1"), {"a": "old"}))
+    assert not m.state_confirmed                          # fragment 0: not the state round 0 made
+    assert m._confirmed == [False, True]                  # fragment 1: the run never committed it
+
+
+def test_exact_a_commit_of_its_own_proposal_says_nothing_else_to_the_session():
+    m = reported(started(MemberMachine(WID)), digest="D")
+    out = m.received(commit(digest="D"))
+    assert out == [RunJob(CommitJob(0, 0, "D"))]
+
+
+def test_exact_a_commit_while_its_reduce_runs_is_one_lost_track():
+    m = started(MemberMachine(WID))
+    jobs(m.received(order()))
+    out = m.received(commit(digest="D"))
+    assert [a.item.kind for a in out if isinstance(a, ToSession)] == [PlaneEventKind.LOST_TRACK]
+    assert m.stats["lost_track"] == 1
+
+
+def test_exact_an_abort_drops_only_its_own_queued_reduce():
+    m = started(MemberMachine(WID))
+    jobs(m.received(order()))                             # fragment 0's reduce runs
+    m.session_sends(submit(fid=1))
+    m.received(order(fid=1))                              # fragment 1's waits behind it
+    m.received(HealOrder("w3", "h1"))                     # and a heal order
+    assert m.received(ReduceAbort(0, 0, 0, "timeout")) == []
+    (rollback,) = jobs(m.completed(Reduced("D")))         # aborted while it ran: rolled back
+    assert rollback == RollbackJob((0,))
+    (nxt,) = jobs(m.completed(RolledBack()))
+    assert isinstance(nxt, ReduceJob) and nxt.order.fragment_id == 1
+    # Aborting the queued one instead drops it, and keeps the heal order.
+    q = started(MemberMachine(WID))
+    jobs(q.received(order()))
+    q.session_sends(submit(fid=1))
+    q.received(order(fid=1))
+    q.received(HealOrder("w3", "h1"))
+    q.received(ReduceAbort(1, 0, 0, "timeout"))
+    (report,) = to_coordinator(q.completed(Reduced("D")))
+    assert report.ok and jobs(q.received(commit(digest="D"))) == [CommitJob(0, 0, "D")]
+    assert jobs(q.completed(Committed({"a": 1}))) == [ServeHealJob(HealOrder("w3", "h1"))]
+
+
+def test_exact_a_voided_reduce_is_forgotten_once_it_ends():
+    m = started(MemberMachine(WID))
+    jobs(m.received(order()))
+    jobs(m.received(welcome(rounds=(0, 0))))              # a restarted coordinator: the reduce is voided
+    assert to_coordinator(m.completed(Reduced("", "failed"))) == []
+    m.completed(Started(("d0", "d1"), {"a": "p"}))
+    m.session_sends(submit())
+    jobs(m.received(order()))                             # its own attempt 0 of round 0
+    (report,) = to_coordinator(m.completed(Reduced("D")))
+    assert report.ok and report.attempt == 0
+
+
+def test_exact_an_overlapping_submit_survives_the_commit_of_the_round_before():
+    m = reported(started(MemberMachine(WID)), digest="D")
+    m.session_sends(submit(rid=1))                        # overlap: round 1's Submit before round 0's Result
+    jobs(m.received(commit(digest="D")))
+    m.completed(Committed({"a": "new"}))
+    (job,) = jobs(m.received(order(rid=1)))
+    assert isinstance(job, ReduceJob) and job.submit.round_id == 1
+
+
+def test_exact_a_failed_heal_of_a_member_that_offered_start_params_joins_again_without_them():
+    m = MemberMachine(WID)
+    m.received(Error(ErrorCode.START_PARAMS_REQUIRED, "start it", "Join"))
+    (join,) = to_coordinator(m.session_sends(Join(WID, PROTOCOL_VERSION, SPEC, dict(PARAMS))))
+    assert join.holds_params
+    jobs(m.received(welcome(source="w3")))               # another member started the run meanwhile
+    out = m.completed(HealFailed("gone"))
+    assert to_coordinator(out) == [Leave(WID), Join(WID, PROTOCOL_VERSION, SPEC)]
+
+
+def test_exact_a_job_failing_after_its_attempt_was_aborted():
+    m = started(MemberMachine(WID))
+    jobs(m.received(order()))
+    m.received(ReduceAbort(0, 0, 0, "timeout"))
+    assert to_session(m.completed(JobFailed("late")))[0].kind is PlaneEventKind.JOB_FAILED
+
+
 # --------------------------------------------------------------------------- the spec names these tests
 
 
