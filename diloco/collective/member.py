@@ -318,7 +318,6 @@ class MemberMachine:
         self.worker_id = worker_id
         #: Whether the last Welcome put this worker on the collective plane (else: pass through).
         self.collective = False
-        self.welcome: Welcome | None = None
         #: The replica's committed state, or None before a start or heal built one.
         self.held: HeldState | None = None
         #: Per fragment: whether the held state is the one its round label names in this run (the
@@ -450,7 +449,6 @@ class MemberMachine:
             out.append(ToSession(welcome))
             return
         self.collective = True
-        self.welcome = welcome
         self._pending.clear()
         out.append(NewStore(welcome.store_port, float(welcome.collective_timeout_s) or 30.0))
         if welcome.heal_source:

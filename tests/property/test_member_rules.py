@@ -552,7 +552,7 @@ def test_exact_the_start_and_heal_paths_say_what_went_wrong():
     assert m.received(welcome()) == [NewStore(7, 2.0), ToSession(PlaneEvent(
         PlaneEventKind.NO_START_STATE,
         "the coordinator welcomed this worker as the run's start, but it sent no params to start from"))]
-    assert not m.welcome_withheld and m.welcome is not None and m.collective
+    assert not m.welcome_withheld and m.collective
     # A collective_timeout_s of 0 falls back to 30 s for the store client.
     m0 = MemberMachine(WID)
     m0.session_sends(Join(WID, PROTOCOL_VERSION, SPEC))
@@ -808,6 +808,79 @@ def test_exact_a_job_failing_after_its_attempt_was_aborted():
     jobs(m.received(order()))
     m.received(ReduceAbort(0, 0, 0, "timeout"))
     assert to_session(m.completed(JobFailed("late")))[0].kind is PlaneEventKind.JOB_FAILED
+
+
+def test_exact_off_the_collective_plane_everything_passes_through_unchanged():
+    m = MemberMachine(WID)
+    assert m.state_confirmed and not m.collective
+    join = Join(WID, PROTOCOL_VERSION, SPEC, dict(PARAMS))  # the hub's params_required answer
+    ready = Submit(WID, 0, 0, {"a": "pg"}, scales={"a": "s"})
+    assert m.session_sends(join) == [ToCoordinator(join)] and m.session_sends(ready) == [ToCoordinator(ready)]
+
+
+def test_exact_a_collective_ready_carries_no_tensors_and_no_scales():
+    m = started(MemberMachine(WID))
+    out = m.session_sends(Submit(WID, 0, 0, {"a": "pg"}, scales={"a": "s"}, norm=2.0))
+    assert out == [ToCoordinator(Submit(WID, 0, 0, {}, scales={}, norm=2.0))]
+
+
+def test_exact_adopted_keeps_the_last_4096_commits():
+    m = started(MemberMachine(WID))
+    for rid in range(4097):
+        m.session_sends(submit(rid=rid))
+        jobs(m.received(order(rid=rid)))
+        m.completed(Reduced(f"D{rid}"))
+        m.received(commit(rid=rid, digest=f"D{rid}"))
+        m.completed(Committed({}))
+    assert len(m.adopted) == 4096 and m.adopted[0] == (0, 1, "D1") and m.adopted[-1] == (0, 4096, "D4096")
+
+
+def test_exact_a_completion_with_nothing_running_or_of_another_job_kind():
+    m = started(MemberMachine(WID))
+    assert m.completed(RolledBack()) == []                   # nothing runs: nothing to answer
+    for wrong in (Started((), {}), HealFailed("x"), HealServed(True), Healed((), (), {})):
+        m2 = started(MemberMachine(WID))
+        jobs(m2.received(order()))
+        with pytest.raises(TypeError, match=f"^{type(wrong).__name__} does not answer a ReduceJob$"):
+            m2.completed(wrong)
+
+
+def test_exact_aborts_and_failed_dispatches_are_counted_past_one():
+    m = started(MemberMachine(WID))
+    for attempt in (0, 1):
+        m.session_sends(submit())
+        jobs(m.received(order(attempt=attempt)))
+        m.completed(Reduced("D"))
+        m.received(ReduceAbort(0, 0, attempt, "timeout"))
+        m.completed(RolledBack())
+    for attempt in (2, 3):
+        m.received(ReduceOrder(0, 0, attempt, ("w2", "w3"), "g0"))  # not in the group
+    assert m.stats == {"aborted": 2, "reduce_failed": 2}
+
+
+def test_exact_an_orphan_of_a_fragment_the_record_does_not_name_is_rolled_back():
+    m = started(MemberMachine(WID))
+    m.session_sends(submit(fid=1))
+    jobs(m.received(order(fid=1)))
+    m.completed(Reduced("P"))
+    (job,) = jobs(m.received(welcome(rounds=(0, 0), committed=((-1, ""),))))  # a record of one fragment
+    assert job.keep and job.adopt == () and job.rollback == (1,)
+
+
+def test_exact_a_kept_start_carries_no_params_even_after_a_start_params_request():
+    m = started(MemberMachine(WID))
+    m.received(Error(ErrorCode.START_PARAMS_REQUIRED, "start it", "Join"))
+    m.session_sends(Join(WID, PROTOCOL_VERSION, SPEC, dict(PARAMS)))
+    (job,) = jobs(m.received(welcome()))
+    assert job.keep and job.params is None
+
+
+def test_exact_a_member_that_holds_nothing_serves_no_heal():
+    m = MemberMachine(WID)
+    m.session_sends(Join(WID, PROTOCOL_VERSION, SPEC))
+    m.received(welcome())                                    # NO_START_STATE: collective, nothing held
+    assert m.collective and m.held is None
+    assert m.received(HealOrder("w3", "h1")) == []
 
 
 # --------------------------------------------------------------------------- the spec names these tests
