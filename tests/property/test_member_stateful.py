@@ -18,7 +18,8 @@ After every step: no member adopts what the machine did not commit; members that
 older snapshot numbers rounds from its record again, C6, so a round id names one state per
 coordinator incarnation; M10 keeps such labels out of checkpoints); no commit has fewer than
 ``min_workers`` contributors; no committed step contains a contribution that fails the checks;
-no honest member is evicted.
+no honest member is evicted; every checkpoint a member writes at its sync point (M10: only once
+its state is confirmed) holds, for its round label, a state a commit made for that label.
 At the end, with the faults stopped: when at least ``min_workers`` honest members live, a round
 commits within a bounded number of steps (or the run stopped with a reason).
 """
@@ -126,6 +127,7 @@ class MemberWorld(RuleBasedStateMachine):
         #: A member incarnation (its peer name) -> how many of its machine's adoptions are checked, and under which
         #: coordinator generation each was made.
         self.adoptions: dict[str, list[int]] = {}
+        self.checkpoints_written = 0
         self.members: dict[str, Member] = {}
         self.incarnations = collections.Counter()
         #: (wid, fid, rid) -> (actual contribution, declared norm) of the Submits made.
@@ -189,9 +191,23 @@ class MemberWorld(RuleBasedStateMachine):
                 "lie_nan": (math.nan, abs(honest))}[self.bad_mode]
 
     def _submit(self, m: Member) -> None:
+        self._checkpoint(m)  # at the sync point, as --checkpoint-every 1
         value, norm = self._contribution(m, 0, m.round)
         self.sent[(m.wid, 0, m.round)] = (value, norm)
         self._session_send(m, Submit(m.wid, 0, m.round, {"x": value}, norm=norm))
+
+    def _checkpoint(self, m: Member) -> None:
+        """What the worker writes (M10): nothing while its state is unconfirmed; else the held round
+        label with the replica's state, which must be one a commit made for that label."""
+        held = m.machine.held
+        if held is None or m.value is None or not m.machine.state_confirmed:
+            return
+        label, digest = held.round_ids[0], _digest(0, m.value)
+        made = {commits.get((0, label - 1)) for commits in self.commits.values()} - {None}
+        assert label == 0 or digest in made, (
+            f"{m.wid} wrote a checkpoint of round {label} holding {digest}, a state no commit made for that "
+            f"label ({sorted(made)})")
+        self.checkpoints_written += 1
 
     def _session(self, m: Member, item) -> None:
         """The session's part, simplified: join, say ready, take Results, join again when told."""
@@ -495,6 +511,7 @@ class MemberWorld(RuleBasedStateMachine):
         event(f"commits during the faults: {min(self.c.fsm.rounds_applied, 3)}{'+' if self.c.fsm.rounds_applied >= 3 else ''}")
         event(f"evictions: {sum(1 for k, _ in self.events if k == 'evicted')}")
         event(f"coordinator restarts: {min(self.generation, 2)}{'+' if self.generation >= 2 else ''}")
+        event(f"checkpoints written: {min(self.checkpoints_written, 5)}{'+' if self.checkpoints_written >= 5 else ''}")
         if self.c.stopped:
             assert self.c.stop_reason, "the run stopped with no reason"
             return
