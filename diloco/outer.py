@@ -220,7 +220,7 @@ class OptimizerBackup:
 
     def take(self, opt: torch.optim.Optimizer) -> None:
         kept: dict[int, dict] = {}
-        for i, p in enumerate(_params_of(opt)):
+        for i, p in enumerate(params_of(opt)):
             live = opt.state.get(p)
             if not live:
                 continue
@@ -240,7 +240,7 @@ class OptimizerBackup:
 
     def restore(self, opt: torch.optim.Optimizer) -> None:
         with torch.no_grad():
-            for i, p in enumerate(_params_of(opt)):
+            for i, p in enumerate(params_of(opt)):
                 saved = self._state.get(i)
                 if saved is None:
                     opt.state.pop(p, None)
@@ -270,5 +270,6 @@ class OptimizerBackup:
         return {"state": state, "param_groups": groups}
 
 
-def _params_of(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+def params_of(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every param of ``opt``, in its param groups' order (the order its state_dict numbers them)."""
     return [p for g in opt.param_groups for p in g["params"]]

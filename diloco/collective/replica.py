@@ -37,7 +37,7 @@ from typing import Mapping
 import torch
 
 from diloco.collective.reduce import difference_norm, tensors_norm
-from diloco.outer import OptimizerBackup, OuterConfig, build_outer_optimizer
+from diloco.outer import OptimizerBackup, OuterConfig, build_outer_optimizer, params_of
 from diloco.step_bound import state_keys, step_bound
 from diloco.wire import compression
 
@@ -211,7 +211,7 @@ class Replica:
     def _measure(self, fid: int) -> _Bounds:
         """The norms of fragment ``fid``'s params and of the optimizer state ``step_bound`` carries."""
         opt = self.optimizers[fid]
-        state = {bound: tensors_norm({str(i): opt.state[p][key] for i, p in enumerate(_params_of(opt))
+        state = {bound: tensors_norm({str(i): opt.state[p][key] for i, p in enumerate(params_of(opt))
                                       if key in opt.state.get(p, {})})
                  for bound, key in state_keys(self.outer.name).items()}
         return _Bounds(tensors_norm(self.fragment(fid)) * (1 + 1e-5), state)
@@ -279,13 +279,9 @@ class Replica:
         optimizer.restore(self.optimizers[fid])
 
 
-def _params_of(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for g in opt.param_groups for p in g["params"]]
-
-
 def _steps_taken(opt: torch.optim.Optimizer) -> int:
     """The optimizer's own step count (Adam's, Delayed Nesterov's; 0 for SGD, which keeps none)."""
-    for p in _params_of(opt):
+    for p in params_of(opt):
         step = opt.state.get(p, {}).get("step")
         if step is not None:
             return int(step)
