@@ -60,22 +60,6 @@ def tensors_norm(tensors: Mapping[str, torch.Tensor]) -> float:
     return total ** 0.5
 
 
-def difference_norm(after: Mapping[str, torch.Tensor], before: Mapping[str, torch.Tensor],
-                    scratch: torch.Tensor) -> float:
-    """``tensors_norm`` of ``after - before`` (the same names), through ``scratch`` (fp32, any size)
-    a chunk at a time rather than a model-sized difference: the norm of an outer step. Non-finite
-    when ``after`` is (``before`` being finite)."""
-    total = 0.0
-    chunk = scratch.numel() - scratch.numel() % _NORM_BLOCK
-    for name, a in after.items():
-        a, b = a.detach().reshape(-1), before[name].detach().reshape(-1)
-        for start in range(0, a.numel(), chunk):
-            part = scratch[:min(chunk, a.numel() - start)]
-            torch.sub(a[start:start + part.numel()], b[start:start + part.numel()], out=part)
-            total += tensors_norm({"": part}) ** 2
-    return total ** 0.5
-
-
 def contribution_norm(encoded: compression.Encoded, wire_dtype: str, shapes: Mapping[str, torch.Size]) -> float:
     """The norm of this member's pseudo-gradient as the group will decode it: what it declares."""
     names = list(shapes)

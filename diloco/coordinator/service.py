@@ -74,7 +74,7 @@ from diloco.coordinator.metrics import MetricsHistory
 from diloco.core import trace
 from diloco.coordinator.outliers import OutlierGuard
 from diloco.outer import OptimizerBackup, build_outer_optimizer
-from diloco.coordinator.outer import GradBlocks, Magnitudes, blocked_step_applies, step_in_blocks
+from diloco.blocked_step import GradBlocks, Magnitudes, blocked_step_applies, step_in_blocks
 from diloco.coordinator.params import (
     describe_mismatch,
     NonFinite,

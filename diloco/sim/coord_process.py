@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from diloco.core import FSMConfig
 from diloco.coordinator.checkpoint import coordinator_state, restore_coordinator
 from diloco.coordinator.config import CoordinatorConfig
-from diloco.coordinator.outer import OuterConfig
+from diloco.outer import OuterConfig
 from diloco.coordinator.service import Coordinator
 from diloco.sim.network import ADMIN, freeze
 from diloco.sim.trace import hash_values

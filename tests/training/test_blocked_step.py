@@ -1,6 +1,6 @@
 """The hub's Nesterov step and mean made block by block give the very bits of the whole-tensor ones.
 
-``diloco.coordinator.outer.step_in_blocks`` makes ``torch.optim.SGD``'s Nesterov step one cache-sized
+``diloco.blocked_step.step_in_blocks`` makes ``torch.optim.SGD``'s Nesterov step one cache-sized
 block at a time, and ``ParamStore.take_mean`` divides and unscales block by block: both elementwise,
 with the same kernels and scalars, so nothing may change by a bit (a journal written before replays
 to the same params). Odd sizes put elements on the kernels' scalar tails; one and two threads split
@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diloco.coordinator.outer import BLOCK, OuterConfig, build_outer_optimizer, step_in_blocks
+from diloco.blocked_step import BLOCK, step_in_blocks
+from diloco.outer import OuterConfig, build_outer_optimizer
 from diloco.coordinator.params import SUM_SCALE, ParamStore
 
 SHAPES = {"big": (3 * BLOCK + 17,), "odd": (7, 1001), "one": (1,), "empty": (0, 3), "edge": (BLOCK,)}

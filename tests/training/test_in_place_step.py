@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diloco.coordinator.outer import IN_PLACE_LIMIT, BLOCK, OuterConfig, build_outer_optimizer, step_in_blocks
+from diloco.blocked_step import BLOCK, IN_PLACE_LIMIT, step_in_blocks
+from diloco.outer import OuterConfig, build_outer_optimizer
 from diloco.coordinator.params import ParamStore
 from diloco.testing import joined, make_coordinator
 from diloco.wire.messages import Result, Submit

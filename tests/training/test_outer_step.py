@@ -15,7 +15,7 @@ import torch
 
 from diloco.core import Mode
 from diloco.coordinator import Coordinator, OuterConfig
-from diloco.coordinator.outer import DelayedNesterov
+from diloco.outer import DelayedNesterov
 from diloco.testing import join_message, make_coordinator, only
 from diloco.wire.messages import Accepted, Result, Submit, Welcome
 

@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diloco.collective.reduce import difference_norm, tensors_norm
-from diloco.collective.replica import Replica, StepRefused, digest
+from diloco.collective.reduce import tensors_norm
+from diloco.collective.replica import Replica, StepRefused, digest, digest_and_step_norm
 from diloco.outer import OuterConfig
 
 FRAGMENTS = (("a", "b"),)
@@ -118,10 +118,19 @@ def test_a_non_finite_step_is_refused_as_non_finite():
     assert r.round_ids == [0] and not r.has_proposal(0)
 
 
-def test_difference_norm_is_exact_through_a_small_scratch():
-    a = {"x": torch.randn(10_007), "y": torch.randn(3)}
-    b = {"x": torch.randn(10_007), "y": torch.randn(3)}
+def test_the_digest_and_the_step_norm_in_one_pass_are_the_digest_and_the_exact_step_norm():
+    # Several chunks (a chunk is 65,536 elements through this scratch), an odd size, a tail shorter
+    # than a digest block, an empty tensor: each chunk's block sums and difference are the whole's.
+    a = {"x": torch.randn(3 * 65_536 + 7), "y": torch.randn(3), "z": torch.randn(0)}
+    b = {n: t + torch.randn(t.shape) for n, t in a.items()}
     expected = float(torch.cat([(a[n] - b[n]).double().reshape(-1) for n in a]).norm())
-    assert difference_norm(a, b, torch.empty(4096 * 2 + 5)) == pytest.approx(expected, rel=1e-6)
+    vote, norm = digest_and_step_norm(a, b, torch.empty(65_536 + 5))
+    assert vote == digest(a)
+    assert norm == pytest.approx(expected, rel=1e-6)
+    a["x"][150_000] += 1.0  # one element in the third chunk: another digest, another norm
+    vote2, norm2 = digest_and_step_norm(a, b, torch.empty(65_536))
+    assert vote2 != vote and vote2 == digest(a) and norm2 != norm
     a["x"][9_000] = math.inf
-    assert not math.isfinite(difference_norm(a, b, torch.empty(4096)))
+    assert not math.isfinite(digest_and_step_norm(a, b, torch.empty(65_536))[1])
+    with pytest.raises(ValueError, match="smaller than one chunk"):
+        digest_and_step_norm(a, b, torch.empty(4096))

@@ -30,7 +30,7 @@ class ParamsChecks:
         cfg = self.cfg
         nf = len(fragments)
         # The coordinator builds its optimizers when the first worker is welcomed; Delayed
-        # Nesterov's default delay is the min_workers of that moment (coordinator/outer.py).
+        # Nesterov's default delay is the min_workers of that moment (diloco/outer.py).
         delay = cfg["outer_delay"] or max(1, self.min_workers)
         opt = [{"buf": None} if cfg["mode"] == "sync" else {"m": None, "d": None, "step": 0} for _ in range(nf)]
         self.model = _Model(fragments=fragments, rounds=[0] * nf,

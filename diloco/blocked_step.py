@@ -1,5 +1,5 @@
-"""The outer optimizer's old home (it lives in ``diloco.outer``: the collective plane's members run it
-too), and the hub's Nesterov step made in cache-sized blocks, to the same bits.
+"""The Nesterov outer step made in cache-sized blocks, to the same bits as ``torch.optim.SGD``'s: the
+hub's coordinator and every collective member take it.
 
 ``torch.optim.SGD``'s Nesterov step (its single-tensor path, which CPU tensors take) makes four passes
 over each parameter and a parameter-sized temporary: ``buf.mul_(m).add_(g)``, ``t = g.add(buf,
@@ -24,7 +24,6 @@ from typing import Protocol
 
 import torch
 
-from diloco.outer import DelayedNesterov, OPTIMIZERS, OuterConfig, OuterConfigError, build_outer_optimizer
 from diloco.outer import all_finite
 from diloco.wire import buffers
 
@@ -283,5 +282,5 @@ def blocked_step_applies(opt: torch.optim.Optimizer) -> bool:
         isinstance(opt.state.get(p, {}).get("momentum_buffer"), torch.Tensor) for p in group["params"])
 
 
-__all__ = ["BLOCK", "BlockedStep", "DelayedNesterov", "GradBlocks", "IN_PLACE_LIMIT", "Magnitudes", "OPTIMIZERS",
-           "OuterConfig", "OuterConfigError", "blocked_step_applies", "build_outer_optimizer", "step_in_blocks"]
+__all__ = ["BLOCK", "BlockedStep", "GradBlocks", "IN_PLACE_LIMIT", "Magnitudes", "blocked_step_applies",
+           "step_in_blocks"]
