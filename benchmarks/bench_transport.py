@@ -594,7 +594,7 @@ class _Probe:
     Marks, in the order a round passes them: ``order`` (the ReduceOrder reached the endpoint), ``reduce0``
     (``mean_pseudo_gradient`` starts: after the job hand-off and the group lookup), ``allreduce0`` /
     ``allreduce1`` (gloo's all-reduce: before it is the flatten and copy of the pseudo-gradient),
-    ``reduce1``, ``propose0`` (the outer step: backup copies, step, finiteness), ``digest0`` / ``digest1``,
+    ``reduce1``, ``propose0`` / ``propose1`` (the proposal: backup, step, the step's norm, digest),
     ``report`` (the ReduceReport leaves through the ZeroMQ endpoint), ``verdict`` (the commit's Result
     reached the endpoint), ``commit0`` / ``commit1``, ``posted`` (the params cloned into the session's
     Result and handed over)."""
@@ -632,7 +632,6 @@ class _Probe:
 
         around(ep_mod, "mean_pseudo_gradient", "reduce0", "reduce1")
         around(reduce_mod, "_wait", "allreduce0", "allreduce1")
-        around(replica_mod, "digest", "digest0", "digest1")
         around(replica_mod.Replica, "propose", "propose0", "propose1")
         around(replica_mod.Replica, "commit", "commit0", "commit1")
         import diloco.collective.member as member_mod
@@ -737,8 +736,10 @@ def op_costs(n_params: int, k: int, out_q) -> None:
 
     import torch
     torch.set_num_threads(1)
-    from diloco.collective.replica import Replica, digest
-    from diloco.outer import all_finite
+    from diloco.blocked_step import step_in_blocks
+    from diloco.collective.reduce import tensors_norm
+    from diloco.collective.digest import StepWatch, digest, digest_and_step_norm
+    from diloco.collective.replica import Replica
     from diloco.outer import OuterConfig
 
     shapes = shapes_for(n_params)
@@ -762,15 +763,22 @@ def op_costs(n_params: int, k: int, out_q) -> None:
         for p in params.values():
             p.grad = None
 
+    scratch = torch.empty(1 << 18)
+
     ops = {
         "flatten into the kept reduce buffer (cat out=)": lambda: torch.cat(
             [grad[n].reshape(-1).to(torch.float32) for n in names], out=reduce_buffer),
         "divide by k": lambda: flat.div_(1.0),
-        "backup of the params (copy into kept buffers)": lambda: [kept[n].copy_(p) for n, p in params.items()],
         "backup of the optimizer (copy into kept buffers)": lambda: opt_backup.take(opt),
-        "outer Nesterov step": step,
-        "finiteness (all_finite: a sum)": lambda: [all_finite(p) for p in params.values()],
-        "digest": lambda: digest(params),
+        "the mean's norm (the judge's, tensors_norm)": lambda: tensors_norm(grad),
+        "Nesterov step in blocks, each backed up, measured and digested (the replica's)": lambda: step_in_blocks(
+            opt, params, grad, undo_kept=True, watch=StepWatch(params, kept, scratch)).bad,
+        "(not in the round) backup of the params alone (copy into kept buffers)": lambda: [
+            kept[n].copy_(p) for n, p in params.items()],
+        "(not in the round) torch's own Nesterov step": step,
+        "(not in the round) digest and the step's norm after the step (other optimizers)": lambda: (
+            digest_and_step_norm(params, kept, scratch)),
+        "(not in the round) digest alone": lambda: digest(params),
         "clone for the Result": lambda: {n: t.clone() for n, t in params.items()},
         "(not in the round) fresh backup: clone + deepcopy": lambda: (
             {n: p.detach().clone() for n, p in params.items()}, copy.deepcopy(opt.state_dict())),
@@ -1075,9 +1083,9 @@ SEGMENTS = (
     ("reduce0", "allreduce0", "flatten of the pseudo-gradient into the kept reduce buffer (cat)"),
     ("allreduce0", "allreduce1", "gloo all-reduce of the flat buffer (incl. waiting for peers)"),
     ("allreduce1", "reduce1", "divide by k, unflatten"),
-    ("reduce1", "digest0", "outer step: backup into kept buffers + Nesterov step + finiteness"),
-    ("digest0", "digest1", "digest of the proposed params"),
-    ("digest1", "report", "ReduceReport handed to the owner thread and sent"),
+    ("reduce1", "propose0", "the mean judged (its norm against the bound, member.judge_reduce)"),
+    ("propose0", "propose1", "the proposal: backup, Nesterov step, the step's norm (M11), digest: one pass in blocks"),
+    ("propose1", "report", "ReduceReport handed to the owner thread and sent"),
     ("report", "verdict", "vote: coordinator waits for every report, commits, Result(digest) back"),
     ("verdict", "commit1", "the machine queues the commit job, the data thread wakes, Replica.commit"),
     ("commit1", "posted", "copy of the params into the session's Result (kept buffers), completion back"),

@@ -110,10 +110,25 @@ class GradBlocks(Protocol):
         """Make every tensor not yet made."""
 
 
+class BlockWatch(Protocol):
+    """Work of the caller's on each block of the params while the step has it in the cache (``watch``
+    of an in-place step with the caller's own undo): one pass over the model rather than one more
+    per job (a collective member backs each block up, then measures the step and its digest)."""
+
+    def before(self, name: str, start: int, end: int) -> None:
+        """Elements ``start:end`` (flat) of param ``name``, about to be stepped."""
+
+    def after(self, name: str, start: int, end: int) -> None:
+        """The same elements, stepped."""
+
+    def done(self, name: str) -> None:
+        """Param ``name`` was stepped whole."""
+
+
 def step_in_blocks(opt: torch.optim.Optimizer, params: dict[str, torch.Tensor], grad: dict[str, torch.Tensor],
                    *, grad_bound: float | None = None, magnitudes: Magnitudes | None = None,
                    overwrite: bool = False, undo_kept: bool = False,
-                   grad_blocks: GradBlocks | None = None) -> BlockedStep | None:
+                   grad_blocks: GradBlocks | None = None, watch: BlockWatch | None = None) -> BlockedStep | None:
     """``opt.step()`` with ``grad`` as the params' gradients, made block by block when ``opt`` is a plain
     Nesterov SGD whose momentum exists; None when it does not apply (nothing was changed: step as usual).
 
@@ -137,7 +152,12 @@ def step_in_blocks(opt: torch.optim.Optimizer, params: dict[str, torch.Tensor], 
     ``grad_blocks``: ``grad`` is not made yet. The in-place step proven finite makes each block of it
     just before reading it (one pass over the mean and the step together, not two); any other way,
     including a None return, makes all of it first.
+
+    ``watch`` (with ``undo_kept`` only): told of each block before and after it is stepped. On a None
+    return it was told nothing.
     """
+    if watch is not None and not undo_kept:
+        raise ValueError("a watch needs undo_kept: only the in-place step with the caller's undo tells one")
     group = _nesterov_group(opt)
     work = None if group is None else _work(opt, group, params, grad)
     if work is None:
@@ -153,7 +173,7 @@ def step_in_blocks(opt: torch.optim.Optimizer, params: dict[str, torch.Tensor], 
     if grad_blocks is not None:
         grad_blocks.finish()
     if undo_kept:
-        return BlockedStep(_step_in_place(work, lr, momentum, dampening, check=True), True, {}, None, [])
+        return BlockedStep(_step_in_place(work, lr, momentum, dampening, check=True, watch=watch), True, {}, None, [])
     return _step_to_fresh_memory(work, lr, momentum, dampening, measure=grad_bound is not None)
 
 
@@ -194,7 +214,7 @@ def _in_place_bounds(lr: float, momentum: float, grad_bound: float | None, magni
 
 
 def _step_in_place(work: list, lr: float, momentum: float, dampening: float, *, check: bool,
-                   grad_blocks: GradBlocks | None = None) -> str | None:
+                   grad_blocks: GradBlocks | None = None, watch: BlockWatch | None = None) -> str | None:
     """The step over the old values; with ``check``, the first param left non-finite (else None)."""
     bad = None
     with torch.no_grad():
@@ -210,15 +230,21 @@ def _step_in_place(work: list, lr: float, momentum: float, dampening: float, *, 
                 pb, gb, bb = pf[start:end], gf[start:end], bf[start:end]
                 if grad_blocks is not None:
                     grad_blocks.block(name, start, end)
+                if watch is not None:
+                    watch.before(name, start, end)
                 # torch.optim.SGD, _single_tensor_sgd, for one block: the same calls, the same scalars.
                 bb.mul_(momentum).add_(gb, alpha=1 - dampening)
                 t = torch.add(gb, bb, alpha=momentum, out=scratch[:end - start])
                 pb.add_(t, alpha=-lr)
+                if watch is not None:
+                    watch.after(name, start, end)
                 if check:
                     torch.sum(pb, 0, keepdim=True, out=sums[blocks:blocks + 1])
                     blocks += 1
             if grad_blocks is not None:
                 grad_blocks.made(name)
+            if watch is not None:
+                watch.done(name)
             if bad is None and blocks and not bool(torch.isfinite(sums[:blocks]).all()) and not all_finite(p):
                 bad = name  # a block's sum not finite: a bad element, or finite values that overflow
     return bad
@@ -282,5 +308,5 @@ def blocked_step_applies(opt: torch.optim.Optimizer) -> bool:
         isinstance(opt.state.get(p, {}).get("momentum_buffer"), torch.Tensor) for p in group["params"])
 
 
-__all__ = ["BLOCK", "BlockedStep", "GradBlocks", "IN_PLACE_LIMIT", "Magnitudes", "blocked_step_applies",
+__all__ = ["BLOCK", "BlockWatch", "BlockedStep", "GradBlocks", "IN_PLACE_LIMIT", "Magnitudes", "blocked_step_applies",
            "step_in_blocks"]

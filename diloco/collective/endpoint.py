@@ -183,7 +183,10 @@ class CollectiveEndpoint:
         return self.inner.sending()
 
     def receiving(self) -> bool:
-        return self.inner.receiving()
+        # M5: a withheld Welcome is on its way: the session heartbeats rather than resending its
+        # Join, so the coordinator, which counts it a member since the Welcome, hears it alive
+        # through a heal longer than the heartbeat timeout.
+        return self.machine.welcome_withheld or self.inner.receiving()
 
     @property
     def address(self) -> str | None:

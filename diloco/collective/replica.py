@@ -12,26 +12,23 @@ bf16 and int8 runs round the step the way the hub does (``quantized_update``:
 params = old + decode(encode(new - old))), so the planes follow the same
 trajectory whatever the wire dtype.
 
-The digest is SHA-256 over, per tensor, its name, size and the wrapping int64 sums
-of its fp32 bit patterns read as 64-bit words, one sum per block of 32,768 words.
-Integer sums do not depend on the order a kernel adds in, so every replica that
-holds the same bits computes the same digest; one different bit changes its
-block's sum. It guards against divergence (a bug, a nondeterministic kernel), not
-against a forger: a member that lies can also lie about its pseudo-gradient.
+The digest (``digest``) is of the params' bits, independent of the order a kernel
+adds in: every replica that holds the same bits votes the same.
 
 A round must not cost more than the reduce it follows, so the proposal's backup
 (params and optimizer state) is copied into buffers the replica keeps from round
 to round rather than into fresh ones: fresh 100M-parameter tensors on the
-data-plane thread cost more in page faults than the copy itself. A Nesterov step
-is the hub's blocked one (``blocked_step``: the same bits as ``opt.step()``, one
-cache-sized block at a time, no model-sized temporary), and the digest and the
-step's norm (M11) are measured in one pass over the new params.
+data-plane thread cost more in page faults than the copy itself. An fp32 Nesterov
+step is the hub's blocked one (``blocked_step``: the same bits as ``opt.step()``,
+one cache-sized block at a time, no model-sized temporary), and each block is
+backed up, stepped, measured (the step's norm, M11) and summed for the digest
+while it is in the cache (``digest.StepWatch``); any other step is taken whole, then
+measured and digested in one more pass (``digest_and_step_norm``).
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
 import math
 import threading
 from dataclasses import dataclass
@@ -39,16 +36,14 @@ from typing import Mapping
 
 import torch
 
-from diloco.collective.reduce import tensors_norm
 from diloco.blocked_step import step_in_blocks
+from diloco.collective.digest import StepWatch, digest, digest_and_step_norm
+from diloco.collective.reduce import tensors_norm
 from diloco.outer import OptimizerBackup, OuterConfig, build_outer_optimizer, params_of
 from diloco.step_bound import state_keys, step_bound
 from diloco.wire import compression
 
 Tensors = dict[str, torch.Tensor]
-
-#: 64-bit words per block sum: a 100M-parameter model hashes about 1,500 sums.
-_BLOCK_WORDS = 1 << 15
 
 #: Elements of the scratch buffer a step's norm is measured through (1 MB: a chunk of the params, its
 #: backup and its difference stay in the L2 cache; larger chunks measured slower, smaller ones pay
@@ -58,57 +53,6 @@ _SCRATCH = 1 << 18
 
 class StepRefused(FloatingPointError):
     """The outer step was not finite, or moved the params further than its bound allows (M11)."""
-
-
-def digest(params: Mapping[str, torch.Tensor]) -> str:
-    return _walk(params)[0]
-
-
-def digest_and_step_norm(after: Mapping[str, torch.Tensor], before: Mapping[str, torch.Tensor],
-                         scratch: torch.Tensor) -> tuple[str, float]:
-    """``digest(after)`` and the norm of ``after - before`` (``tensors_norm`` of the difference, the
-    outer step's norm), in one pass: a chunk of ``after`` is read once for both, its difference
-    going through ``scratch`` (fp32, at least ``_DIGEST_CHUNK`` elements) rather than a model-sized
-    tensor. Reading the params twice (a digest pass and a step pass) made a round about 5% slower.
-    The norm is non-finite when ``after`` is (``before`` being finite)."""
-    return _walk(after, before, scratch)
-
-
-#: A chunk of ``digest_and_step_norm``: whole digest blocks (two fp32 per word) and whole norm blocks.
-_DIGEST_CHUNK = 2 * _BLOCK_WORDS
-
-
-def _walk(after: Mapping[str, torch.Tensor], before: Mapping[str, torch.Tensor] | None = None,
-          scratch: torch.Tensor | None = None) -> tuple[str, float]:
-    h = hashlib.sha256()
-    squares = 0.0
-    chunk = 0
-    if before is not None:
-        if scratch is None or scratch.numel() < _DIGEST_CHUNK:
-            raise ValueError(f"the scratch buffer is smaller than one chunk ({_DIGEST_CHUNK} elements)")
-        chunk = scratch.numel() - scratch.numel() % _DIGEST_CHUNK
-    for name, t in after.items():
-        flat = t.detach().to(torch.float32).contiguous().reshape(-1)
-        n = flat.numel()
-        bits = flat.view(torch.int32)
-        words = bits[:n - n % 2].view(torch.int64)
-        full = words.numel() - words.numel() % _BLOCK_WORDS
-        tail = int(words[full:].sum()) if full < words.numel() else 0
-        odd = int(bits[-1]) if n % 2 else 0
-        h.update(f"{name}:{n}:{tail}:{odd}:".encode())
-        step = chunk or max(n, 1)
-        old = before[name].detach().reshape(-1) if before is not None else None
-        for start in range(0, n, step):
-            stop = min(start + step, n)
-            if start // 2 < full:  # the block sums of this chunk: int64 sums wrap, order-free
-                sums = words[start // 2:min(stop // 2, full)].view(-1, _BLOCK_WORDS).sum(dim=1)
-                h.update(sums.numpy().tobytes())
-            if old is not None:
-                part = scratch[:stop - start]
-                torch.sub(flat[start:stop], old[start:stop], out=part)
-                squares += tensors_norm({"": part}) ** 2
-        h.update(b";")
-    return h.hexdigest(), squares ** 0.5
 
 
 @dataclass
@@ -195,33 +139,21 @@ class Replica:
         for n, p in params.items():
             if n not in before:
                 before[n] = torch.empty_like(p)
-            before[n].copy_(p.detach())
         opt_before = self._optimizer_backups[fid]
-        opt_before.take(opt)
         if self._bounds[fid] is None:
             self._bounds[fid] = self._measure(fid)
-        with self._lock:  # from here a checkpoint reads the backup, not the state being stepped
+        # From here a checkpoint reads the backup, not the state being stepped; the backup may be
+        # taken during the step (``_StepWatch``), so a read waits for the step's end.
+        with self._lock:
+            opt_before.take(opt)
             self._proposals[fid] = _Backup(round_id, before, opt_before, "")
-        try:
-            # The backup above is the undo, so the blocked step may go in place.
-            if step_in_blocks(opt, params, {n: mean[n] for n in params}, undo_kept=True) is None:
-                for n, p in params.items():
-                    p.grad = mean[n]
-                opt.step()
-            if self.wire_dtype != "fp32":
-                _, new = compression.quantized_update(before, params, self.wire_dtype)
-                with torch.no_grad():
-                    for n, p in params.items():
-                        p.copy_(new[n])
-        except BaseException:
-            self._restore(fid, before, opt_before)
-            with self._lock:
+            try:
+                measured = self._step(opt, params, mean, before)
+            except BaseException:
+                opt_before.restore(opt)
                 del self._proposals[fid]
-            raise
-        finally:
-            for p in params.values():
-                p.grad = None
-        vote, step_norm = digest_and_step_norm(params, before, self._scratch)
+                raise
+        vote, step_norm = measured or digest_and_step_norm(params, before, self._scratch)
         refused = self._check_step(fid, step_norm, mean_bound)
         if refused is not None:
             self._restore(fid, before, opt_before)
@@ -230,6 +162,43 @@ class Replica:
             raise StepRefused(refused)
         self._proposals[fid].digest = vote
         return vote
+
+    def _step(self, opt: torch.optim.Optimizer, params: Tensors, mean: Mapping[str, torch.Tensor],
+              before: Tensors) -> tuple[str, float] | None:
+        """Step ``params`` (and ``opt``'s state) with ``mean``, leaving their old values in ``before``;
+        the digest and the step's norm when the step measured them on the way, else None. On an
+        exception the params are as they were (the caller restores the optimizer)."""
+        if self.wire_dtype == "fp32":
+            watch = StepWatch(params, before, self._scratch)
+            try:
+                # In place: the watch's backup is the undo.
+                blocked = step_in_blocks(opt, params, {n: mean[n] for n in params}, undo_kept=True, watch=watch)
+            except BaseException:
+                watch.undo()
+                raise
+            if blocked is not None:
+                return watch.result()
+        for n, p in params.items():
+            before[n].copy_(p.detach())
+        try:
+            for n, p in params.items():
+                p.grad = mean[n]
+            opt.step()
+            if self.wire_dtype != "fp32":
+                # As the hub: params = old + decode(encode(new - old)).
+                _, new = compression.quantized_update(before, params, self.wire_dtype)
+                with torch.no_grad():
+                    for n, p in params.items():
+                        p.copy_(new[n])
+        except BaseException:
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(before[n])
+            raise
+        finally:
+            for p in params.values():
+                p.grad = None
+        return None
 
     def _check_step(self, fid: int, norm: float, mean_bound: float) -> str | None:
         """Why the step fragment ``fid`` just took must not be voted for, or None (M11); on None the

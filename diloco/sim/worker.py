@@ -202,9 +202,10 @@ class SimWorker:
             return
         now = self.clock.now
         if kind == TICK:
-            # As CollectiveEndpoint.silence_s: a withheld Welcome is the coordinator's answer (M5).
+            # As CollectiveEndpoint.silence_s and .receiving: a withheld Welcome is the coordinator's
+            # answer, on its way (M5).
             withheld = self.plane is not None and self.plane.machine.welcome_withheld
-            self._run(self.session.tick(now, 0.0 if withheld else None))
+            self._run(self.session.tick(now, 0.0 if withheld else None, receiving=withheld))
             if self.alive:
                 self._arm_tick()
         else:

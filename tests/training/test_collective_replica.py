@@ -3,9 +3,11 @@ the orphaned proposal a coordinator crash leaves, and the heal transfer's wire f
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
+import pytest
 import torch
 
 from diloco.collective.endpoint import CollectiveEndpoint
@@ -169,13 +171,101 @@ def test_the_heal_transfer_carries_params_momentum_and_round_ids():
 def test_a_withheld_welcome_is_no_silence_to_the_session():
     """M5: while a start or heal carries the coordinator's Welcome, the session's outage clock (W11)
     hears no silence, however quiet the socket; a heal longer than --coordinator-timeout once made
-    the worker give up on a coordinator that had answered."""
+    the worker give up on a coordinator that had answered. And the Welcome counts as arriving, so
+    the session heartbeats: a heal delayed past the heartbeat timeout (its source busy serving a
+    joiner that had gone) once got the joiner declared dead and re-joining in a loop."""
 
     class Quiet(_NullEndpoint):
         def silence_s(self) -> float:
             return 25.0
 
+        def receiving(self) -> bool:
+            return False
+
     ep = CollectiveEndpoint(Quiet(), "w1")
-    assert ep.silence_s() == 25.0
+    assert ep.silence_s() == 25.0 and not ep.receiving()
     ep.machine.welcome_withheld = True
-    assert ep.silence_s() == 0.0
+    assert ep.silence_s() == 0.0 and ep.receiving()
+
+
+def _big_replica() -> tuple[Replica, dict]:
+    """A one-fragment replica over several step blocks (65,536 elements each), an odd-sized tensor, a
+    tail shorter than a digest block and an empty one; and the same state under torch's own optimizer."""
+    torch.manual_seed(3)
+    params = {"w": torch.randn(3 * 65_536 + 7), "v": torch.randn(100_001), "e": torch.randn(0)}
+    r = Replica(params, (tuple(params),), [0], OuterConfig(), "fp32", 2)
+    ref = {n: t.clone() for n, t in params.items()}
+    return r, ref
+
+
+def test_the_step_backed_up_measured_and_digested_block_by_block_is_torchs_step_and_its_digest():
+    """The fp32 Nesterov proposal (the blocked step with ``_StepWatch``): the very params torch's own
+    step gives, a vote that is their digest, and an exact backup (an abort restores every bit)."""
+    from diloco.outer import build_outer_optimizer
+
+    r, ref = _big_replica()
+    ref_opt = build_outer_optimizer(list(ref.values()), OuterConfig(), 2)
+    for round_id in range(4):  # the first step makes the momentum (torch's path), the rest are blocked
+        mean = {n: torch.randn(t.shape) * 0.01 for n, t in ref.items()}
+        before = {n: t.clone() for n, t in r.params.items()}
+        momentum = [s["momentum_buffer"].clone() for s in r.optimizer_states()[0]["state"].values()]
+        vote = r.propose(0, round_id, mean, mean_bound=1e9)
+        for n, p in ref.items():
+            p.grad = mean[n].clone()
+        ref_opt.step()
+        assert all(torch.equal(r.params[n], ref[n]) for n in ref), round_id
+        assert vote == digest(ref), round_id
+        if round_id == 2:  # an abort puts back the params and the momentum, bit for bit
+            r.rollback(0)
+            assert all(torch.equal(r.params[n], before[n]) for n in before)
+            assert all(torch.equal(m, s["momentum_buffer"])
+                       for m, s in zip(momentum, r.optimizer_states()[0]["state"].values()))
+            assert r.propose(0, round_id, mean, mean_bound=1e9) == vote, "the same step again"
+        assert r.commit(0, round_id, vote)
+
+
+def test_the_step_measured_block_by_block_is_the_step_measured_whole():
+    from diloco.blocked_step import step_in_blocks
+    from diloco.collective import digest as digest_mod
+
+    r, _ = _big_replica()
+    r.commit(0, 0, r.propose(0, 0, {n: torch.ones(t.shape) for n, t in r.params.items()}, mean_bound=1e9))
+    opt, params = r.optimizers[0], r.fragment(0)
+    old = {n: t.clone() for n, t in params.items()}
+    backup = {n: torch.full_like(t, math.nan) for n, t in params.items()}
+    watch = digest_mod.StepWatch(params, backup, torch.empty(1 << 18))
+    mean = {n: torch.randn(t.shape) for n, t in params.items()}
+    assert step_in_blocks(opt, params, mean, undo_kept=True, watch=watch) is not None
+    assert all(torch.equal(backup[n], old[n]) for n in old), "every block backed up before its step"
+    vote, norm = watch.result()
+    whole_vote, whole_norm = digest_mod.digest_and_step_norm(params, old, torch.empty(1 << 18))
+    assert vote == whole_vote == digest(params)
+    expected = float(torch.cat([(params[n].double() - old[n].double()).reshape(-1) for n in old]).norm())
+    assert norm == pytest.approx(expected, rel=1e-6) and whole_norm == pytest.approx(expected, rel=1e-6)
+    with pytest.raises(ValueError, match="needs undo_kept"):
+        step_in_blocks(opt, params, mean, watch=watch)
+
+
+def test_a_step_that_fails_part_way_leaves_the_replica_as_it_was(monkeypatch):
+    from diloco.collective import digest as digest_mod
+
+    r, _ = _big_replica()
+    r.commit(0, 0, r.propose(0, 0, {n: torch.ones(t.shape) for n, t in r.params.items()}, mean_bound=1e9))
+    params = {n: t.clone() for n, t in r.params.items()}
+    momentum = [s["momentum_buffer"].clone() for s in r.optimizer_states()[0]["state"].values()]
+    real_after = digest_mod.StepWatch.after
+    seen = []
+
+    def failing_after(self, name, start, end):
+        real_after(self, name, start, end)
+        seen.append(name)
+        if len(seen) == 3:  # the third block: two stepped and measured, the rest untouched
+            raise MemoryError("the machine ran out part way")
+
+    monkeypatch.setattr(digest_mod.StepWatch, "after", failing_after)
+    with pytest.raises(MemoryError):
+        r.propose(0, 1, {n: torch.full(t.shape, 0.5) for n, t in r.params.items()}, mean_bound=1e9)
+    assert all(torch.equal(r.params[n], params[n]) for n in params)
+    assert all(torch.equal(m, s["momentum_buffer"])
+               for m, s in zip(momentum, r.optimizer_states()[0]["state"].values()))
+    assert not r.has_proposal(0) and r.round_ids == [1]

@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from diloco.collective.reduce import tensors_norm
-from diloco.collective.replica import Replica, StepRefused, digest, digest_and_step_norm
+from diloco.collective.digest import digest, digest_and_step_norm
+from diloco.collective.replica import Replica, StepRefused
 from diloco.outer import OuterConfig
 
 FRAGMENTS = (("a", "b"),)
