@@ -737,6 +737,7 @@ def op_costs(n_params: int, k: int, out_q) -> None:
     import torch
     torch.set_num_threads(1)
     from diloco.blocked_step import step_in_blocks
+    from diloco.collective import reduce as reduce_mod
     from diloco.collective.reduce import tensors_norm
     from diloco.collective.digest import StepWatch, digest, digest_and_step_norm
     from diloco.collective.replica import Replica
@@ -768,9 +769,9 @@ def op_costs(n_params: int, k: int, out_q) -> None:
     ops = {
         "flatten into the kept reduce buffer (cat out=)": lambda: torch.cat(
             [grad[n].reshape(-1).to(torch.float32) for n in names], out=reduce_buffer),
-        "divide by k": lambda: flat.div_(1.0),
+        "divide by k, measuring the mean's norm (one pass)": lambda: reduce_mod._divide_and_measure(flat, 1),
         "backup of the optimizer (copy into kept buffers)": lambda: opt_backup.take(opt),
-        "the mean's norm (the judge's, tensors_norm)": lambda: tensors_norm(grad),
+        "(not in the round) the mean's norm alone (tensors_norm)": lambda: tensors_norm(grad),
         "Nesterov step in blocks, each backed up, measured and digested (the replica's)": lambda: step_in_blocks(
             opt, params, grad, undo_kept=True, watch=StepWatch(params, kept, scratch)).bad,
         "(not in the round) backup of the params alone (copy into kept buffers)": lambda: [
@@ -1082,8 +1083,8 @@ SEGMENTS = (
     ("order", "reduce0", "hand-off to the data-plane thread, group lookup"),
     ("reduce0", "allreduce0", "flatten of the pseudo-gradient into the kept reduce buffer (cat)"),
     ("allreduce0", "allreduce1", "gloo all-reduce of the flat buffer (incl. waiting for peers)"),
-    ("allreduce1", "reduce1", "divide by k, unflatten"),
-    ("reduce1", "propose0", "the mean judged (its norm against the bound, member.judge_reduce)"),
+    ("allreduce1", "reduce1", "divide by k measuring the mean's norm, unflatten"),
+    ("reduce1", "propose0", "the mean judged (its norm against the declared ones, member.judge_reduce)"),
     ("propose0", "propose1", "the proposal: backup, Nesterov step, the step's norm (M11), digest: one pass in blocks"),
     ("propose1", "report", "ReduceReport handed to the owner thread and sent"),
     ("report", "verdict", "vote: coordinator waits for every report, commits, Result(digest) back"),

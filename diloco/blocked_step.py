@@ -153,7 +153,8 @@ def step_in_blocks(opt: torch.optim.Optimizer, params: dict[str, torch.Tensor], 
     just before reading it (one pass over the mean and the step together, not two); any other way,
     including a None return, makes all of it first.
 
-    ``watch`` (with ``undo_kept`` only): told of each block before and after it is stepped. On a None
+    ``watch`` (with ``undo_kept`` only): told of each block before and after it is stepped; the caller
+    checks the new values through it (``bad`` is None: no finiteness pass of this step's). On a None
     return it was told nothing.
     """
     if watch is not None and not undo_kept:
@@ -173,7 +174,9 @@ def step_in_blocks(opt: torch.optim.Optimizer, params: dict[str, torch.Tensor], 
     if grad_blocks is not None:
         grad_blocks.finish()
     if undo_kept:
-        return BlockedStep(_step_in_place(work, lr, momentum, dampening, check=True, watch=watch), True, {}, None, [])
+        # A watch sees every block stepped: its caller checks the step (the finiteness pass is not run).
+        return BlockedStep(_step_in_place(work, lr, momentum, dampening, check=watch is None, watch=watch),
+                           True, {}, None, [])
     return _step_to_fresh_memory(work, lr, momentum, dampening, measure=grad_bound is not None)
 
 

@@ -135,7 +135,8 @@ class StepWatch:
         words, full = self._words.get(name) or _words(flat)
         self._hash.update(_header(name, flat, words, full))
         if self._sums:
-            self._hash.update(torch.cat(self._sums).numpy().tobytes())
+            sums = self._sums[0] if len(self._sums) == 1 else torch.cat(self._sums)
+            self._hash.update(sums.numpy().tobytes())
         self._sums = []
         self._hash.update(b";")
 

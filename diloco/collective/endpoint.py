@@ -258,11 +258,11 @@ class CollectiveEndpoint:
             cache = self._group_cache()
             group = cache.get(order.prefix, order.group.index(self.worker_id), len(order.group))
             shapes = {n: replica.params[n].shape for n in replica.fragments[fid]}
-            mean, norms = mean_pseudo_gradient(group, encoded, replica.wire_dtype, shapes, self._timeout_s,
+            mean, norms, mean_norm = mean_pseudo_gradient(group, encoded, replica.wire_dtype, shapes, self._timeout_s,
                                                self._reduce_buffer(fid, shapes), cache.device, order.gather)
             self._job_stats["bytes_sent"] += bytes_on_link(encoded, replica.wire_dtype, len(order.group),
                                                            order.gather)
-            refused = judge_reduce(order, norms, lambda: tensors_norm(mean))
+            refused = judge_reduce(order, norms, lambda: tensors_norm(mean) if mean_norm is None else mean_norm)
             if refused is not None:
                 return refused
             vote = replica.propose(fid, rid, mean, mean_bound(order))

@@ -126,13 +126,28 @@ def _allgather(group: dist.ProcessGroup, tensor: torch.Tensor, timeout_s: float,
     return out if device is None else [t.cpu() for t in out]
 
 
+#: Elements per chunk of ``_divide_and_measure``: a chunk is measured while it is in the cache.
+_MEASURE_CHUNK = 1 << 18
+
+
+def _divide_and_measure(flat: torch.Tensor, size: int) -> float:
+    """``flat /= size``, and ``tensors_norm`` of the result, in one pass over ``flat``."""
+    total = 0.0
+    for start in range(0, flat.numel(), _MEASURE_CHUNK):
+        part = flat[start:start + _MEASURE_CHUNK]
+        part /= size
+        total += tensors_norm({"": part}) ** 2
+    return total ** 0.5
+
+
 def mean_pseudo_gradient(group: dist.ProcessGroup, encoded: compression.Encoded, wire_dtype: str,
                          shapes: Mapping[str, torch.Size], timeout_s: float,
                          buffer: torch.Tensor | None = None, device=None,
-                         gather: bool = False) -> tuple[Tensors, tuple[float, ...]]:
-    """The group's mean pseudo-gradient (fp32, on the CPU) from this member's ``encoded`` one, and
-    each rank's contribution norm in rank order (empty for an fp32 all-reduce, which shows no
-    contribution but the sum: ``gather`` all-gathers fp32 contributions too, to see them).
+                         gather: bool = False) -> tuple[Tensors, tuple[float, ...], float | None]:
+    """The group's mean pseudo-gradient (fp32, on the CPU) from this member's ``encoded`` one, each
+    rank's contribution norm in rank order (empty for an fp32 all-reduce, which shows no
+    contribution but the sum: ``gather`` all-gathers fp32 contributions too, to see them), and the
+    mean's own norm where that is all the checks can see (the fp32 all-reduce; else None).
 
     fp32: the result is views into ``buffer`` when one of the right size is given (the caller
     keeps it from round to round: no fresh pages per round), else into a new flat tensor.
@@ -144,8 +159,8 @@ def mean_pseudo_gradient(group: dist.ProcessGroup, encoded: compression.Encoded,
     if wire_dtype == "fp32" and not gather:
         flat = _flat(encoded.values, names, torch.float32, out=buffer)
         _allreduce(group, flat, timeout_s, device)
-        flat /= size
-        return _unflat(flat, shapes, names), ()
+        mean_norm = _divide_and_measure(flat, size)
+        return _unflat(flat, shapes, names), (), mean_norm
     values = _flat(encoded.values, names, encoded.values[names[0]].dtype if names else torch.float32)
     gathered_values = _allgather(group, values, timeout_s, device, "the all-gather of values")
     gathered_scales: list[torch.Tensor] = []
@@ -165,4 +180,4 @@ def mean_pseudo_gradient(group: dist.ProcessGroup, encoded: compression.Encoded,
             total[n] += decoded[n]
     for t in total.values():
         t /= size
-    return total, tuple(norms)
+    return total, tuple(norms), None

@@ -49,7 +49,7 @@ def test_a_two_rank_nccl_reduce_gives_every_rank_the_mean(wire_dtype):
         store = connect_store("127.0.0.1", host.port, 30.0)
         group = build_group(store, "nccl/g0", r, 2, "127.0.0.1", 30.0, "nccl", device)
         encoded = compression.encode(grads[r], wire_dtype)
-        out[r] = mean_pseudo_gradient(group, encoded, wire_dtype, shapes, 30.0, device=device)
+        out[r] = mean_pseudo_gradient(group, encoded, wire_dtype, shapes, 30.0, device=device)[0]
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
     for t in threads:

@@ -135,3 +135,36 @@ def test_the_digest_and_the_step_norm_in_one_pass_are_the_digest_and_the_exact_s
     assert not math.isfinite(digest_and_step_norm(a, b, torch.empty(65_536))[1])
     with pytest.raises(ValueError, match="smaller than one chunk"):
         digest_and_step_norm(a, b, torch.empty(4096))
+
+
+def test_the_fp32_mean_is_divided_and_measured_in_one_pass_to_the_norm_the_checks_would_measure():
+    """The fp32 all-reduce's mean comes with its norm (measured as it is divided): what
+    ``tensors_norm`` of the mean gives, so the check on the mean (M9) judges the same number."""
+    from diloco.collective import reduce
+
+    torch.manual_seed(5)
+    flat = torch.randn(3 * reduce._MEASURE_CHUNK + 4099)  # whole chunks, and a last one of odd size
+    expected_mean = flat / 3
+    norm = reduce._divide_and_measure(flat, 3)
+    assert torch.equal(flat, expected_mean)
+    assert norm == pytest.approx(tensors_norm({"m": expected_mean}), rel=1e-12)
+    flat[7] = math.inf
+    assert not math.isfinite(reduce._divide_and_measure(flat, 3))
+
+
+def test_a_one_rank_gloo_reduce_returns_the_mean_and_its_norm_and_a_gather_returns_the_contributions():
+    from diloco.collective.groups import build_group, connect_store
+    from diloco.collective.reduce import mean_pseudo_gradient
+    from diloco.collective.store import StoreHost
+    from diloco.wire import compression
+
+    host = StoreHost()
+    group = build_group(connect_store("127.0.0.1", host.port, 10), "g/0", 0, 1, "127.0.0.1", 10)
+    grad = {"w": torch.randn(300, 7), "b": torch.randn(5)}
+    shapes = {n: t.shape for n, t in grad.items()}
+    mean, norms, mean_norm = mean_pseudo_gradient(group, compression.encode(grad, "fp32"), "fp32", shapes, 10)
+    assert norms == () and mean_norm == pytest.approx(tensors_norm(grad), rel=1e-6)
+    assert all(torch.equal(mean[n], grad[n]) for n in grad)
+    mean, norms, mean_norm = mean_pseudo_gradient(group, compression.encode(grad, "fp32"), "fp32", shapes, 10,
+                                                  gather=True)
+    assert mean_norm is None and norms == (pytest.approx(tensors_norm(grad), rel=1e-6),)
