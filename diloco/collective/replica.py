@@ -143,7 +143,7 @@ class Replica:
         if self._bounds[fid] is None:
             self._bounds[fid] = self._measure(fid)
         # From here a checkpoint reads the backup, not the state being stepped; the backup may be
-        # taken during the step (``_StepWatch``), so a read waits for the step's end.
+        # taken during the step (``StepWatch``), so a read waits for the step's end.
         with self._lock:
             opt_before.take(opt)
             self._proposals[fid] = _Backup(round_id, before, opt_before, "")
