@@ -976,12 +976,17 @@ def check_workers(soak: "Soak", events: list[dict]) -> tuple[list[str], list[str
                  violations, notes)
     hb = soak.args.heartbeat_timeout
     membership = sorted([(t, w, True) for t, w in joins] + [(t, w, False) for t, w, _ in gone])
+    starts = [e["t"] for e in events if e.get("event") == "start"]
     for wid, pid, mode, started, healed, seconds in soak.partitions:
         back = next((t for t, w in joins if w == wid and t >= healed - 1), None)
         if any(w == wid and started - 1 <= t <= (back or healed + 60) for t, w in restarted):
             continue  # killed, or exited (a violation above if it should not have), before it re-joined
-        # A worker still joining when its link was cut (restarted moments before) has nothing to be let go of.
-        member = next((joined for t, w, joined in reversed(membership) if w == wid and t < started), False)
+        # A worker still joining when its link was cut (restarted moments before, or its coordinator
+        # was: a restarted coordinator counts nobody a member until they join it) has nothing to be
+        # let go of.
+        since = max((t for t in starts if t <= started), default=-math.inf)
+        member = next((joined for t, w, joined in reversed(membership) if w == wid and since <= t < started),
+                      False)
         if not member:  # it joins once the link lets it: through a slow or half-open one, even before the heal
             joined = next((t for t, w in joins if w == wid and t >= started), None)
             rejoined(f"worker {wid} (pid {pid}) {mode} for {seconds:.1f} s", "not yet a member when cut off",

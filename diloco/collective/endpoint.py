@@ -35,6 +35,7 @@ from diloco.collective import heal
 from diloco.collective.groups import CollectiveError, GroupCache, connect_store, local_address_towards
 from diloco.collective.member import (
     HEAL_TIMEOUTS,
+    CancelJob,
     judge_reduce,
     mean_bound,
     CommitJob,
@@ -89,6 +90,9 @@ class CollectiveEndpoint:
         self._completions: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._closed = False
+        #: The job the machine withdrew (M12), read by the data-plane thread at each of its heal's
+        #: waits: a heal or a serve stops there. One reference, written by the owner thread only.
+        self._cancelled: Any = None
         self._reduce_buffers: dict[int, torch.Tensor] = {}
         #: fragment -> two sets of buffers the committed params are handed to the session in, in
         #: turn (the next one first).
@@ -193,7 +197,7 @@ class CollectiveEndpoint:
         return getattr(self.inner, "address", None)
 
     def close(self) -> None:
-        self._closed = True
+        self._closed = True  # a heal or a serve in progress stops at its next wait
         self.machine.close()
         self._jobs.put(None)
         self.inner.close()
@@ -214,6 +218,8 @@ class CollectiveEndpoint:
             elif isinstance(action, RunJob):
                 self._start_thread()
                 self._jobs.put(action.job)
+            elif isinstance(action, CancelJob):
+                self._cancelled = action.job
             elif isinstance(action, NewStore):
                 # A client of a restarted coordinator's old store never reconnects: a new one per join.
                 self._groups = None
@@ -313,7 +319,7 @@ class CollectiveEndpoint:
         try:
             round_ids, params, states = heal.recv_state(self._group_cache().store, welcome.heal_prefix,
                                                         self._group_cache().interface,
-                                                        HEAL_TIMEOUTS * self._timeout_s)
+                                                        HEAL_TIMEOUTS * self._timeout_s, self._stop_for(job))
             self.replica = Replica.for_welcome(welcome, params, round_ids, states)
         except (CollectiveError, KeyError, ValueError, RuntimeError) as exc:
             return HealFailed(str(exc))
@@ -327,13 +333,22 @@ class CollectiveEndpoint:
         round_ids, params, states = replica.committed_state()
         try:
             heal.send_state(self._group_cache().store, job.order.prefix, self._group_cache().interface,
-                            HEAL_TIMEOUTS * self._timeout_s, round_ids, params, states)
+                            HEAL_TIMEOUTS * self._timeout_s, round_ids, params, states, self._stop_for(job))
         except CollectiveError as exc:
             return HealServed(False, str(exc))
         self._job_stats["bytes_sent"] += compression.tensor_nbytes(replica.params) * 2  # params and momentum
         return HealServed(True)
 
     # ------------------------------------------------------------------ helpers
+
+    def _stop_for(self, job) -> heal.StopCheck:
+        """Why ``job`` (a heal or a serve) must stop now, or "": the worker closes, or the machine
+        withdrew it (M12)."""
+        def why() -> str:
+            if self._closed:
+                return "the worker is stopping"
+            return "the coordinator withdrew it (the joiner is gone)" if self._cancelled is job else ""
+        return why
 
     def _reduce_buffer(self, fid: int, shapes: dict) -> torch.Tensor:
         """Fragment ``fid``'s flat fp32 reduce buffer, kept from round to round. A round reuses it

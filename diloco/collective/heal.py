@@ -7,11 +7,19 @@ names a source and a fresh store prefix, the source is rank 0 and the joiner ran
 plain parts, the tensor table) followed by every tensor. The source serves the
 heal on its data-plane thread after any reduce it is in has its verdict, so what
 it sends is always committed state, with the round ids that go with it.
+
+Before either side builds the group, each writes a presence key (``here/<rank>``) under the
+prefix and waits for the other's, looking every ``POLL_S`` whether it must stop (the worker
+closes, or the coordinator withdrew the order because the joiner is gone, M12). gloo's own
+rendezvous cannot be interrupted: entered only once the peer is there, it does not hold a
+source out of every reduce group until a heal to a dead joiner times out.
 """
 
 from __future__ import annotations
 
 import datetime
+import time
+from typing import Callable
 
 import msgpack
 import torch
@@ -23,6 +31,36 @@ from diloco.collective.groups import CollectiveError, build_group
 MAX_HEADER_BYTES = 64 << 20
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "int32": torch.int32}
+
+
+#: How often a heal waiting for its peer looks whether it must stop.
+POLL_S = 0.05
+
+#: Why a heal must stop now, or "" (``CollectiveEndpoint`` passes one per job).
+StopCheck = Callable[[], str]
+
+
+def _go_on() -> str:
+    return ""
+
+
+def meet(store, prefix: str, rank: int, timeout_s: float, stop: StopCheck = _go_on) -> None:
+    """Say this rank is here and wait, interruptibly, until the other rank of the heal is too."""
+    store.set(f"{prefix}/here/{rank}", b"1")
+    other = f"{prefix}/here/{1 - rank}"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if store.check([other]):
+                return
+        except Exception as exc:  # the store's connection broke (a restarted coordinator)
+            raise CollectiveError(f"the heal's store failed: {exc}") from exc
+        why = stop()
+        if why:
+            raise CollectiveError(f"the heal at {prefix!r} stopped before its peer came: {why}")
+        if time.monotonic() >= deadline:
+            raise CollectiveError(f"the heal's peer (rank {1 - rank}) did not come within {timeout_s:.0f} s")
+        time.sleep(POLL_S)
 
 
 def _plain_state(state: dict, tensors: list[torch.Tensor]) -> dict:
@@ -50,7 +88,8 @@ def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, timeout_s: float)
 
 
 def send_state(store, prefix: str, interface: str, timeout_s: float, round_ids: list[int],
-               params: dict[str, torch.Tensor], optimizer_states: list[dict]) -> None:
+               params: dict[str, torch.Tensor], optimizer_states: list[dict], stop: StopCheck = _go_on) -> None:
+    meet(store, prefix, 0, timeout_s, stop)
     group = build_group(store, prefix, 0, 2, interface, timeout_s)
     tensors: list[torch.Tensor] = []
     names = list(params)
@@ -66,8 +105,9 @@ def send_state(store, prefix: str, interface: str, timeout_s: float, round_ids: 
         _broadcast(group, t, timeout_s)
 
 
-def recv_state(store, prefix: str, interface: str, timeout_s: float):
+def recv_state(store, prefix: str, interface: str, timeout_s: float, stop: StopCheck = _go_on):
     """(round_ids, params, optimizer_states) from the source at ``prefix``."""
+    meet(store, prefix, 1, timeout_s, stop)
     group = build_group(store, prefix, 1, 2, interface, timeout_s)
     length = torch.zeros(1, dtype=torch.int64)
     _broadcast(group, length, timeout_s)

@@ -284,7 +284,15 @@ class NewStore:
     timeout_s: float
 
 
-Action = Union[ToCoordinator, ToSession, RunJob, NewStore]
+@dataclasses.dataclass(frozen=True)
+class CancelJob:
+    """M12: the coordinator withdrew the heal ``job`` serves (its joiner is gone): stop it at its next
+    wait. Its completion still comes (a failed serve); a job already done is not affected."""
+
+    job: Job
+
+
+Action = Union[ToCoordinator, ToSession, RunJob, NewStore, CancelJob]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -428,9 +436,14 @@ class MemberMachine:
         elif isinstance(message, ReduceAbort):
             self._verdict(message.fragment_id, message.round_id, message.attempt, None, out)
         elif isinstance(message, HealOrder):
-            # A joiner that re-joined got a new order: serve only the newest one per joiner.
+            # A joiner that re-joined got a new order: serve only the newest one per joiner. An order
+            # with no prefix withdraws the last (M12): a queued serve is dropped, a running one stopped.
             self._heal_orders[message.joiner] = message.prefix
-            self._queue.append(ServeHealJob(message))
+            running = self._running
+            if message.prefix:
+                self._queue.append(ServeHealJob(message))
+            elif isinstance(running, ServeHealJob) and running.order.joiner == message.joiner:
+                out.append(CancelJob(running))
         elif isinstance(message, Result):
             if message.outcome == "stop" or not message.digest:
                 self._verdict(message.fragment_id, message.round_id, None, None, out)

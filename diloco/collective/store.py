@@ -13,9 +13,10 @@ import ipaddress
 
 import torch.distributed as dist
 
-#: The keys gloo's rendezvous writes under a group's prefix, one per rank (torch 2.x: context 0,
-#: then the rank): what ``forget`` deletes. A test checks the store is empty after ``forget``.
-_RENDEZVOUS_KEYS = ("0/{}",)
+#: The keys a group's rendezvous writes under its prefix, one per rank: gloo's (torch 2.x: context
+#: 0, then the rank) and a heal's presence key (``heal.meet``): what ``forget`` deletes. A test
+#: checks the store is empty after ``forget``.
+_RENDEZVOUS_KEYS = ("0/{}", "here/{}")
 
 
 class DataPlaneSecurityError(ValueError):

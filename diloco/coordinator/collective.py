@@ -39,8 +39,11 @@ class CollectivePlane:
         self._epoch = 0
         self._group: tuple[str, ...] | None = None
         self._heals = 0
-        #: joiner -> the prefix of its heal, retired once it is ready for a round or gone.
-        self._healing: dict[str, str] = {}
+        #: joiner -> (prefix, source) of its heal, retired once it is ready for a round or gone.
+        self._healing: dict[str, tuple[str, str]] = {}
+        #: (source, joiner) of heals whose joiner left or re-joined elsewhere before it was ready:
+        #: the service tells each source to stop serving it (a withdrawn ``HealOrder``, M12).
+        self.withdrawn: collections.deque[tuple[str, str]] = collections.deque(maxlen=1024)
         #: The held rounds of the state the run (re)started from, and whether a round has been
         #: committed since: until then a joiner holding a newer state starts the run again (C6).
         self._start_rounds: tuple[int, ...] | None = None
@@ -132,8 +135,8 @@ class CollectivePlane:
         self._heals += 1
         self.stats["heals"] += 1
         prefix = self._prefix(f"heal{self._heals}")
-        self._retire_heal(joiner)
-        self._healing[joiner] = prefix
+        self._retire_heal(joiner, withdraw=True)
+        self._healing[joiner] = (prefix, source)
         return source, prefix
 
     def _prefix(self, name: str) -> str:
@@ -150,16 +153,21 @@ class CollectivePlane:
 
     def holds_state(self, worker_id: str) -> None:
         self._holders[worker_id] = None
-        self._retire_heal(worker_id)
+        self._retire_heal(worker_id, withdraw=False)  # it healed: the serve is over
 
     def forget(self, worker_id: str) -> None:
         self._holders.pop(worker_id, None)
-        self._retire_heal(worker_id)
+        self._retire_heal(worker_id, withdraw=True)
 
-    def _retire_heal(self, worker_id: str) -> None:
-        prefix = self._healing.pop(worker_id, None)
-        if prefix is not None:
+    def _retire_heal(self, worker_id: str, withdraw: bool) -> None:
+        heal = self._healing.pop(worker_id, None)
+        if heal is not None:
+            prefix, source = heal
             self.retired.append((prefix, 2))
+            if withdraw and source in self._holders:
+                # M12: a source serves one heal at a time, blocking its reduces meanwhile; left to
+                # time out, a heal to a joiner that is gone held a member out of every group.
+                self.withdrawn.append((source, worker_id))
 
     # -- groups
 

@@ -552,6 +552,7 @@ class Coordinator:
         for wid in self.collective.reseed_for(join.worker_id, held, digests):
             peer = self._peers.get(wid)
             self.collective.forget(wid)
+            self._withdraw_heals(out)
             if self.fsm.is_member(wid):
                 self._step(WorkerLeft(wid, LeaveCause.RESEEDED), out)
             if peer is not None:
@@ -787,7 +788,7 @@ class Coordinator:
             elif kind is AcceptJoin:
                 self._welcome(effect, peer, join, out, now)
             elif kind is DeclareDead:
-                self._forget(effect.worker_id)
+                self._forget(effect.worker_id, out)
                 self._notify("dead", now, worker_id=effect.worker_id, last_seen_s=effect.last_seen_s)
                 self._give_back_unit(effect.worker_id, now)
             elif kind is DiscardContribution:
@@ -807,7 +808,7 @@ class Coordinator:
                 self._quorum_changed(None, now)
                 self._notify("stop", now, kind=effect.kind.value)
         if type(event) is WorkerLeft:
-            self._forget(event.worker_id)
+            self._forget(event.worker_id, out)
             if not self.fsm.is_member(event.worker_id):
                 self._give_back_unit(event.worker_id, now)
         self._released.clear()
@@ -819,15 +820,27 @@ class Coordinator:
             self._step(ShutdownRequested(ShutdownKind.SAVE_AND_STOP), out)
         return effects
 
-    def _forget(self, worker_id: str) -> None:
+    def _forget(self, worker_id: str, out: Outgoing) -> None:
         """A worker that died or left: its connection and its speed; on the collective plane also its
         place among the holders of the committed state, once it is no longer a member (a refused
-        leave keeps it; a dead worker never is one)."""
+        leave keeps it; a dead worker never is one), and the heal a member serves it (M12)."""
         if self.collective is not None and not self.fsm.is_member(worker_id):
             self.collective.forget(worker_id)
             self.checks.forget(worker_id)
+            self._withdraw_heals(out)
         self._peers.pop(worker_id, None)
         self.speeds.forget(worker_id)
+
+    def _withdraw_heals(self, out: Outgoing) -> None:
+        """M12: tell each source whose joiner left or re-joined that the heal it serves is off (an
+        order with no prefix), so it does not hold itself out of the groups until the heal times out."""
+        withdrawn = self.collective.withdrawn
+        while withdrawn:
+            source, joiner = withdrawn.popleft()
+            peer = self._peers.get(source)
+            if peer is not None:
+                out.append((peer, HealOrder(joiner, "")))
+                self.collective.stats["heals_withdrawn"] += 1
 
     def _welcome(self, effect: AcceptJoin, peer: str | None, join: Join | None, out: Outgoing, now: float) -> None:
         assert peer is not None and join is not None
@@ -863,6 +876,7 @@ class Coordinator:
         plane = self.collective
         self._peers[effect.worker_id] = peer
         source, prefix = plane.heal_source_for(effect.worker_id, *_held_state(join))
+        self._withdraw_heals(out)  # an older heal of this joiner's: before the new order (M12)
         if source is not None:
             out.append((self._peers[source], HealOrder(effect.worker_id, prefix)))
         out.append((peer, Welcome(

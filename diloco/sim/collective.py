@@ -54,6 +54,7 @@ import torch
 
 from diloco.collective.member import (
     HEAL_TIMEOUTS,
+    CancelJob,
     judge_reduce,
     mean_bound,
     CommitJob,
@@ -325,6 +326,12 @@ class SimEndpoint:
         self.replica: Replica | None = None
         self._timeout_s = self.cfg.collective_timeout_s
         self._job: Job | None = None
+        #: The machine's job the running generator carries out, and the wait it is in (token,
+        #: waiter, meeting): what a ``CancelJob`` stops, while ``_meeting_peer`` (a serve's
+        #: group still forming: the real ``heal.meet``).
+        self._job_of = None
+        self._wait: tuple | None = None
+        self._meeting_peer = False
         self._token = 0
         #: The store client (``GroupCache.store``): the store generation it connected to, or None.
         self._store_gen: int | None = None
@@ -407,8 +414,10 @@ class SimEndpoint:
             elif isinstance(action, RunJob):
                 welcome = getattr(action.job, "welcome", None)
                 self._job_mid = self._welcome_mids.pop(id(welcome), self._cause_mid) if welcome is not None else None
-                self._job = self._run(action.job)
+                self._job, self._job_of = self._run(action.job), action.job
                 self._advance(None, None)
+            elif isinstance(action, CancelJob):
+                self._withdraw(action.job)
             elif isinstance(action, NewStore):
                 # As ``CollectiveEndpoint``: a new store client (and group) after every (re)join.
                 self._drop_group()
@@ -441,6 +450,7 @@ class SimEndpoint:
             self.w.later(request[1], self._resume, (token, None, None))
         else:  # ("wait", waiter, timeout_s, meeting or None)
             _kind, waiter, timeout_s, meeting = request
+            self._wait = (token, waiter, meeting)
             waiter.on_done(lambda: self.w.later(0.0, self._resume, (token, waiter, None)))
             if timeout_s is not None:
                 self.w.later(timeout_s, self._timed_out, (token, waiter, meeting))
@@ -454,13 +464,20 @@ class SimEndpoint:
         else:
             self._advance(waiter.value, waiter.error)
 
-    def _timed_out(self, arg) -> None:
+    def _timed_out(self, arg, why: str = "") -> None:
         token, waiter, meeting = arg
         if token != self._token or self._job is None or not self.alive or waiter.done:
             return
         if meeting is not None:
             self.gloo.abandon(meeting, self)
-        self._advance(None, SimCollectiveError(f"timed out after {self._timeout_s:.3f} s"))
+        self._advance(None, SimCollectiveError(why or f"timed out after {self._timeout_s:.3f} s"))
+
+    def _withdraw(self, job) -> None:
+        """``CollectiveEndpoint``'s stop check (M12): a heal withdrawn while it waits for its peer
+        (``heal.meet``; here the group's forming) stops there; once formed, the transfer runs on."""
+        if self._job_of is job and self._meeting_peer and self._wait is not None:
+            self.w.later(0.0, lambda arg: self._timed_out(arg, "the coordinator withdrew it (the joiner is gone)"),
+                         self._wait)
 
     # ------------------------------------------------------------------ gloo (GroupCache, heal)
 
@@ -618,7 +635,11 @@ class SimEndpoint:
         # applied in place until a Welcome settles it (C6).
         state = self.replica.committed_state()
         try:
-            group = yield from self._build(job.order.prefix, 0, 2, HEAL_TIMEOUTS * self._timeout_s)
+            self._meeting_peer = True
+            try:
+                group = yield from self._build(job.order.prefix, 0, 2, HEAL_TIMEOUTS * self._timeout_s)
+            finally:
+                self._meeting_peer = False
             yield from self._heal_transfer(group, state)
         except SimCollectiveError as exc:
             self.world.emit({"k": "fault", "t": self.clock.now, "what": "heal_failed", "w": self.w.wid,

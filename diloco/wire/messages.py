@@ -331,7 +331,9 @@ class ReduceAbort:
 
 @dataclass(frozen=True, slots=True)
 class HealOrder:
-    """Collective plane: send your committed state to ``joiner`` over a two-rank group at ``prefix``."""
+    """Collective plane: send your committed state to ``joiner`` over a two-rank group at ``prefix``.
+
+    An empty ``prefix`` withdraws the order: the joiner left or heals from another source (M12)."""
 
     joiner: str
     prefix: str

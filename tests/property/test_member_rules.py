@@ -1,4 +1,4 @@
-"""One focused example per rule of the collective member's machine (SPEC.md section 7c, M1-M11).
+"""One focused example per rule of the collective member's machine (SPEC.md section 7c, M1-M12).
 
 The machine is driven message by message; its jobs are answered by hand, as a driver would
 answer them, so every decision is visible: what goes to the coordinator, what the session
@@ -36,6 +36,7 @@ from diloco.collective.member import (
     StartJob,
     ToCoordinator,
     ToSession,
+    CancelJob,
     NORM_SLACK,
     HeldState,
     judge_contributions,
@@ -894,10 +895,44 @@ def test_spec_section_7c_names_only_tests_that_exist():
     spec = (Path(__file__).resolve().parents[2] / "SPEC.md").read_text(encoding="utf-8")
     section = spec[spec.index("## 7c. The collective member"):spec.index("## 8. Policies")]
     rules = re.findall(r"^- \*\*(M\d+) [^*]+\.\*\*(.*?)(?=^- \*\*M|\Z)", section, re.S | re.M)
-    assert [r for r, _ in rules] == [f"M{i}" for i in range(1, 12)]
+    assert [r for r, _ in rules] == [f"M{i}" for i in range(1, 13)]
     tests = [name for name in globals() if name.startswith("test_")]
     for rule, text in rules:
         names = re.findall(r"`(test_\w+\*?)`", text)
         assert names, f"{rule} names no test"
         for name in names:
             assert fnmatch.filter(tests, name), f"{rule} names {name}, which matches no test"
+
+
+# --------------------------------------------------------------------------- M12
+
+
+def test_m12_a_withdrawn_heal_running_is_cancelled_and_ends_as_a_failed_serve():
+    m = started(MemberMachine(WID))
+    (serve,) = jobs(m.received(HealOrder("w3", "heal7")))
+    assert isinstance(serve, ServeHealJob)
+    assert m.received(HealOrder("w4", "")) == []  # another joiner's withdrawal: nothing to stop
+    assert m.received(HealOrder("w3", "")) == [CancelJob(serve)]
+    m.completed(HealServed(False, "stopped"))
+    assert m.stats["heals_failed"] == 1
+    # The machine is free again: the next order runs.
+    (job,) = jobs(m.received(order()))
+    assert isinstance(job, ReduceJob)
+
+
+def test_m12_a_withdrawn_heal_still_queued_never_runs():
+    m = started(MemberMachine(WID))
+    (serve,) = jobs(m.received(HealOrder("w3", "heal7")))
+    assert jobs(m.received(HealOrder("w4", "heal8"))) == []  # queued behind the first serve
+    assert m.received(HealOrder("w4", "")) == []  # not running: nothing to cancel
+    assert jobs(m.completed(HealServed(True))) == []  # w4's serve was dropped
+    assert m.stats["heals_served"] == 1
+
+
+def test_m12_a_new_order_after_a_withdrawal_is_served():
+    m = started(MemberMachine(WID))
+    (first,) = jobs(m.received(HealOrder("w3", "heal7")))
+    assert m.received(HealOrder("w3", "")) == [CancelJob(first)]
+    assert jobs(m.received(HealOrder("w3", "heal9"))) == []  # queued behind the cancelled one
+    (second,) = jobs(m.completed(HealServed(False, "stopped")))
+    assert isinstance(second, ServeHealJob) and second.order.prefix == "heal9"

@@ -165,7 +165,48 @@ def test_the_heal_transfer_carries_params_momentum_and_round_ids():
     assert digest(healed.params) == digest(source.params)
     assert torch.equal(healed.optimizer_states()[0]["state"][0]["momentum_buffer"],
                        source.optimizer_states()[0]["state"][0]["momentum_buffer"])
-    assert host.forget("run/heal1", 2) == 2 and host.num_keys() == 0, "a retired prefix leaves no key behind"
+    # gloo's two address keys and the heal's two presence keys (``heal.meet``)
+    assert host.forget("run/heal1", 2) == 4 and host.num_keys() == 0, "a retired prefix leaves no key behind"
+
+
+def test_m12_a_serve_whose_joiner_never_comes_stops_when_withdrawn_not_at_its_timeout():
+    from diloco.collective import heal
+    from diloco.collective.groups import CollectiveError, connect_store
+    from diloco.collective.store import StoreHost
+
+    host = StoreHost()
+    source = replica()
+    withdrawn_at = time.monotonic() + 0.3
+    stop = lambda: "withdrawn" if time.monotonic() >= withdrawn_at else ""  # noqa: E731
+    started = time.monotonic()
+    with pytest.raises(CollectiveError, match="stopped before its peer came: withdrawn"):
+        heal.send_state(connect_store("127.0.0.1", host.port, 10), "run/heal2", "127.0.0.1", 30, source.round_ids,
+                        source.params, source.optimizer_states(), stop)
+    assert time.monotonic() - started < 5, "it waited for its 30 s timeout"
+    # A joiner that never comes within the timeout: the same wait ends, with the reason.
+    with pytest.raises(CollectiveError, match="did not come within 1 s"):
+        heal.recv_state(connect_store("127.0.0.1", host.port, 10), "run/heal3", "127.0.0.1", 1)
+    assert host.forget("run/heal2", 2) == 1 and host.forget("run/heal3", 2) == 1 and host.num_keys() == 0
+
+
+def test_m12_the_driver_stops_the_job_the_machine_withdrew_and_every_heal_when_it_closes():
+    from diloco.collective.member import CancelJob, HealJob, ServeHealJob
+    from diloco.wire.messages import HealOrder
+
+    class Inner:
+        address = "tcp://127.0.0.1:5555"
+
+        def close(self) -> None:
+            pass
+
+    ep = CollectiveEndpoint(Inner(), "w1")
+    serve, other = ServeHealJob(HealOrder("w3", "h1")), ServeHealJob(HealOrder("w4", "h2"))
+    heal_job = HealJob(None)
+    assert ep._stop_for(serve)() == "" and ep._stop_for(heal_job)() == ""
+    ep._carry_out([CancelJob(serve)])
+    assert "withdrew" in ep._stop_for(serve)() and ep._stop_for(other)() == ""
+    ep.close()
+    assert "stopping" in ep._stop_for(heal_job)() and "stopping" in ep._stop_for(other)()
 
 
 def test_a_withheld_welcome_is_no_silence_to_the_session():
