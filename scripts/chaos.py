@@ -121,7 +121,10 @@ And on both planes:
    dropped or cut up past the heartbeat timeout was let go (``dead``, or
    ``left`` crashed) unless the coordinator was out meanwhile, and re-joins
    within 60 s of the heal as the same process; one delayed or cut down was
-   not let go unless the coordinator was out meanwhile.
+   not let go unless the coordinator was out meanwhile. A worker not yet a
+   member when its link was cut (restarting, or not yet joined to a
+   coordinator that restarted: a ``start`` line forgets every member) has
+   nothing to be let go of: it must join within 60 s of the heal.
 
 Every run ends with trace validation (``diloco check-log``): the audit log's
 inputs, replayed through the pure machine from each incarnation's snapshot,
