@@ -403,6 +403,12 @@ class MemberMachine:
             self._last_join = message
             return [ToCoordinator(message)]
         if isinstance(message, Submit) and self.collective:
+            if self.welcome_withheld:
+                # M5: a Submit from before the (re)join. This member is not ready: a start or heal is
+                # under way, and the Welcome it holds restarts the session's round. Sent now, the ready
+                # would put it in a group it cannot serve until the heal is done.
+                self.stats["submits_held"] += 1
+                return []
             self._pending[message.fragment_id] = message
             return [ToCoordinator(dataclasses.replace(message, tensors={}, scales={}))]
         return [ToCoordinator(message)]

@@ -26,6 +26,38 @@ from diloco.wire.endpoints import CoordinatorEndpoint
 
 log = logging.getLogger("diloco.coordinator")
 
+#: A gap longer than this between two turns of the loop means the process did not run (stopped,
+#: starved): ``RunningClock`` leaves it out of the coordinator's time.
+STALL_S = 2.0
+
+
+class RunningClock:
+    """The coordinator's time without the stretches its process did not run (SPEC.md R9).
+
+    While the coordinator is stopped (SIGSTOP, a stalled host) the workers' heartbeats wait in
+    its sockets; counted as their silence, the first turn after it declared every worker dead
+    before reading a single one of them -- and a heal for each on its re-join. A gap of more than
+    ``STALL_S`` between two readings counts as ``tick_s`` (one turn of the loop): the workers'
+    own rule for their coordinator's silence (W11), on the coordinator's side.
+    """
+
+    def __init__(self, clock: Callable[[], float], tick_s: float) -> None:
+        self._clock = clock
+        self._tick_s = tick_s
+        self._last: float | None = None
+        #: Seconds left out so far.
+        self.skipped = 0.0
+
+    def __call__(self) -> float:
+        now = self._clock()
+        if self._last is not None and now - self._last > STALL_S:
+            gap = now - self._last
+            self.skipped += gap - self._tick_s
+            log.warning("the coordinator did not run for %.1f s (stopped or starved): that time is not its "
+                        "workers' silence", gap)
+        self._last = now
+        return now - self.skipped
+
 
 def serve(endpoint: CoordinatorEndpoint, coordinator: Coordinator, *,
           checkpoint_dir: str | os.PathLike | None = None,
@@ -66,6 +98,7 @@ def _loop(endpoint: CoordinatorEndpoint, coordinator: Coordinator, durability: D
     # What happened before the loop (a resume, a --min-workers given at start) is on disk already
     # or was never to be: only the loop's own steps are made durable.
     coordinator.take_durable_change()
+    clock = RunningClock(clock, tick_interval_s)
     while stop_event is None or not stop_event.is_set():
         arrival = endpoint.recv(tick_interval_s)
         now = clock()

@@ -280,6 +280,22 @@ def test_m5_start_params_stay_here_and_join_resends_wait_for_the_withheld_welcom
     assert m.session_sends(Join(WID, PROTOCOL_VERSION, SPEC)) == [] and m.stats["join_resends_held"] == 1
 
 
+def test_m5_a_submit_while_a_heal_is_under_way_is_no_ready():
+    # A member waiting for a Result re-joins (its coordinator restarted, or thawed and declared it
+    # dead); its session sends the round's Submit again while the heal runs. Forwarded, the ready
+    # put the member into a group it could not serve before its heal was done: every attempt of
+    # the round failed until the heal ended.
+    m = started(MemberMachine(WID))
+    m.session_sends(Join(WID, PROTOCOL_VERSION, SPEC))
+    (heal,) = jobs(m.received(welcome(source="w2")))
+    assert isinstance(heal, HealJob) and m.welcome_withheld
+    assert m.session_sends(submit(rid=0)) == [] and m.stats["submits_held"] == 1
+    out = m.completed(Healed((0, 0), ("h0", "h1"), {"a": "p", "b": "p"}))
+    assert [type(x) for x in to_session(out)] == [Welcome]
+    (ready,) = to_coordinator(m.session_sends(submit(rid=0)))  # after the Welcome: a ready again
+    assert ready.round_id == 0 and ready.tensors == {}
+
+
 # --------------------------------------------------------------------------- M6
 
 
