@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import math
 import queue
 import threading
@@ -67,6 +68,8 @@ from diloco.wire.messages import Join, Message, ReduceOrder, Submit
 
 #: How long ``close`` waits for the data-plane thread to finish the job it is in.
 CLOSE_JOIN_S = 30.0
+
+log = logging.getLogger("diloco.collective")
 
 
 class CollectiveEndpoint:
@@ -248,10 +251,12 @@ class CollectiveEndpoint:
             job = self._jobs.get()
             if job is None or self._closed:
                 return
+            began = time.monotonic()
             try:
                 done: Completion = run[type(job)](job)
             except Exception as exc:  # never let the thread die: the machine hears of it
                 done = JobFailed(f"{type(exc).__name__}: {exc}")
+            self._say_if_slow_or_failed(job, done, time.monotonic() - began)
             self._completions.put(done)
             self.wake()
 
@@ -340,6 +345,20 @@ class CollectiveEndpoint:
         return HealServed(True)
 
     # ------------------------------------------------------------------ helpers
+
+    def _say_if_slow_or_failed(self, job, done: Completion, seconds: float) -> None:
+        """A heal or serve that failed, and any job that held the data plane for longer than a
+        collective timeout, in the worker's log: what a stalled round is read from."""
+        failed = isinstance(done, (HealFailed, JobFailed)) or (isinstance(done, HealServed) and not done.ok)
+        if failed or seconds > self._timeout_s:
+            what = type(job).__name__
+            if isinstance(job, ServeHealJob):
+                what += f" to {job.order.joiner}"
+            elif isinstance(job, HealJob):
+                what += f" from {job.welcome.heal_source}"
+            detail = getattr(done, "detail", "")
+            log.warning("worker %s: %s %s after %.1f s%s", self.worker_id, what, "failed" if failed else "ended",
+                        seconds, f": {detail[:300]}" if detail else "")
 
     def _stop_for(self, job) -> heal.StopCheck:
         """Why ``job`` (a heal or a serve) must stop now, or "": the worker closes, or the machine

@@ -209,6 +209,23 @@ def test_m12_the_driver_stops_the_job_the_machine_withdrew_and_every_heal_when_i
     assert "stopping" in ep._stop_for(heal_job)() and "stopping" in ep._stop_for(other)()
 
 
+def test_a_failed_serve_and_a_slow_job_are_in_the_workers_log(caplog):
+    from diloco.collective.member import Committed, CommitJob, HealServed, ServeHealJob
+    from diloco.wire.messages import HealOrder
+
+    class Inner:
+        address = "tcp://127.0.0.1:5555"
+
+    ep = CollectiveEndpoint(Inner(), "w1")
+    with caplog.at_level("WARNING", logger="diloco.collective"):
+        ep._say_if_slow_or_failed(ServeHealJob(HealOrder("w3", "h1")), HealServed(False, "peer gone"), 0.2)
+        ep._say_if_slow_or_failed(CommitJob(0, 0, "d"), Committed({}), 0.2)  # quick and fine: nothing
+        ep._say_if_slow_or_failed(CommitJob(0, 0, "d"), Committed({}), ep._timeout_s + 1)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == "worker w1: ServeHealJob to w3 failed after 0.2 s: peer gone"
+    assert len(lines) == 2 and lines[1].startswith("worker w1: CommitJob ended after 31.0 s")
+
+
 def test_a_withheld_welcome_is_no_silence_to_the_session():
     """M5: while a start or heal carries the coordinator's Welcome, the session's outage clock (W11)
     hears no silence, however quiet the socket; a heal longer than --coordinator-timeout once made
