@@ -45,10 +45,14 @@ def _go_on() -> str:
 
 
 def meet(store, prefix: str, rank: int, timeout_s: float, stop: StopCheck = _go_on) -> None:
-    """Say this rank is here and wait, interruptibly, until the other rank of the heal is too."""
-    store.set(f"{prefix}/here/{rank}", b"1")
-    other = f"{prefix}/here/{1 - rank}"
+    """Say this rank is here and wait, interruptibly, until the other rank of the heal is too.
+
+    A rank that stops waiting takes its key back: a peer coming later must not take a rank that
+    gave up for one that is there, and wait in gloo's rendezvous for it until its timeout."""
+    mine, other = f"{prefix}/here/{rank}", f"{prefix}/here/{1 - rank}"
+    store.set(mine, b"1")
     deadline = time.monotonic() + timeout_s
+    why = ""
     while True:
         try:
             if store.check([other]):
@@ -56,11 +60,16 @@ def meet(store, prefix: str, rank: int, timeout_s: float, stop: StopCheck = _go_
         except Exception as exc:  # the store's connection broke (a restarted coordinator)
             raise CollectiveError(f"the heal's store failed: {exc}") from exc
         why = stop()
-        if why:
-            raise CollectiveError(f"the heal at {prefix!r} stopped before its peer came: {why}")
-        if time.monotonic() >= deadline:
-            raise CollectiveError(f"the heal's peer (rank {1 - rank}) did not come within {timeout_s:.0f} s")
+        if why or time.monotonic() >= deadline:
+            break
         time.sleep(POLL_S)
+    try:
+        store.delete_key(mine)
+    except Exception:  # a store gone meanwhile forgets the key with everything else
+        pass
+    if why:
+        raise CollectiveError(f"the heal at {prefix!r} stopped before its peer came: {why}")
+    raise CollectiveError(f"the heal's peer (rank {1 - rank}) did not come within {timeout_s:.0f} s")
 
 
 def _plain_state(state: dict, tensors: list[torch.Tensor]) -> dict:
