@@ -324,7 +324,8 @@ class CollectiveEndpoint:
         try:
             round_ids, params, states = heal.recv_state(self._group_cache().store, welcome.heal_prefix,
                                                         self._group_cache().interface,
-                                                        HEAL_TIMEOUTS * self._timeout_s, self._stop_for(job))
+                                                        HEAL_TIMEOUTS * self._timeout_s, self._stop_for(job),
+                                                        rendezvous_s=self._timeout_s)
             self.replica = Replica.for_welcome(welcome, params, round_ids, states)
         except (CollectiveError, KeyError, ValueError, RuntimeError) as exc:
             return HealFailed(str(exc))
@@ -338,7 +339,8 @@ class CollectiveEndpoint:
         round_ids, params, states = replica.committed_state()
         try:
             heal.send_state(self._group_cache().store, job.order.prefix, self._group_cache().interface,
-                            HEAL_TIMEOUTS * self._timeout_s, round_ids, params, states, self._stop_for(job))
+                            HEAL_TIMEOUTS * self._timeout_s, round_ids, params, states, self._stop_for(job),
+                            rendezvous_s=self._timeout_s)
         except CollectiveError as exc:
             return HealServed(False, str(exc))
         self._job_stats["bytes_sent"] += compression.tensor_nbytes(replica.params) * 2  # params and momentum

@@ -12,7 +12,10 @@ Before either side builds the group, each writes a presence key (``here/<rank>``
 prefix and waits for the other's, looking every ``POLL_S`` whether it must stop (the worker
 closes, or the coordinator withdrew the order because the joiner is gone, M12). gloo's own
 rendezvous cannot be interrupted: entered only once the peer is there, it does not hold a
-source out of every reduce group until a heal to a dead joiner times out.
+source out of every reduce group until a heal to a dead joiner times out. Once both ranks are
+here the group forms at once, so its rendezvous gets one collective timeout (``rendezvous_s``),
+not the heal's: a rank frozen between the meeting and the rendezvous, whose peer gave up
+meanwhile, learns it within that, not after the whole transfer's bound.
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ def _plain_state(state: dict, tensors: list[torch.Tensor]) -> dict:
 def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, timeout_s: float) -> None:
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
+    opts.timeout = datetime.timedelta(seconds=timeout_s)  # the group's own is the rendezvous's
     try:
         group.broadcast([tensor], opts).wait(datetime.timedelta(seconds=timeout_s))
     except Exception as exc:
@@ -97,9 +101,10 @@ def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, timeout_s: float)
 
 
 def send_state(store, prefix: str, interface: str, timeout_s: float, round_ids: list[int],
-               params: dict[str, torch.Tensor], optimizer_states: list[dict], stop: StopCheck = _go_on) -> None:
+               params: dict[str, torch.Tensor], optimizer_states: list[dict], stop: StopCheck = _go_on,
+               rendezvous_s: float | None = None) -> None:
     meet(store, prefix, 0, timeout_s, stop)
-    group = build_group(store, prefix, 0, 2, interface, timeout_s)
+    group = build_group(store, prefix, 0, 2, interface, rendezvous_s or timeout_s)
     tensors: list[torch.Tensor] = []
     names = list(params)
     for n in names:
@@ -114,10 +119,11 @@ def send_state(store, prefix: str, interface: str, timeout_s: float, round_ids: 
         _broadcast(group, t, timeout_s)
 
 
-def recv_state(store, prefix: str, interface: str, timeout_s: float, stop: StopCheck = _go_on):
+def recv_state(store, prefix: str, interface: str, timeout_s: float, stop: StopCheck = _go_on,
+               rendezvous_s: float | None = None):
     """(round_ids, params, optimizer_states) from the source at ``prefix``."""
     meet(store, prefix, 1, timeout_s, stop)
-    group = build_group(store, prefix, 1, 2, interface, timeout_s)
+    group = build_group(store, prefix, 1, 2, interface, rendezvous_s or timeout_s)
     length = torch.zeros(1, dtype=torch.int64)
     _broadcast(group, length, timeout_s)
     n = int(length[0])

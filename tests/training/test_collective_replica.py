@@ -194,6 +194,44 @@ def test_m12_a_serve_whose_joiner_never_comes_stops_when_withdrawn_not_at_its_ti
         heal.recv_state(late, "run/heal2", "127.0.0.1", 1)
 
 
+def test_a_heal_whose_peer_met_it_and_then_vanished_fails_within_the_rendezvous_bound_not_the_heals():
+    """A rank frozen between the meeting and gloo's rendezvous thaws to a peer that gave up: it
+    learns so within one collective timeout, not the heal's six (which bound the transfer)."""
+    from diloco.collective import heal
+    from diloco.collective.groups import CollectiveError, connect_store
+    from diloco.collective.store import StoreHost
+
+    host = StoreHost()
+    store = connect_store("127.0.0.1", host.port, 10)
+    store.set("run/heal4/here/0", b"1")  # the source was here, then stopped before the group formed
+    started = time.monotonic()
+    with pytest.raises(CollectiveError, match="did not form"):
+        heal.recv_state(store, "run/heal4", "127.0.0.1", 30, rendezvous_s=1)
+    assert time.monotonic() - started < 10, "the rendezvous waited for the heal's 30 s bound"
+
+
+def test_the_heal_transfer_gets_the_heals_bound_not_the_rendezvous_one():
+    from diloco.collective import heal
+    from diloco.collective.groups import build_group, connect_store
+    from diloco.collective.store import StoreHost
+
+    host = StoreHost()
+    got = {}
+
+    def joiner():
+        group = build_group(connect_store("127.0.0.1", host.port, 10), "run/heal5", 1, 2, "127.0.0.1", 1)
+        got["t"] = torch.zeros(3)
+        heal._broadcast(group, got["t"], 10)
+
+    t = threading.Thread(target=joiner)
+    t.start()
+    group = build_group(connect_store("127.0.0.1", host.port, 10), "run/heal5", 0, 2, "127.0.0.1", 1)
+    time.sleep(2.0)  # a transfer that takes longer than the group's 1 s rendezvous bound
+    heal._broadcast(group, torch.ones(3), 10)
+    t.join(20)
+    assert got["t"].tolist() == [1.0, 1.0, 1.0]
+
+
 def test_m12_the_driver_stops_the_job_the_machine_withdrew_and_every_heal_when_it_closes():
     from diloco.collective.member import CancelJob, HealJob, ServeHealJob
     from diloco.wire.messages import HealOrder
