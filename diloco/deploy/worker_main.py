@@ -202,11 +202,12 @@ def run_worker_command(args) -> int:
             torch.distributed.destroy_process_group()
 
 
-def _grad_sync(info):
+def _grad_sync(info, model):
     from diloco.worker.group import average_gradients
+    from diloco.worker.shards import is_sharded
 
-    if info.world_size <= 1:
-        return None
+    if info.world_size <= 1 or is_sharded(model):
+        return None  # FSDP2 reduce-scatters a sharded model's gradients itself
     return lambda model: average_gradients(model, info.world_size)
 
 
@@ -259,7 +260,7 @@ def _run_leader(args, setup, worker_id: str, sync_every: int, info, device, over
     previous = signal.signal(signal.SIGTERM, lambda *_: worker.request_stop(save=args.checkpoint_dir is not None))
     try:
         report = run_training(driver, setup.batches, loss_on_device(printer.loss_fn(setup.loss_fn), device),
-                              max_steps=args.max_steps, after_backward=_grad_sync(info),
+                              max_steps=args.max_steps, after_backward=_grad_sync(info, setup.model),
                               tokens_of=getattr(setup, "tokens_of", None),
                               unit_batches=getattr(setup, "unit_batches", None))
     except DilocoWorkerError as exc:
@@ -300,7 +301,7 @@ def _run_follower(args, setup, worker_id: str, info, device) -> int:
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
     try:
         report = run_training(follower, setup.batches, loss_on_device(setup.loss_fn, device),
-                              max_steps=args.max_steps, after_backward=_grad_sync(info))
+                              max_steps=args.max_steps, after_backward=_grad_sync(info, setup.model))
     except DilocoWorkerError as exc:
         print(f"diloco worker {worker_id} rank {info.rank}: {exc}", file=sys.stderr, flush=True)
         return EXIT_PROBLEM

@@ -121,32 +121,53 @@ def broadcast_model(model: torch.nn.Module, optimizer: Any | None = None) -> Non
             optimizer.load_state_dict(box[0])
 
 
+#: What the leader's header announces: the end of a turn (after join or a step), an operation
+#: every rank runs with it (a sharded member's, ``diloco.worker.shards``), or the leader's leave done.
+TURN, COMMAND, END = 0, 1, 2
+
+
 class _Header:
     """The leader's word after join and after each step: go on or stopped; params changed; counters.
 
     A stop also carries the leader's stop reason (a short string), so every rank reports the same.
+    A sharded member's leader also announces each operation on the shards before it runs it.
     """
 
     @staticmethod
-    def send(go_on: bool, changed: bool, inner_step: int, rounds_synced: int, reason: str | None) -> None:
+    def send(go_on: bool, changed: bool, inner_step: int, rounds_synced: int, reason: str | None,
+             kind: int = TURN) -> None:
         with _collective("telling the other ranks what the coordinator said"):
-            dist.broadcast(torch.tensor([int(go_on), int(changed), inner_step, rounds_synced], dtype=torch.int64),
-                           src=0)
-            if not go_on:
+            dist.broadcast(torch.tensor([kind, int(go_on), int(changed), inner_step, rounds_synced],
+                                        dtype=torch.int64), src=0)
+            if kind == TURN and not go_on:
                 dist.broadcast_object_list([reason], src=0)
 
     @staticmethod
-    def receive() -> tuple[bool, bool, int, int, str | None]:
-        t = torch.zeros(4, dtype=torch.int64)
+    def receive() -> tuple[int, bool, bool, int, int, str | None]:
+        t = torch.zeros(5, dtype=torch.int64)
         reason = None
         with _collective("waiting for rank 0"):
             dist.broadcast(t, src=0)
-            go_on, changed, inner_step, rounds = (int(x) for x in t.tolist())
-            if not go_on:
+            kind, go_on, changed, inner_step, rounds = (int(x) for x in t.tolist())
+            if kind == TURN and not go_on:
                 box = [None]
                 dist.broadcast_object_list(box, src=0)
                 reason = box[0]
-        return bool(go_on), bool(changed), inner_step, rounds, reason
+        return kind, bool(go_on), bool(changed), inner_step, rounds, reason
+
+
+def tell_followers(op: str, kwargs: dict) -> None:
+    """The leader of a sharded member: have every other rank run ``op(**kwargs)`` with it (next)."""
+    _Header.send(True, False, 0, 0, None, kind=COMMAND)
+    with _collective(f"telling the other ranks to run {op}"):
+        dist.broadcast_object_list([(op, kwargs)], src=0)
+
+
+def _heard_command() -> tuple[str, dict]:
+    box: list = [None]
+    with _collective("hearing the leader's operation"):
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 class GroupLeader:
@@ -185,18 +206,28 @@ class GroupLeader:
         if go_on is None:
             go_on = not w.stopped
         self._written = w.params_written
+        # A sharded member's ranks took their shards of every change already, as it happened.
+        changed = changed and not w.sharded
         _Header.send(go_on, changed, w.inner_step, w.rounds_synced, w.stop_reason)
         if changed:
             broadcast_model(w.model, w.inner_optimizer if full else None)
 
     def leave(self) -> None:
-        self.worker.leave()
+        try:
+            self.worker.leave()  # may merge a held Result into the shards: the other ranks listen
+        finally:
+            if self.worker.sharded:
+                _Header.send(False, False, 0, 0, None, kind=END)
 
 
 class GroupFollower:
     """Rank > 0: trains in step with the leader and does what it was told; never talks to the coordinator."""
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: Any, worker_id: str, info: RankInfo) -> None:
+        from diloco.worker.shards import ShardedParams, is_sharded
+
+        #: A sharded member's keeping of this rank's shards, which the leader's operations run on.
+        self.shards = ShardedParams(model, inner_optimizer) if is_sharded(model) else None
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.worker_id = worker_id
@@ -208,6 +239,7 @@ class GroupFollower:
         self.seconds_paused = 0.0
         self.bytes_sent = 0
         self.bytes_received = 0
+        self._left = False
 
     def join(self) -> None:
         self._hear(full=True)
@@ -216,7 +248,16 @@ class GroupFollower:
         return self._hear(full=False)
 
     def _hear(self, full: bool) -> bool:
-        go_on, changed, self.inner_step, self.rounds_synced, reason = _Header.receive()
+        while True:
+            kind, go_on, changed, inner_step, rounds, reason = _Header.receive()
+            if kind == COMMAND:
+                self._run_command()
+                continue
+            if kind == END:  # the leader left before this rank's turn ended: it stops too
+                self.stopped, self._left = True, True
+                return False
+            break
+        self.inner_step, self.rounds_synced = inner_step, rounds
         if changed:
             broadcast_model(self.model, self.inner_optimizer if full else None)
         if not go_on:
@@ -227,5 +268,22 @@ class GroupFollower:
     def request_stop(self, save: bool = False) -> None:
         """A follower stops when the leader does (``torchrun`` forwards a SIGTERM to every rank)."""
 
+    def _run_command(self) -> None:
+        op, kwargs = _heard_command()
+        if self.shards is None:
+            raise DilocoWorkerError(f"rank 0 runs {op} on a sharded model; this rank's model is not sharded",
+                                    "group_failed")
+        self.shards.run(op, kwargs)
+
     def leave(self) -> None:
-        """Only the leader leaves the run."""
+        """Only the leader leaves the run; a sharded member's other ranks take part in what its leave
+        does to the shards (a held Result merged) until the leader says it is done."""
+        if self.shards is None or self._left or not self.stopped:
+            return  # (a rank leaving on its own error exits; torchrun stops the others)
+        self._left = True
+        while True:
+            kind, *_ = _Header.receive()
+            if kind == END:
+                return
+            if kind == COMMAND:
+                self._run_command()

@@ -114,6 +114,8 @@ from diloco.worker.device import DeviceGlobal
 from diloco.worker.errors import DilocoWorkerError
 from diloco.worker.link import Link
 from diloco.worker.metrics import TrainingMetrics
+from diloco.worker.shards import ShardedParams, is_sharded, layout_of
+from diloco.tensorfile import CheckpointError
 from diloco.worker.session import DEFAULT_COORDINATOR_TIMEOUT_S, DEFAULT_OVERLAP_ALPHA, WorkerSession
 from diloco.worker.states import WorkerState
 
@@ -129,6 +131,17 @@ __all__ = ["DEFAULT_COORDINATOR_TIMEOUT_S", "DilocoWorker", "DilocoWorkerError"]
 #: A turn is a poll (``COMM_POLL_S``), what arrived, and sends (each at most the transport's
 #: 0.5 s send timeout): well under a second.
 STALL_S = 2.0
+
+
+def _followers_tell():
+    """How a sharded member's leader tells its other ranks what to run (None: it has none)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    from diloco.worker.group import tell_followers
+
+    return tell_followers
 
 
 class DilocoWorker:
@@ -200,6 +213,9 @@ class DilocoWorker:
         #: ``--max-update-norm`` is compared with (NaN before the first submission).
         self.last_update_norm = math.nan
         self._global: Tensors = {}                    # fp32 copy of the global params
+        #: A model FSDP2 shards across this worker's ranks keeps its global copy and residual per
+        #: shard, and every model operation runs on all its ranks (``diloco.worker.shards``).
+        self._shards = ShardedParams(model, inner_optimizer, tell=_followers_tell()) if is_sharded(model) else None
         self._global_on_device = DeviceGlobal(self._params)  # its mirror on a GPU, for pseudo-gradients
         #: Times the driver wrote global params into the model (a Welcome, a Result, a restore):
         #: a multi-rank worker's leader broadcasts the model to its other ranks when this moves.
@@ -230,8 +246,21 @@ class DilocoWorker:
         #: Write the checkpoint after every this many synced rounds (at a commit boundary), or never.
         self.checkpoint_every = checkpoint_every
         self._saved_at_rounds = 0
-        self.checkpoint_path = checkpoint_path(checkpoint_dir, worker_id) if checkpoint_dir is not None else None
-        if self.checkpoint_path is not None and self.checkpoint_path.exists():
+        if checkpoint_dir is None:
+            self.checkpoint_path = None
+        elif self._shards is not None:
+            from diloco.worker.sharded_checkpoint import sharded_checkpoint_path
+
+            self.checkpoint_path = sharded_checkpoint_path(checkpoint_dir, worker_id)
+        else:
+            self.checkpoint_path = checkpoint_path(checkpoint_dir, worker_id)
+        if self._shards is not None and self.checkpoint_path is not None:
+            from diloco.worker import sharded_checkpoint
+
+            found = sharded_checkpoint.sealed(self.checkpoint_path)
+            if found is not None:
+                self._restore_sharded(found)
+        elif self.checkpoint_path is not None and self.checkpoint_path.exists():
             self._restore()
 
     # ------------------------------------------------------------------ what the session knows
@@ -336,6 +365,11 @@ class DilocoWorker:
         return self.session.stopped
 
     @property
+    def sharded(self) -> bool:
+        """True when the model is sharded across this worker's ranks (FSDP2): see ``diloco.worker.shards``."""
+        return self._shards is not None
+
+    @property
     def uses_comm_thread(self) -> bool:
         """True when a communication thread owns the endpoint (the default with the real clock)."""
         return self.link.threaded
@@ -433,7 +467,8 @@ class DilocoWorker:
                 self._report_states()
 
     def save_checkpoint(self) -> None:
-        """Write ``<checkpoint_dir>/worker-<id>.ckpt`` now (atomic)."""
+        """Write ``<checkpoint_dir>/worker-<id>.safetensors`` now (atomic); a sharded member, with all
+        its ranks, ``worker-<id>.dcp/`` (``diloco.worker.sharded_checkpoint``)."""
         if self.checkpoint_path is None:
             raise DilocoWorkerError("save_checkpoint(): this worker has no checkpoint_dir")
         s = self.session
@@ -448,6 +483,9 @@ class DilocoWorker:
                     return
                 # Taken together under the lock: the labels and the params they name (installs run
                 # on this thread, and the queue is empty).
+                if self._shards is not None:
+                    checkpoint = self._sharded_meta()
+                    break
                 checkpoint = WorkerCheckpoint(
                     worker_id=self.worker_id, sync_every=self.sync_every, inner_step=s.inner_step,
                     sched_step=s.sched_step, next_close=list(s.next_close), round_ids=list(s.round_ids),
@@ -457,9 +495,22 @@ class DilocoWorker:
                     residual=self._residual,
                 )
             break
-        save_worker_checkpoint(self.checkpoint_path, checkpoint)
+        if self._shards is not None:
+            from diloco.worker.sharded_checkpoint import save_sharded
+
+            save_sharded(self.checkpoint_path, self._shards, checkpoint)
+        else:
+            save_worker_checkpoint(self.checkpoint_path, checkpoint)
         log.info("worker %s: checkpoint written to %s (inner step %d)", self.worker_id, self.checkpoint_path,
                  s.inner_step)
+
+    def _sharded_meta(self) -> dict:
+        """What a sharded checkpoint's seal holds: the session's counters and labels, and the layout."""
+        s = self.session
+        return {"worker_id": self.worker_id, "sync_every": self.sync_every, "inner_step": s.inner_step,
+                "sched_step": s.sched_step, "next_close": list(s.next_close), "round_ids": list(s.round_ids),
+                "rounds_synced": s.rounds_synced, "mode": s.mode, "fragments": [list(f) for f in s.fragments],
+                "layout": layout_of(self.model)}
 
     def _unlabelled_state(self) -> str | None:
         """Why the global copy is not, right now, the state its round labels name (None: it is). A
@@ -524,6 +575,11 @@ class DilocoWorker:
         if not only_if_expected or self.session.awaiting_replies:
             msg = self.link.recv(timeout_s)
             while msg is not None:
+                if self._shards is not None and isinstance(msg, Welcome) and msg.data_plane == "collective":
+                    raise DilocoWorkerError(
+                        "this worker's model is sharded across its ranks (FSDP2), and the run's data plane is "
+                        "collective: a sharded member runs on the hub plane (diloco server --data-plane hub); "
+                        "on the collective plane each member holds one replica of the whole model", "unsupported")
                 msg = compression.mark_delta(msg)  # a delta Result is decoded at install, in order
                 with self._lock:
                     actions = self._took(self.session.on_message(msg, self._clock()))
@@ -612,7 +668,8 @@ class DilocoWorker:
             elif isinstance(action, SubmitFragment):
                 self._submit(action)
             elif isinstance(action, SendJoinWithParams):
-                params = {n: p.detach().to("cpu", torch.float32).clone() for n, p in self._params.items()}
+                params = (self._shards.full_params() if self._shards is not None else
+                          {n: p.detach().to("cpu", torch.float32).clone() for n, p in self._params.items()})
                 self.link.post(Join(self.worker_id, PROTOCOL_VERSION, self.session.spec, params,
                                     unit=self.session.unit))
                 self.bytes_sent += compression.tensor_nbytes(params)
@@ -641,8 +698,13 @@ class DilocoWorker:
         received = None
         if isinstance(params, compression.DeltaParams):
             received = params.nbytes
+            what = f"{source} for fragment {action.fragment_id}"
             try:
-                params = params.resolve(self._global, action.names, f"{source} for fragment {action.fragment_id}")
+                if self._shards is not None:  # decoded here, added to each rank's shard of the global copy
+                    params = compression.decode(dict(params), params.scales, params.wire_dtype,
+                                                [(n, tuple(self._params[n].shape)) for n in action.names], what)
+                else:
+                    params = params.resolve(self._global, action.names, what)
             except compression.EncodingError as exc:
                 raise DilocoWorkerError(str(exc), "bad_message") from None
         for n in action.names:
@@ -661,6 +723,11 @@ class DilocoWorker:
     def _merge(self, action: MergeParams) -> None:
         """Overlap (W16): local <- alpha * local + (1 - alpha) * global; the global copy becomes the Result's."""
         params = self._check_params(action, "Result")
+        if self._shards is not None:
+            delta = isinstance(action.params, compression.DeltaParams)
+            self._sharded_outcome(self._shards.merge(list(action.names), params, delta, action.alpha), action)
+            self.params_written += 1
+            return
         with torch.no_grad():
             for n in action.names:
                 t = params[n]
@@ -671,6 +738,13 @@ class DilocoWorker:
 
     def _install(self, action: InstallParams) -> None:
         params = self._check_params(action, action.source)
+        if self._shards is not None:
+            delta = isinstance(action.params, compression.DeltaParams)
+            outcome = self._shards.install(list(action.names), params, delta, action.keep_if_same)
+            self._sharded_outcome(outcome, action)
+            if outcome == "installed":
+                self.params_written += 1
+            return
         if action.keep_if_same and all(n in self._global and torch.equal(self._global[n], params[n])
                                        for n in action.names):
             return  # same base: the local progress is still valid for this fragment
@@ -681,16 +755,25 @@ class DilocoWorker:
                 self._set_global(n, t)
         self.params_written += 1
 
+    @staticmethod
+    def _sharded_outcome(outcome: str, action: InstallParams | MergeParams) -> None:
+        if outcome == "non_finite":
+            raise DilocoWorkerError(f"the delta for fragment {action.fragment_id} makes a parameter non-finite",
+                                    "bad_message")
+
     def _set_global(self, name: str, value: torch.Tensor) -> None:
         self._global[name] = value.detach().to("cpu", torch.float32).clone()
         self._global_on_device.set(name, self._global[name], self._params[name].device)
 
     def _submit(self, action: SubmitFragment) -> None:
-        # global - local, on the model's device when it has one, copied to the CPU for the wire.
-        tensors = self._global_on_device.pseudo_gradients(self.session.fragments[action.fragment_id], self._params,
-                                                          self._global)
         feedback = self.error_feedback_on
-        if feedback:
+        names = self.session.fragments[action.fragment_id]
+        if self._shards is not None:  # per shard on every rank (residual included), whole here
+            tensors = self._shards.pseudo_gradients(list(names), with_residual=feedback)
+        else:
+            # global - local, on the model's device when it has one, copied to the CPU for the wire.
+            tensors = self._global_on_device.pseudo_gradients(names, self._params, self._global)
+        if feedback and self._shards is None:
             for n, t in tensors.items():
                 r = self._residual.get(n)
                 if r is not None:
@@ -707,6 +790,9 @@ class DilocoWorker:
                 declared = tensors_norm(sent)
             for n, t in tensors.items():
                 self._residual[n] = t.sub_(sent[n])  # t is this Submit's own buffer, encoded already
+            if self._shards is not None:
+                self._shards.set_residual(list(tensors), self._residual)
+                self._residual = {}  # kept per shard by every rank
         fid = action.fragment_id
         tokens = self._tokens_since - self._tokens_at_submit.get(fid, 0)
         self._tokens_at_submit[fid] = self._tokens_since
@@ -802,6 +888,35 @@ class DilocoWorker:
             log.exception("worker %s: on_outage callback failed", self.worker_id)
 
     # ------------------------------------------------------------------ restore
+
+    def _restore_sharded(self, path) -> None:
+        """Every rank reads its shards from the sealed checkpoint ``path``; the session takes the seal's labels."""
+        from diloco.worker import sharded_checkpoint
+
+        try:
+            meta = sharded_checkpoint.read_meta(path)
+        except CheckpointError as exc:
+            raise DilocoWorkerError(str(exc), "bad_checkpoint") from None
+        if meta["worker_id"] != self.worker_id:
+            raise DilocoWorkerError(f"{path} belongs to worker {meta['worker_id']!r}, not {self.worker_id!r}",
+                                    "bad_checkpoint")
+        if meta["sync_every"] != self.sync_every:
+            raise DilocoWorkerError(f"{path} was saved with sync_every={meta['sync_every']}; this worker has "
+                                    f"sync_every={self.sync_every}", "bad_checkpoint")
+        layout = layout_of(self.model)
+        if meta["layout"] != layout:
+            raise DilocoWorkerError(f"{path} was written by a member laid out as {meta['layout']}; this one is "
+                                    f"{layout}: resume it with the layout that wrote it", "bad_checkpoint")
+        try:
+            self._shards.load(str(path))
+        except (CheckpointError, RuntimeError, ValueError, KeyError) as exc:
+            raise DilocoWorkerError(f"{path}: the shards do not fit this member: {exc}", "bad_checkpoint") from None
+        fragments = tuple(tuple(str(n) for n in f) for f in meta["fragments"])
+        self.session.restore(fragments=fragments, round_ids=[int(r) for r in meta["round_ids"]],
+                             next_close=[int(c) for c in meta["next_close"]], sched_step=meta["sched_step"],
+                             inner_step=meta["inner_step"], rounds_synced=meta["rounds_synced"], mode=meta.get("mode"))
+        log.info("worker %s: restored its shards from %s (inner step %d, round ids %s)", self.worker_id, path,
+                 meta["inner_step"], meta["round_ids"])
 
     def _restore(self) -> None:
         assert self.checkpoint_path is not None  # its one caller checked

@@ -1,0 +1,132 @@
+"""A sharded member's checkpoint: one ``torch.distributed.checkpoint`` directory, each rank its shards.
+
+``<checkpoint_dir>/worker-<id>.dcp/`` holds, written by every rank of the member
+at once (DCP, so no rank gathers the model): the model's and the inner
+optimizer's sharded state (``get_model_state_dict`` / ``get_optimizer_state_dict``),
+and the worker's own per-shard keeping -- the fp32 global copy under
+``global/<name>`` and the error-feedback residual under ``residual/<name>``.
+The leader adds ``diloco.json``: the session's counters and round ids (what a
+replicated worker's checkpoint holds in its header) and the member's layout.
+
+Whole or absent: the ranks write into ``worker-<id>.dcp.partial``; the leader
+seals it with ``diloco.json`` (written last) and only then swaps it in for the
+previous one (previous -> ``.old``, partial -> final, ``.old`` removed). A
+reader takes the final directory if it is sealed, else a sealed ``.old`` (a
+crash between the two renames), else nothing. A member resumes only with the
+layout that wrote it: another world size or placement is refused, naming both.
+
+All ranks must see the directory (one filesystem, or a shared one across nodes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import urllib.parse
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from diloco.tensorfile import CheckpointError
+
+KIND = "diloco.worker.sharded"
+VERSION = 1
+SUFFIX = ".dcp"
+SEAL = "diloco.json"
+
+
+def sharded_checkpoint_path(directory: str | os.PathLike, worker_id: str) -> pathlib.Path:
+    """``<directory>/worker-<id>.dcp`` (the id percent-quoted, as for a replicated worker's file)."""
+    return pathlib.Path(directory) / f"worker-{urllib.parse.quote(worker_id, safe='')}{SUFFIX}"
+
+
+def _aside(path: pathlib.Path, tag: str) -> pathlib.Path:
+    return path.with_name(f"{path.name}.{tag}")
+
+
+def sealed(path: pathlib.Path) -> pathlib.Path | None:
+    """The sealed checkpoint to read for ``path``: itself, or the previous one a crash left aside; or None."""
+    for candidate in (path, _aside(path, "old")):
+        if (candidate / SEAL).is_file():
+            return candidate
+    return None
+
+
+def _state(shards, names_with_residual) -> dict:
+    state = {"model": get_model_state_dict(shards.model),
+             "optim": get_optimizer_state_dict(shards.model, shards.optimizer)}
+    for n, t in shards.global_shards.items():
+        state[f"global/{n}"] = shards.as_dtensor(n, t)
+    for n in names_with_residual:
+        state[f"residual/{n}"] = shards.as_dtensor(n, shards.residual[n])
+    return state
+
+
+def write_shards(shards, directory: str | os.PathLike) -> None:
+    """Every rank: write this rank's shards into ``directory`` (collective)."""
+    dcp.save(_state(shards, list(shards.residual)), checkpoint_id=str(directory))
+
+
+def read_shards(shards, directory: str | os.PathLike) -> None:
+    """Every rank: read this rank's shards from ``directory`` into the model, the optimizer and ``shards``."""
+    keys = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    for n, p in shards.params.items():
+        if f"global/{n}" not in keys:
+            raise CheckpointError(f"{directory}: no global copy of parameter {n!r}")
+        shards.global_shards[n] = torch.empty_like(p.to_local(), dtype=torch.float32)
+    residual = [n for n in shards.params if f"residual/{n}" in keys]
+    for n in residual:
+        shards.residual[n] = torch.empty_like(shards.params[n].to_local(), dtype=torch.float32)
+    state = _state(shards, residual)
+    dcp.load(state, checkpoint_id=str(directory))
+    set_model_state_dict(shards.model, state["model"])
+    set_optimizer_state_dict(shards.model, shards.optimizer, state["optim"])
+    for n in shards.global_shards:
+        shards.global_shards[n] = state[f"global/{n}"].to_local()
+    for n in residual:
+        shards.residual[n] = state[f"residual/{n}"].to_local()
+
+
+def save_sharded(path: pathlib.Path, shards, meta: dict) -> None:
+    """The leader: have every rank write its shards aside, seal them with ``meta``, swap them in."""
+    partial = _aside(path, "partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    shards.save(str(partial))  # every rank writes its shards (DCP; its leader writes the metadata last)
+    tmp = partial / (SEAL + ".tmp")
+    tmp.write_text(json.dumps({"kind": KIND, "version": VERSION, **meta}, indent=1))
+    os.replace(tmp, partial / SEAL)
+    old = _aside(path, "old")
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        os.replace(path, old)
+    os.replace(partial, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def read_meta(path: pathlib.Path) -> dict:
+    """The seal's contents, checked; raises ``CheckpointError`` naming what is wrong."""
+    try:
+        meta = json.loads((path / SEAL).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: its seal {SEAL} cannot be read: {exc}") from None
+    if not isinstance(meta, dict) or meta.get("kind") != KIND:
+        raise CheckpointError(f"{path}: not a sharded worker checkpoint (kind={meta.get('kind') if isinstance(meta, dict) else None!r})")
+    if meta.get("version") != VERSION:
+        raise CheckpointError(f"{path}: sharded checkpoint version {meta.get('version')!r} is not supported "
+                              f"(this diloco reads version {VERSION})")
+    for key, kind in (("worker_id", str), ("sync_every", int), ("inner_step", int), ("sched_step", int),
+                      ("rounds_synced", int), ("next_close", list), ("round_ids", list), ("fragments", list),
+                      ("layout", dict)):
+        value = meta.get(key)
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise CheckpointError(f"{path}: field {key!r} is {value!r}; expected {kind.__name__}")
+    return meta
