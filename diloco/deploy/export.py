@@ -6,7 +6,9 @@ the global params of the newest checkpoint plus the journal's rounds after it;
 export is the params of the last applied round. A run on the collective data
 plane keeps no params at the coordinator (SPEC.md C6): export a worker's
 checkpoint file (``worker-<id>.safetensors``), whose copy of the global params
-is the run's.
+is the run's. A sharded member's checkpoint directory (``worker-<id>.dcp``,
+``diloco.worker.sharded_checkpoint``) is read the same way, its shards of the
+global copy joined into whole tensors, in one process without a group.
 
 The file is ``model.safetensors`` with the model's own parameter names and the
 ``{"format": "pt"}`` metadata Hugging Face's ``from_pretrained`` expects; with
@@ -56,6 +58,10 @@ def read_run_params(location: str | os.PathLike) -> RunParams:
     if path.is_file() and path.name.startswith("worker-"):
         ckpt = worker_ckpt.load_worker_checkpoint(path)
         return RunParams(dict(ckpt.global_params), path, 0, None)
+    if path.is_dir() and path.name.startswith("worker-") and path.name.endswith(".dcp"):
+        from diloco.worker.sharded_checkpoint import read_global_params
+
+        return RunParams(read_global_params(path), path, 0, None)
     found = coordinator_ckpt.find_newest(path)
     if found is None:
         workers = sorted(path.glob("worker-*")) if path.is_dir() else []
@@ -130,12 +136,15 @@ def register(subparsers) -> None:
                     "for a model with tied weights); with the model's config.json beside it, Hugging Face's\n"
                     "from_pretrained(OUT) does.\n\n"
                     "A run on the collective data plane keeps no params at the coordinator: give a worker's\n"
-                    "checkpoint file (worker-<id>.safetensors) instead.",
+                    "checkpoint file (worker-<id>.safetensors) instead. A sharded member's checkpoint\n"
+                    "(the directory worker-<id>.dcp its ranks wrote) is read whole, in one process.",
         epilog="examples:\n"
                "  diloco export ckpt/server out/                       # out/model.safetensors\n"
-               "  diloco export ckpt/w1/worker-w1.safetensors final.safetensors")
+               "  diloco export ckpt/w1/worker-w1.safetensors final.safetensors\n"
+               "  diloco export ckpt/w1/worker-w1.dcp final.safetensors  # a sharded member's")
     p.add_argument("checkpoint", metavar="CHECKPOINT",
-                   help="the server's --checkpoint-dir (or one coordinator checkpoint file), or a worker checkpoint file")
+                   help="the server's --checkpoint-dir (or one coordinator checkpoint file), a worker checkpoint file, "
+                        "or a sharded member's checkpoint directory (worker-<id>.dcp)")
     p.add_argument("out", metavar="OUT", help="a directory (written: OUT/model.safetensors) or a .safetensors file")
     p.add_argument("--force", action="store_true", help="replace an existing export")
     p.set_defaults(handler=cmd_export)

@@ -198,7 +198,7 @@ def run_worker_command(args) -> int:
             return _run_leader(args, setup, worker_id, sync_every, info, device, overlap)
         return _run_follower(args, setup, worker_id, info, device)
     finally:
-        if info.world_size > 1 and torch.distributed.is_initialized():
+        if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
 

@@ -71,8 +71,11 @@ INIT_METHOD_ENV = "DILOCO_GROUP_INIT"
 
 
 def init_group(info: RankInfo, device: torch.device) -> None:
-    """Join the ranks' process group: NCCL for CUDA devices, gloo otherwise (idempotent)."""
-    if info.world_size > 1 and not dist.is_initialized():
+    """Join the ranks' process group: NCCL for CUDA devices, gloo otherwise (idempotent).
+
+    A launcher's world of one rank gets its group too (an FSDP2 model needs one to shard over)."""
+    launched = bool(os.environ.get(INIT_METHOD_ENV) or os.environ.get("MASTER_ADDR"))
+    if (info.world_size > 1 or launched) and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=os.environ.get(INIT_METHOD_ENV) or "env://",
                                 rank=info.rank, world_size=info.world_size, timeout=GROUP_TIMEOUT)
@@ -275,11 +278,15 @@ class GroupFollower:
                                     "group_failed")
         self.shards.run(op, kwargs)
 
+    def abandon(self) -> None:
+        """This rank fails on its own: it leaves without waiting for the leader (torchrun stops the others)."""
+        self._left = True
+
     def leave(self) -> None:
         """Only the leader leaves the run; a sharded member's other ranks take part in what its leave
         does to the shards (a held Result merged) until the leader says it is done."""
-        if self.shards is None or self._left or not self.stopped:
-            return  # (a rank leaving on its own error exits; torchrun stops the others)
+        if self.shards is None or self._left:
+            return
         self._left = True
         while True:
             kind, *_ = _Header.receive()

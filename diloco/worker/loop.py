@@ -111,6 +111,12 @@ def run_training(worker: DilocoWorker, batches: Iterable[Any],
                 if not (worker.step_done(tokens_of(batch)) if tokens_of else worker.step_done()):
                     reason = None
                     break
+    except BaseException:
+        # A rank of a sharded member that fails on its own must not wait for its leader's leave.
+        abandon = getattr(worker, "abandon", None)
+        if abandon is not None:
+            abandon()
+        raise
     finally:
         worker.leave()
     return WorkerReport(

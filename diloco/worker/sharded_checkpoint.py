@@ -25,6 +25,7 @@ import os
 import pathlib
 import shutil
 import urllib.parse
+import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -130,3 +131,31 @@ def read_meta(path: pathlib.Path) -> dict:
         if isinstance(value, bool) or not isinstance(value, kind):
             raise CheckpointError(f"{path}: field {key!r} is {value!r}; expected {kind.__name__}")
     return meta
+
+
+def read_global_params(path: pathlib.Path) -> dict[str, torch.Tensor]:
+    """The global copy of a sealed sharded checkpoint, whole, read in one process (``diloco export``)."""
+    found = sealed(pathlib.Path(path))
+    if found is None:
+        raise CheckpointError(f"{path}: not a sealed sharded checkpoint (no {SEAL}: it was never finished)")
+    read_meta(found)
+    try:
+        keys = dcp.FileSystemReader(str(found)).read_metadata().state_dict_metadata
+    except Exception as exc:  # DCP's own reader errors are of many kinds
+        raise CheckpointError(f"{found}: its DCP metadata cannot be read: {exc}") from None
+    state = {}
+    for key, meta in keys.items():
+        if key.startswith("global/"):
+            size = getattr(meta, "size", None)
+            if size is None:
+                raise CheckpointError(f"{found}: {key} is not a tensor")
+            state[key] = torch.empty(tuple(size), dtype=torch.float32)
+    if not state:
+        raise CheckpointError(f"{found}: it holds no global copy")
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=str(found), no_dist=True)
+    except Exception as exc:
+        raise CheckpointError(f"{found}: its shards cannot be read: {exc}") from None
+    return {key[len("global/"):]: t for key, t in state.items()}

@@ -7,6 +7,7 @@ coordinator sees one worker per member.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -79,3 +80,134 @@ def test_two_sharded_members_apply_rounds_and_hold_the_same_shards_rank_by_rank_
         assert len({a[s][0] for s in range(H)}) == H
     # The two ranks of a member hold different shards (the model is sharded, not replicated).
     assert w1[0][H][0] != w1[1][H][0]
+
+
+def _cli(*args: str) -> int:
+    from diloco.cli import main
+
+    return main(list(args))
+
+
+def test_sharded_members_save_with_dcp_resume_from_it_and_export_the_coordinators_params(cluster, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    trace_dir = tmp_path / "traces"
+    trace_dir.mkdir()
+    server = cluster.server("--min-workers", "2", "--checkpoint-dir", "ckpt-server", heartbeat_timeout_s=5.0)
+    members = {w: start_member(cluster, w, trace_dir, "--checkpoint-dir", f"ckpt-{w}") for w in ("w1", "w2")}
+    cluster.wait_status(lambda s: s["rounds_applied"] >= 3, 240, "three rounds applied")
+    # Raise the quorum so that nothing moves while the run saves: both members park at their next sync.
+    assert _cli("set-min-workers", "3", "--connect", cluster.address) == 0
+    before = cluster.wait_status(lambda s: set(s["parked_workers"]) == {"w1", "w2"}, 60, "both members parked")
+    assert _cli("shutdown", "--save", "--connect", cluster.address) == 0
+    for procs in members.values():
+        for p in procs:
+            assert p.wait_exit(60) == 0, p.output()
+    assert server.wait_exit(30) == 0
+    from diloco.deploy.export import read_run_params
+
+    coordinator = read_run_params(cluster.tmp / "ckpt-server").params
+    assert coordinator
+    for w in ("w1", "w2"):
+        dcp_dir = cluster.tmp / f"ckpt-{w}" / f"worker-{w}.dcp"
+        assert (dcp_dir / "diloco.json").is_file(), "the checkpoint is sealed"
+        assert not list((cluster.tmp / f"ckpt-{w}").glob("*.partial")), "nothing is left half written"
+        # The member's shards of the global copy, joined, are the coordinator's params bit for bit.
+        out = tmp_path / f"{w}.safetensors"
+        assert _cli("export", str(dcp_dir), str(out)) == 0
+        exported = load_file(out)
+        assert set(exported) == set(coordinator)
+        for name, t in coordinator.items():
+            assert torch.equal(exported[name], t), (w, name)
+
+    # The run and the members come back from their checkpoints and go on from the same round.
+    address = cluster.address
+    cluster.server("--resume", "ckpt-server", "--checkpoint-dir", "ckpt-server", bind=address,
+                   heartbeat_timeout_s=5.0)
+    members = {w: start_member(cluster, w, trace_dir, "--checkpoint-dir", f"ckpt-{w}") for w in ("w1", "w2")}
+    for w, procs in members.items():
+        saved = json.loads((cluster.tmp / f"ckpt-{w}" / f"worker-{w}.dcp" / "diloco.json").read_text())
+        assert saved["layout"]["world_size"] == RANKS
+        procs[0].wait_for(rf"restored from its checkpoint at inner step {saved['inner_step']}\b", 120)
+    assert _cli("set-min-workers", "2", "--connect", cluster.address) == 0
+    cluster.wait_status(lambda s: s["rounds_applied"] >= before["rounds_applied"] + 2, 240,
+                        "the resumed run applies rounds")
+    assert _cli("shutdown", "--abort", "--connect", cluster.address) == 0
+    for procs in members.values():
+        for p in procs:
+            assert p.wait_exit(60) == 0, p.output()
+
+
+def test_a_sharded_members_layout_is_what_its_checkpoint_resumes_with(cluster, tmp_path):
+    """A checkpoint written by two ranks is refused by a member of one, with both layouts named."""
+    trace_dir = tmp_path / "traces"
+    trace_dir.mkdir()
+    cluster.server("--min-workers", "1", "--checkpoint-dir", "ckpt-server")
+    procs = start_member(cluster, "w1", trace_dir, "--checkpoint-dir", "ckpt-w1")
+    cluster.wait_status(lambda s: s["rounds_applied"] >= 1, 240, "a round applied")
+    assert _cli("shutdown", "--save", "--connect", cluster.address) == 0
+    for p in procs:
+        assert p.wait_exit(60) == 0, p.output()
+    store = cluster.tmp / "single.store"
+    env = {**cluster.env, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "DILOCO_GROUP_INIT": f"file://{store}",
+           "RANK_TRACE_DIR": str(trace_dir),
+           "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "zmq"), cluster.env["PYTHONPATH"]])}
+    cluster._n += 1
+    one = Proc(f"{cluster._n:02d}-w1-alone", ["worker", "--connect", "tcp://127.0.0.1:9", "--id", "w1", "--entry",
+                                             SHARD_ENTRY, "--sync-every", str(H), "--checkpoint-dir", "ckpt-w1",
+                                             "--device", "cpu"], cluster.tmp, env)
+    cluster.procs.append(one)
+    assert one.wait_exit(120) != 0
+    out = one.output()
+    assert "'world_size': 2" in out and "'world_size': 1" in out, out
+
+
+def test_a_sharded_run_and_a_replicated_run_of_the_same_seed_and_data_train_the_same(cluster, tmp_path):
+    losses = {}
+    for kind in ("sharded", "replicated"):
+        trace_dir = tmp_path / kind
+        trace_dir.mkdir()
+        server = cluster.server("--min-workers", "1")
+        env = {"SHARD_ENTRY_REPLICATED": "1"} if kind == "replicated" else {}
+        # The same id in both runs: the data is seeded by it.
+        procs = start_member(cluster, "m", trace_dir, "--max-steps", str(4 * H), env=env)
+        for p in procs:
+            assert p.wait_exit(240) == 0, p.output()
+        assert _cli("shutdown", "--abort", "--connect", cluster.address) == 0
+        server.wait_exit(30)
+        rank0 = traces(trace_dir, "m")[0]
+        losses[kind] = [rank0[s][1] for s in sorted(rank0) if s > 0]
+    assert len(losses["sharded"]) == len(losses["replicated"]) == 4 * H - 1
+    for a, b in zip(losses["sharded"], losses["replicated"]):
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (losses["sharded"], losses["replicated"])
+
+
+def test_killing_one_rank_takes_its_member_out_as_one_death_and_a_replacement_catches_up(cluster, tmp_path):
+    trace_dir, later = tmp_path / "traces", tmp_path / "replacement"
+    trace_dir.mkdir()
+    later.mkdir()
+    cluster.server("--min-workers", "2")
+    members = {w: start_member(cluster, w, trace_dir) for w in ("w1", "w2")}
+    cluster.wait_status(lambda s: s["rounds_applied"] >= 2, 240, "2 rounds applied")
+    victim = int((trace_dir / "w2.rank1.pid").read_text())
+    assert victim == members["w2"][1].pid
+    os.kill(victim, signal.SIGKILL)
+    # Its leader's next collective inside the member fails: the whole member goes, as one death.
+    assert members["w2"][0].wait_exit(120) != 0, members["w2"][0].output()
+    cluster.wait_status(lambda s: cluster.members(s) == {"w1"}, 60, "w2 gone from the members")
+    status = cluster.wait_status(lambda s: s["phase"] == "paused", 60, "the run paused below quorum")
+    applied = status["rounds_applied"]
+    time.sleep(1.0)
+    assert cluster.status()["rounds_applied"] == applied, "no round applied below min_workers"
+    # A replacement member (same id, two fresh ranks) joins with the run's params and contributes.
+    replacement = start_member(cluster, "w2", later)
+    cluster.wait_status(lambda s: s["rounds_applied"] >= applied + 3, 240, "rounds applied with the replacement")
+    assert admin_request(cluster.address, AdminRequest("shutdown", {"kind": "drain"}), timeout_s=10).ok
+    for p in members["w1"] + replacement:
+        assert p.wait_exit(60) == 0, p.output()
+    # The replacement's ranks hold, after its first sync, the same shards as w1's at the same round.
+    w1, w2 = traces(trace_dir, "w1"), traces(later, "w2")
+    for rank in range(RANKS):
+        after_join = {d for s, (d, _) in w2[rank].items() if s % H == 0 and s > 0}
+        assert after_join & {d for s, (d, _) in w1[rank].items() if s % H == 0}, rank
