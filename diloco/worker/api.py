@@ -13,6 +13,11 @@ leaving -- at the end, on ``break``, or on an exception -- sends ``Leave`` so
 the coordinator hears of it at once, and closes the connection. With
 ``hook=True`` the step is counted by a post-step hook on ``optimizer``
 instead of ``w.step()``; check ``w.stopped`` to end your loop.
+
+A model FSDP2 shards across the ranks of a ``torchrun`` group (``fully_shard``)
+is one member: every rank builds the ``Worker`` the same way; rank 0 talks to
+the coordinator and the others follow it (``diloco.worker.group``; the id is
+rank 0's). See ``diloco.worker.shards``.
 """
 
 from __future__ import annotations
@@ -43,13 +48,23 @@ class Worker:
                  key: str | os.PathLike | None = None, server_key: str | os.PathLike | None = None,
                  hook: bool = False, **options) -> None:
         worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
-        endpoint = _endpoint(connect, worker_id, key, server_key)
-        try:
-            self.worker = DilocoWorker(model, optimizer, endpoint, worker_id=worker_id, sync_every=sync_every,
-                                       **options)
-        except BaseException:
-            endpoint.close()
-            raise
+        info = _sharded_group(model)
+        self._driver = None
+        if info is not None:  # every rank of the member names it as its rank 0 does
+            from diloco.worker.group import GroupFollower, GroupLeader, share_worker_id
+
+            worker_id = share_worker_id(worker_id)
+            if not info.is_leader:
+                self.worker = self._driver = GroupFollower(model, optimizer, worker_id, info)
+        if self._driver is None:
+            endpoint = _endpoint(connect, worker_id, key, server_key)
+            try:
+                self.worker = DilocoWorker(model, optimizer, endpoint, worker_id=worker_id, sync_every=sync_every,
+                                           **options)
+            except BaseException:
+                endpoint.close()
+                raise
+            self._driver = GroupLeader(self.worker, info) if info is not None else self.worker
         self._hook = optimizer.register_step_post_hook(self._after_optimizer_step) if hook else None
 
     # -- the loop
@@ -57,7 +72,7 @@ class Worker:
     def step(self, tokens: int | None = None) -> bool:
         """Count one inner step (``tokens``: what it trained on, for ``--merge tokens``; None: one step); at a
         sync point submit and wait. False: stop training."""
-        return self.worker.step_done(tokens)
+        return self._driver.step_done(tokens)
 
     @property
     def stopped(self) -> bool:
@@ -85,13 +100,16 @@ class Worker:
 
     def __enter__(self) -> "Worker":
         try:
-            self.worker.join()
+            self._driver.join()
         except BaseException:
             self.close()
             raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> Literal[False]:
+        abandon = getattr(self._driver, "abandon", None)
+        if exc_type is not None and abandon is not None:
+            abandon()  # a rank failing on its own does not wait for its leader's leave
         self.close()
         return False  # an exception in the loop propagates, after the clean leave
 
@@ -100,11 +118,24 @@ class Worker:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        self.worker.leave()
+        self._driver.leave()
 
     def _after_optimizer_step(self, _optimizer, _args, _kwargs) -> None:
         if not self.worker.stopped:
-            self.worker.step_done()
+            self._driver.step_done()
+
+
+def _sharded_group(model: torch.nn.Module):
+    """This rank's place in its member when the model is sharded across a group of ranks, else None."""
+    import torch.distributed as dist
+
+    from diloco.worker.shards import is_sharded
+
+    if not dist.is_initialized() or dist.get_world_size() == 1 or not is_sharded(model):
+        return None
+    from diloco.worker.group import RankInfo
+
+    return RankInfo(dist.get_rank(), dist.get_world_size(), dist.get_rank())
 
 
 def _endpoint(connect, worker_id: str, key, server_key) -> WorkerEndpoint:

@@ -159,6 +159,14 @@ class _Header:
         return kind, bool(go_on), bool(changed), inner_step, rounds, reason
 
 
+def share_worker_id(worker_id: str) -> str:
+    """Rank 0's worker id, on every rank (the member has one name, whatever each rank guessed)."""
+    box = [worker_id]
+    with _collective("agreeing on the worker's id"):
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def tell_followers(op: str, kwargs: dict) -> None:
     """The leader of a sharded member: have every other rank run ``op(**kwargs)`` with it (next)."""
     _Header.send(True, False, 0, 0, None, kind=COMMAND)

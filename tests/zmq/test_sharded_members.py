@@ -211,3 +211,34 @@ def test_killing_one_rank_takes_its_member_out_as_one_death_and_a_replacement_ca
     for rank in range(RANKS):
         after_join = {d for s, (d, _) in w2[rank].items() if s % H == 0 and s > 0}
         assert after_join & {d for s, (d, _) in w1[rank].items() if s % H == 0}, rank
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_example_runs_sharded_members_in_a_loop_of_its_own_with_diloco_worker(cluster):
+    """``examples/fsdp2_member.py`` under a torchrun-like launch: ``diloco.Worker`` on every rank."""
+    cluster.server("--min-workers", "2")
+    procs = []
+    for w in ("w1", "w2"):
+        port = _free_port()
+        for rank in range(RANKS):
+            env = {**cluster.env, "RANK": str(rank), "WORLD_SIZE": str(RANKS), "LOCAL_RANK": str(rank),
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo"}
+            cluster._n += 1
+            proc = Proc(f"{cluster._n:02d}-{w}-rank{rank}",
+                        ["--connect", cluster.address, "--worker-id", w, "--sync-every", "5", "--steps", "20"],
+                        cluster.tmp, env, program=(str(REPO / "examples" / "fsdp2_member.py"),))
+            cluster.procs.append(proc)
+            procs.append(proc)
+    for p in procs:
+        assert p.wait_exit(240) == 0, p.output()
+    results = [p.output() for p in procs if "RESULT" in p.output()]
+    assert len(results) == 2, "rank 0 of each member reports"
+    assert all("inner_steps=20 rounds=4" in r for r in results), results
+    assert cluster.members(cluster.status()) <= {"w1", "w2"}
