@@ -267,7 +267,7 @@ class CollectiveEndpoint:
         encoded = compression.Encoded(dict(job.submit.tensors), dict(job.submit.scales))
         try:
             cache = self._group_cache()
-            group = cache.get(order.prefix, order.group.index(self.worker_id), len(order.group))
+            group = cache.get(order.prefix, order.group.index(self.worker_id), len(order.group), self._stop_for(job))
             shapes = {n: replica.params[n].shape for n in replica.fragments[fid]}
             mean, norms, mean_norm = mean_pseudo_gradient(group, encoded, replica.wire_dtype, shapes, self._timeout_s,
                                                self._reduce_buffer(fid, shapes), cache.device, order.gather)
@@ -351,7 +351,8 @@ class CollectiveEndpoint:
     def _say_if_slow_or_failed(self, job, done: Completion, seconds: float) -> None:
         """A heal or serve that failed, and any job that held the data plane for longer than a
         collective timeout, in the worker's log: what a stalled round is read from."""
-        failed = isinstance(done, (HealFailed, JobFailed)) or (isinstance(done, HealServed) and not done.ok)
+        failed = (isinstance(done, (HealFailed, JobFailed)) or (isinstance(done, HealServed) and not done.ok)
+                  or (isinstance(done, Reduced) and not done.digest))
         if failed or seconds > self._timeout_s:
             what = type(job).__name__
             if isinstance(job, ServeHealJob):
@@ -363,12 +364,15 @@ class CollectiveEndpoint:
                         seconds, f": {detail[:300]}" if detail else "")
 
     def _stop_for(self, job) -> heal.StopCheck:
-        """Why ``job`` (a heal or a serve) must stop now, or "": the worker closes, or the machine
-        withdrew it (M12)."""
+        """Why ``job`` must stop at its wait now, or "": the worker closes, or the machine withdrew it
+        (a heal or serve whose joiner is gone, M12; a reduce whose attempt is over, M13)."""
+        withdrawn = ("the attempt is over (aborted, superseded or decided)" if isinstance(job, ReduceJob)
+                     else "the coordinator withdrew it (the joiner is gone)")
+
         def why() -> str:
             if self._closed:
                 return "the worker is stopping"
-            return "the coordinator withdrew it (the joiner is gone)" if self._cancelled is job else ""
+            return withdrawn if self._cancelled is job else ""
         return why
 
     def _reduce_buffer(self, fid: int, shapes: dict) -> torch.Tensor:

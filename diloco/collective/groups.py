@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import datetime
 import socket
+import threading
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -87,6 +89,40 @@ def _nccl_group(store: dist.Store, rank: int, size: int, timeout: datetime.timed
     return pg
 
 
+#: How often a group forming on its helper thread looks whether it must be abandoned.
+ABANDON_POLL_S = 0.05
+
+
+def build_group_or_abandon(store_factory: Callable[[], dist.Store], prefix: str, rank: int, size: int,
+                           interface: str, timeout_s: float, stop: Callable[[], str], backend: str = "gloo",
+                           device=None) -> dist.ProcessGroup:
+    """``build_group`` on a helper thread (its own store client: a store client serves one call at a
+    time, and the abandoned formation may still be waiting in it), left behind when ``stop`` gives a
+    reason. The helper ends on its own within gloo's bounds; what it builds then is dropped."""
+    box: dict = {}
+    done = threading.Event()
+
+    def form() -> None:
+        try:
+            box["group"] = build_group(store_factory(), prefix, rank, size, interface, timeout_s, backend, device)
+        except BaseException as exc:  # handed to the caller below
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=form, name=f"diloco-group-{prefix[-24:]}", daemon=True).start()
+    while not done.wait(ABANDON_POLL_S):
+        why = stop()
+        if why:
+            raise CollectiveError(f"group {prefix!r} (rank {rank} of {size}) abandoned while it formed: {why}")
+    if "error" in box:
+        error = box["error"]
+        if isinstance(error, CollectiveError):
+            raise error
+        raise CollectiveError(f"group {prefix!r} (rank {rank} of {size}) did not form: {error}") from error
+    return box["group"]
+
+
 class GroupCache:
     """At most one live reduce group: the one of the last prefix (membership epochs, SPEC.md C7)."""
 
@@ -112,12 +148,20 @@ class GroupCache:
             self._store = self._store_factory()
         return self._store
 
-    def get(self, prefix: str, rank: int, size: int) -> dist.ProcessGroupGloo:
+    def get(self, prefix: str, rank: int, size: int, stop: Callable[[], str] | None = None) -> dist.ProcessGroupGloo:
+        """The group of ``prefix``: the cached one, or a new one. With ``stop``, a new group forms on a
+        helper thread, over a store client of its own, and is abandoned as soon as ``stop`` says why
+        (M13): gloo cannot be interrupted, and a peer that died after it registered holds the others
+        in gloo's connect for five timeouts."""
         if self._prefix == prefix and self._group is not None:
             return self._group
         self.drop()
-        self._group = build_group(self.store, prefix, rank, size, self.interface, self.timeout_s, self.backend,
-                                  self.device)
+        if stop is None:
+            self._group = build_group(self.store, prefix, rank, size, self.interface, self.timeout_s, self.backend,
+                                      self.device)
+        else:
+            self._group = build_group_or_abandon(self._store_factory, prefix, rank, size, self.interface,
+                                                 self.timeout_s, stop, self.backend, self.device)
         self._prefix = prefix
         self.built += 1
         return self._group

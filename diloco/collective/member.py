@@ -286,8 +286,10 @@ class NewStore:
 
 @dataclasses.dataclass(frozen=True)
 class CancelJob:
-    """M12: the coordinator withdrew the heal ``job`` serves (its joiner is gone): stop it at its next
-    wait. Its completion still comes (a failed serve); a job already done is not affected."""
+    """Stop ``job`` at its next wait: the coordinator withdrew the heal it serves (its joiner is gone,
+    M12), or the attempt of the reduce it runs was aborted, superseded or decided without it while
+    its group was still forming (M13). Its completion still comes (a failed serve, a failed reduce);
+    a job already done, or past the wait, is not affected."""
 
     job: Job
 
@@ -517,7 +519,11 @@ class MemberMachine:
             if commit is not None:
                 self._lost_track(commit, out)
             return True
-        # Not reported yet: still queued (dropped unrun), or running (rolled back once it ends).
+        # Not reported yet: still queued (dropped unrun), or running (rolled back once it ends; M13:
+        # a group still forming for it is abandoned, so the next attempt finds this member free).
+        running = self._running
+        if isinstance(running, ReduceJob) and (running.order.fragment_id, running.order.round_id) == key:
+            out.append(CancelJob(running))
         self._queue = collections.deque(
             j for j in self._queue
             if not (isinstance(j, ReduceJob) and (j.order.fragment_id, j.order.round_id) == key))

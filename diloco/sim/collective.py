@@ -327,7 +327,7 @@ class SimEndpoint:
         self._timeout_s = self.cfg.collective_timeout_s
         self._job: Job | None = None
         #: The machine's job the running generator carries out, and the wait it is in (token,
-        #: waiter, meeting): what a ``CancelJob`` stops, while ``_meeting_peer`` (a serve's
+        #: waiter, meeting): what a ``CancelJob`` stops, while ``_meeting_peer`` (a serve's or a reduce's
         #: group still forming: the real ``heal.meet``).
         self._job_of = None
         self._wait: tuple | None = None
@@ -473,11 +473,13 @@ class SimEndpoint:
         self._advance(None, SimCollectiveError(why or f"timed out after {self._timeout_s:.3f} s"))
 
     def _withdraw(self, job) -> None:
-        """``CollectiveEndpoint``'s stop check (M12): a heal withdrawn while it waits for its peer
-        (``heal.meet``; here the group's forming) stops there; once formed, the transfer runs on."""
+        """``CollectiveEndpoint``'s stop check: a heal withdrawn while it waits for its peer (M12,
+        ``heal.meet``; here the group's forming), or a reduce whose attempt is over while its group
+        forms (M13, ``GroupCache.get``'s abandon), stops there; past the wait, the job runs on."""
         if self._job_of is job and self._meeting_peer and self._wait is not None:
-            self.w.later(0.0, lambda arg: self._timed_out(arg, "the coordinator withdrew it (the joiner is gone)"),
-                         self._wait)
+            why = ("the attempt is over (aborted, superseded or decided)" if isinstance(job, ReduceJob)
+                   else "the coordinator withdrew it (the joiner is gone)")
+            self.w.later(0.0, lambda arg: self._timed_out(arg, why), self._wait)
 
     # ------------------------------------------------------------------ gloo (GroupCache, heal)
 
@@ -504,7 +506,11 @@ class SimEndpoint:
         if self._prefix == prefix and self._group is not None:
             return self._group
         self._drop_group()
-        group = yield from self._build(prefix, rank, size)
+        self._meeting_peer = True  # M13: an attempt that ends meanwhile abandons the forming group
+        try:
+            group = yield from self._build(prefix, rank, size)
+        finally:
+            self._meeting_peer = False
         self._prefix, self._group, self._seq = prefix, group, 0
         return group
 

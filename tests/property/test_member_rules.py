@@ -1,4 +1,4 @@
-"""One focused example per rule of the collective member's machine (SPEC.md section 7c, M1-M12).
+"""One focused example per rule of the collective member's machine (SPEC.md section 7c, M1-M13).
 
 The machine is driven message by message; its jobs are answered by hand, as a driver would
 answer them, so every decision is visible: what goes to the coordinator, what the session
@@ -772,8 +772,10 @@ def test_exact_an_abort_drops_only_its_own_queued_reduce():
     m.session_sends(submit(fid=1))
     m.received(order(fid=1))                              # fragment 1's waits behind it
     m.received(HealOrder("w3", "h1"))                     # and a heal order
-    assert m.received(ReduceAbort(0, 0, 0, "timeout")) == []
-    (rollback,) = jobs(m.completed(Reduced("D")))         # aborted while it ran: rolled back
+    running = ReduceJob(order(), submit())
+    # M13: aborted while it runs: its forming group is abandoned (CancelJob), and it is rolled back.
+    assert m.received(ReduceAbort(0, 0, 0, "timeout")) == [CancelJob(running)]
+    (rollback,) = jobs(m.completed(Reduced("D")))
     assert rollback == RollbackJob((0,))
     (nxt,) = jobs(m.completed(RolledBack()))
     assert isinstance(nxt, ReduceJob) and nxt.order.fragment_id == 1
@@ -911,7 +913,7 @@ def test_spec_section_7c_names_only_tests_that_exist():
     spec = (Path(__file__).resolve().parents[2] / "SPEC.md").read_text(encoding="utf-8")
     section = spec[spec.index("## 7c. The collective member"):spec.index("## 8. Policies")]
     rules = re.findall(r"^- \*\*(M\d+) [^*]+\.\*\*(.*?)(?=^- \*\*M|\Z)", section, re.S | re.M)
-    assert [r for r, _ in rules] == [f"M{i}" for i in range(1, 13)]
+    assert [r for r, _ in rules] == [f"M{i}" for i in range(1, 14)]
     tests = [name for name in globals() if name.startswith("test_")]
     for rule, text in rules:
         names = re.findall(r"`(test_\w+\*?)`", text)
@@ -952,3 +954,25 @@ def test_m12_a_new_order_after_a_withdrawal_is_served():
     assert jobs(m.received(HealOrder("w3", "heal9"))) == []  # queued behind the cancelled one
     (second,) = jobs(m.completed(HealServed(False, "stopped")))
     assert isinstance(second, ServeHealJob) and second.order.prefix == "heal9"
+
+
+def test_m13_an_attempt_that_ends_while_its_reduce_runs_cancels_that_reduce_and_no_other():
+    running = ReduceJob(order(), submit())
+    # Aborted, superseded by a newer attempt, or committed without this member: the same cancel.
+    for end in (ReduceAbort(0, 0, 0, "timeout"), order(attempt=1), commit(digest="D")):
+        m = started(MemberMachine(WID))
+        assert jobs(m.received(order())) == [running]
+        assert [a for a in m.received(end) if isinstance(a, CancelJob)] == [CancelJob(running)], end
+    # Another fragment's abort, or another attempt's, leaves the running reduce alone.
+    m = started(MemberMachine(WID))
+    jobs(m.received(order()))
+    m.session_sends(submit(fid=1))
+    m.received(order(fid=1))
+    assert not [a for a in m.received(ReduceAbort(1, 0, 0, "timeout")) if isinstance(a, CancelJob)]
+    assert not [a for a in m.received(ReduceAbort(0, 0, 7, "timeout")) if isinstance(a, CancelJob)]
+    # The cancelled reduce's failure is no report: its attempt is over; the next job runs.
+    m = started(MemberMachine(WID))
+    jobs(m.received(order()))
+    m.received(ReduceAbort(0, 0, 0, "timeout"))
+    out = m.completed(Reduced("", "group 'g0' abandoned while it formed: the attempt is over"))
+    assert not to_coordinator(out)

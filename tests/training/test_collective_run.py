@@ -164,12 +164,12 @@ class _DyingCache:
         self.store, self.interface, self.timeout_s = cache.store, cache.interface, cache.timeout_s
         self.device = cache.device
 
-    def get(self, prefix, rank, size):
+    def get(self, prefix, rank, size, stop=None):
         if not self._during:
             self._death.die()
             self._death.release.wait(30)
             raise CollectiveError("dead")
-        group = self._cache.get(prefix, rank, size)
+        group = self._cache.get(prefix, rank, size, stop)
         death = self._death
 
         class _Group:

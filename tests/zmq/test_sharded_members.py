@@ -242,3 +242,14 @@ def test_the_example_runs_sharded_members_in_a_loop_of_its_own_with_diloco_worke
     assert len(results) == 2, "rank 0 of each member reports"
     assert all("inner_steps=20 rounds=4" in r for r in results), results
     assert cluster.members(cluster.status()) <= {"w1", "w2"}
+
+
+def test_a_sharded_member_on_a_collective_run_is_refused_with_the_plane_it_runs_on(cluster, tmp_path):
+    trace_dir = tmp_path / "traces"
+    trace_dir.mkdir()
+    cluster.server("--min-workers", "1", "--data-plane", "collective")
+    procs = start_member(cluster, "w1", trace_dir)
+    assert procs[0].wait_exit(120) == 1, procs[0].output()
+    assert "a sharded member runs on the hub plane" in procs[0].output()
+    assert procs[1].wait_exit(60) is not None
+    assert cluster.status()["rounds_applied"] == 0
