@@ -20,7 +20,9 @@ parameter at a time) and its residual, as a sync does. Per rank it reports
   allocator add;
 
 and for W > 1 each against 1/W of the world-1 figure (the replicated member's):
-``held_ratio = held_W / (held_1 / W)`` (1.0: exactly 1/W).
+``held_ratio = held_W / (held_1 / W)`` (1.0: exactly 1/W). ``sync_ms`` is a sync's
+work on the shards (the pseudo-gradient gathered whole with its residual, the
+residual scattered back, the round's params scattered and installed), best of 3.
 
 **Time per round** on the hub (``--rounds``, default 6): a ``diloco server``
 and one member of two ranks training the built-in char transformer (H =
@@ -34,8 +36,9 @@ Run::
     python benchmarks/bench_sharded.py --quick    # a small model, worlds 1 2, 4 rounds
 
 Prints, per world, ``RESULT bench_sharded_memory world=W held_mb=X rss_mb=X
-held_ratio=X rss_ratio=X`` and ``RESULT bench_sharded_round sharded_s=X
-replicated_s=X ratio=X``.
+rss_leader_mb=X rss_other_mb=X sync_ms=X held_ratio=X rss_ratio=X`` (indented), and
+last ``RESULT bench_sharded held_mb_W=X rss_mb_W=X sync_ms_W=X held_ratio_W=X
+rss_ratio_W=X ... round_sharded_s=X round_replicated_s=X round_ratio=X``.
 """
 
 from __future__ import annotations
@@ -78,16 +81,24 @@ def _rank(rank: int, world: int, store: str, d_model: int, layers: int, out: str
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     shards = ShardedParams(model, opt)  # every rank calls every operation itself: no leader needed here
     names = list(shards.params)
-    del_whole = shards.install(names, whole)
-    assert del_whole == "installed"
-    del whole
+    assert shards.install(names, whole) == "installed"
     x = torch.randint(0, config.vocab_size, (4, 64))
     model.loss(x, x).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    pg = shards.pseudo_gradients(names, with_residual=True)
-    shards.set_residual(names, {n: t * 0.01 for n, t in pg.items()} if pg is not None else None)
-    del pg
+    # A sync's work on the shards, timed: the pseudo-gradient gathered whole, its residual scattered,
+    # the round's params scattered and installed (best of 3).
+    sync_s = float("inf")
+    for _ in range(3):
+        dist.barrier()
+        began = time.perf_counter()
+        pg = shards.pseudo_gradients(names, with_residual=True)
+        shards.set_residual(names, {n: t * 0.01 for n, t in pg.items()} if pg is not None else None)
+        assert shards.install(names, whole) == "installed"
+        dist.barrier()
+        sync_s = min(sync_s, time.perf_counter() - began)
+        del pg
+    del whole
     held = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())
     for state in opt.state.values():
         for t in state.values():
@@ -97,14 +108,14 @@ def _rank(rank: int, world: int, store: str, d_model: int, layers: int, out: str
     held += shards.shard_bytes()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     numel = sum(p.numel() for p in model.parameters())
-    pathlib.Path(out).write_text(f"{held / 2**20:.2f} {peak - before:.2f} {numel}\n")
+    pathlib.Path(out).write_text(f"{held / 2**20:.2f} {peak - before:.2f} {numel} {sync_s * 1e3:.1f}\n")
     dist.destroy_process_group()
 
 
-def memory(worlds: list[int], d_model: int, layers: int) -> None:
+def memory(worlds: list[int], d_model: int, layers: int) -> dict:
     import torch.multiprocessing as mp
 
-    figures = {}
+    figures, summary = {}, {}
     for world in worlds:
         with tempfile.TemporaryDirectory() as tmp:
             outs = [os.path.join(tmp, f"rank{r}") for r in range(world)]
@@ -120,16 +131,28 @@ def memory(worlds: list[int], d_model: int, layers: int) -> None:
             rows = [tuple(float(x) for x in pathlib.Path(o).read_text().split()) for o in outs]
         held = max(r[0] for r in rows)
         rss = max(r[1] for r in rows)
+        # Rank 0 also holds the whole params it scatters (the Welcome's) and, in a real sync, the
+        # fragment's pseudo-gradient it encodes: its figure and the others' are told apart.
+        leader_rss = rows[0][1]
+        other_rss = max((r[1] for r in rows[1:]), default=leader_rss)
         figures[world] = (held, rss)
         numel = int(rows[0][2])
+        sync_ms = max(r[3] for r in rows)
         base_held, base_rss = figures.get(1, (None, None))
         ratios = ""
         if base_held is not None and world > 1:
             ratios = f" held_ratio={held / (base_held / world):.3f} rss_ratio={rss / (base_rss / world):.3f}"
         print(f"  world {world}: {numel / 1e6:.1f}M params; per rank at most: held {held:.1f} MB, "
-              f"peak resident growth {rss:.1f} MB", flush=True)
-        print(f"RESULT bench_sharded_memory world={world} params={numel} held_mb={held:.2f} rss_mb={rss:.2f}{ratios}",
-              flush=True)
+              f"peak resident growth {rss:.1f} MB; a sync's work on the shards {sync_ms:.0f} ms", flush=True)
+        print(f"  RESULT bench_sharded_memory world={world} params={numel} held_mb={held:.2f} rss_mb={rss:.2f} "
+              f"rss_leader_mb={leader_rss:.2f} rss_other_mb={other_rss:.2f} sync_ms={sync_ms:.1f}{ratios}", flush=True)
+        summary[f"held_mb_{world}"] = f"{held:.2f}"
+        summary[f"rss_mb_{world}"] = f"{rss:.2f}"
+        summary[f"sync_ms_{world}"] = f"{sync_ms:.1f}"
+        if ratios:
+            summary[f"held_ratio_{world}"] = f"{held / (base_held / world):.3f}"
+            summary[f"rss_ratio_{world}"] = f"{rss / (base_rss / world):.3f}"
+    return summary
 
 
 def _free_port() -> int:
@@ -189,7 +212,7 @@ def one_run(kind: str, rounds: int, sync_every: int, workdir: pathlib.Path) -> f
             p.wait()
 
 
-def round_time(rounds: int, sync_every: int) -> None:
+def round_time(rounds: int, sync_every: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         work = pathlib.Path(tmp)
         # Alternated, so that the machine's noise falls on both.
@@ -200,8 +223,8 @@ def round_time(rounds: int, sync_every: int) -> None:
         sharded, replicated = min(times["sharded"]), min(times["replicated"])
         print(f"  one member of 2 ranks, H={sync_every}: {sharded:.3f} s per round sharded, {replicated:.3f} s "
               f"replicated (best of 2 runs each)", flush=True)
-        print(f"RESULT bench_sharded_round sync_every={sync_every} sharded_s={sharded:.3f} "
-              f"replicated_s={replicated:.3f} ratio={sharded / replicated:.3f}", flush=True)
+        return {"round_sharded_s": f"{sharded:.3f}", "round_replicated_s": f"{replicated:.3f}",
+                "round_ratio": f"{sharded / replicated:.3f}"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,10 +241,12 @@ def main(argv: list[str] | None = None) -> int:
         args.worlds, args.d_model, args.layers, args.rounds = [1, 2], 256, 4, 4
     if 1 not in args.worlds:
         parser.error("--worlds must include 1 (the replicated figure the others are compared with)")
+    summary = {}
     if args.only != "round":
-        memory(sorted(args.worlds), args.d_model, args.layers)
+        summary.update(memory(sorted(args.worlds), args.d_model, args.layers))
     if args.only != "memory":
-        round_time(args.rounds, args.sync_every)
+        summary.update(round_time(args.rounds, args.sync_every))
+    print("RESULT bench_sharded " + " ".join(f"{k}={v}" for k, v in summary.items()), flush=True)
     return 0
 
 

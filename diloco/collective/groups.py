@@ -98,29 +98,39 @@ def build_group_or_abandon(store_factory: Callable[[], dist.Store], prefix: str,
                            device=None) -> dist.ProcessGroup:
     """``build_group`` on a helper thread (its own store client: a store client serves one call at a
     time, and the abandoned formation may still be waiting in it), left behind when ``stop`` gives a
-    reason. The helper ends on its own within gloo's bounds; what it builds then is dropped."""
-    box: dict = {}
+    reason. The helper ends on its own within gloo's bounds; what it builds then is dropped.
+
+    Only a failure's message crosses back, never the exception: its traceback holds the frames of
+    the formation, and with them gloo's device (a listening socket) and the store client, which a
+    reference cycle through this function's state would keep open until a garbage collection."""
+    outcome: list = []
+    lock = threading.Lock()
     done = threading.Event()
+    abandoned = False
 
     def form() -> None:
         try:
-            box["group"] = build_group(store_factory(), prefix, rank, size, interface, timeout_s, backend, device)
-        except BaseException as exc:  # handed to the caller below
-            box["error"] = exc
-        finally:
-            done.set()
+            result = ("group", build_group(store_factory(), prefix, rank, size, interface, timeout_s, backend, device))
+        except Exception as exc:
+            result = ("error", str(exc))
+        with lock:
+            if not abandoned:
+                outcome.append(result)
+        done.set()
 
     threading.Thread(target=form, name=f"diloco-group-{prefix[-24:]}", daemon=True).start()
     while not done.wait(ABANDON_POLL_S):
         why = stop()
         if why:
+            with lock:
+                abandoned = True
+                outcome.clear()
             raise CollectiveError(f"group {prefix!r} (rank {rank} of {size}) abandoned while it formed: {why}")
-    if "error" in box:
-        error = box["error"]
-        if isinstance(error, CollectiveError):
-            raise error
-        raise CollectiveError(f"group {prefix!r} (rank {rank} of {size}) did not form: {error}") from error
-    return box["group"]
+    kind, value = outcome.pop()
+    if kind == "error":
+        raise CollectiveError(value if value.startswith(f"group {prefix!r}")
+                              else f"group {prefix!r} (rank {rank} of {size}) did not form: {value}")
+    return value
 
 
 class GroupCache:

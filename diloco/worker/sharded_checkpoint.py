@@ -159,3 +159,40 @@ def read_global_params(path: pathlib.Path) -> dict[str, torch.Tensor]:
     except Exception as exc:
         raise CheckpointError(f"{found}: its shards cannot be read: {exc}") from None
     return {key[len("global/"):]: t for key, t in state.items()}
+
+
+def seal_of(session, worker_id: str, sync_every: int, model) -> dict:
+    """What the seal holds beside its kind: the session's counters and round ids, and the layout."""
+    from diloco.worker.shards import layout_of
+
+    s = session
+    return {"worker_id": worker_id, "sync_every": sync_every, "inner_step": s.inner_step,
+            "sched_step": s.sched_step, "next_close": list(s.next_close), "round_ids": list(s.round_ids),
+            "rounds_synced": s.rounds_synced, "mode": s.mode, "fragments": [list(f) for f in s.fragments],
+            "layout": layout_of(model)}
+
+
+def restore_member(path: pathlib.Path, shards, worker_id: str, sync_every: int) -> dict:
+    """Check the sealed checkpoint ``path`` is this member's (id, H, layout), have every rank read its
+    shards, and return the seal. ``DilocoWorkerError`` (``bad_checkpoint``) names what does not fit."""
+    from diloco.worker.errors import DilocoWorkerError
+    from diloco.worker.shards import layout_of
+
+    try:
+        meta = read_meta(path)
+    except CheckpointError as exc:
+        raise DilocoWorkerError(str(exc), "bad_checkpoint") from None
+    if meta["worker_id"] != worker_id:
+        raise DilocoWorkerError(f"{path} belongs to worker {meta['worker_id']!r}, not {worker_id!r}", "bad_checkpoint")
+    if meta["sync_every"] != sync_every:
+        raise DilocoWorkerError(f"{path} was saved with sync_every={meta['sync_every']}; this worker has "
+                                f"sync_every={sync_every}", "bad_checkpoint")
+    layout = layout_of(shards.model)
+    if meta["layout"] != layout:
+        raise DilocoWorkerError(f"{path} was written by a member laid out as {meta['layout']}; this one is "
+                                f"{layout}: resume it with the layout that wrote it", "bad_checkpoint")
+    try:
+        shards.load(str(path))
+    except (CheckpointError, RuntimeError, ValueError, KeyError) as exc:
+        raise DilocoWorkerError(f"{path}: the shards do not fit this member: {exc}", "bad_checkpoint") from None
+    return meta

@@ -114,8 +114,7 @@ from diloco.worker.device import DeviceGlobal
 from diloco.worker.errors import DilocoWorkerError
 from diloco.worker.link import Link
 from diloco.worker.metrics import TrainingMetrics
-from diloco.worker.shards import ShardedParams, is_sharded, layout_of
-from diloco.tensorfile import CheckpointError
+from diloco.worker.shards import ShardedParams, is_sharded
 from diloco.worker.session import DEFAULT_COORDINATOR_TIMEOUT_S, DEFAULT_OVERLAP_ALPHA, WorkerSession
 from diloco.worker.states import WorkerState
 
@@ -484,7 +483,9 @@ class DilocoWorker:
                 # Taken together under the lock: the labels and the params they name (installs run
                 # on this thread, and the queue is empty).
                 if self._shards is not None:
-                    checkpoint = self._sharded_meta()
+                    from diloco.worker.sharded_checkpoint import seal_of
+
+                    checkpoint = seal_of(s, self.worker_id, self.sync_every, self.model)
                     break
                 checkpoint = WorkerCheckpoint(
                     worker_id=self.worker_id, sync_every=self.sync_every, inner_step=s.inner_step,
@@ -503,14 +504,6 @@ class DilocoWorker:
             save_worker_checkpoint(self.checkpoint_path, checkpoint)
         log.info("worker %s: checkpoint written to %s (inner step %d)", self.worker_id, self.checkpoint_path,
                  s.inner_step)
-
-    def _sharded_meta(self) -> dict:
-        """What a sharded checkpoint's seal holds: the session's counters and labels, and the layout."""
-        s = self.session
-        return {"worker_id": self.worker_id, "sync_every": self.sync_every, "inner_step": s.inner_step,
-                "sched_step": s.sched_step, "next_close": list(s.next_close), "round_ids": list(s.round_ids),
-                "rounds_synced": s.rounds_synced, "mode": s.mode, "fragments": [list(f) for f in s.fragments],
-                "layout": layout_of(self.model)}
 
     def _unlabelled_state(self) -> str | None:
         """Why the global copy is not, right now, the state its round labels name (None: it is). A
@@ -891,28 +884,11 @@ class DilocoWorker:
 
     def _restore_sharded(self, path) -> None:
         """Every rank reads its shards from the sealed checkpoint ``path``; the session takes the seal's labels."""
-        from diloco.worker import sharded_checkpoint
+        from diloco.worker.sharded_checkpoint import restore_member
 
-        try:
-            meta = sharded_checkpoint.read_meta(path)
-        except CheckpointError as exc:
-            raise DilocoWorkerError(str(exc), "bad_checkpoint") from None
-        if meta["worker_id"] != self.worker_id:
-            raise DilocoWorkerError(f"{path} belongs to worker {meta['worker_id']!r}, not {self.worker_id!r}",
-                                    "bad_checkpoint")
-        if meta["sync_every"] != self.sync_every:
-            raise DilocoWorkerError(f"{path} was saved with sync_every={meta['sync_every']}; this worker has "
-                                    f"sync_every={self.sync_every}", "bad_checkpoint")
-        layout = layout_of(self.model)
-        if meta["layout"] != layout:
-            raise DilocoWorkerError(f"{path} was written by a member laid out as {meta['layout']}; this one is "
-                                    f"{layout}: resume it with the layout that wrote it", "bad_checkpoint")
-        try:
-            self._shards.load(str(path))
-        except (CheckpointError, RuntimeError, ValueError, KeyError) as exc:
-            raise DilocoWorkerError(f"{path}: the shards do not fit this member: {exc}", "bad_checkpoint") from None
-        fragments = tuple(tuple(str(n) for n in f) for f in meta["fragments"])
-        self.session.restore(fragments=fragments, round_ids=[int(r) for r in meta["round_ids"]],
+        meta = restore_member(path, self._shards, self.worker_id, self.sync_every)
+        self.session.restore(fragments=tuple(tuple(str(n) for n in f) for f in meta["fragments"]),
+                             round_ids=[int(r) for r in meta["round_ids"]],
                              next_close=[int(c) for c in meta["next_close"]], sched_step=meta["sched_step"],
                              inner_step=meta["inner_step"], rounds_synced=meta["rounds_synced"], mode=meta.get("mode"))
         log.info("worker %s: restored its shards from %s (inner step %d, round ids %s)", self.worker_id, path,

@@ -9,6 +9,8 @@ gives a reason, so the member is free for the attempt that follows.
 
 from __future__ import annotations
 
+import gc
+import os
 import threading
 import time
 
@@ -38,6 +40,33 @@ def test_m13_a_group_still_forming_when_its_attempt_ends_is_abandoned_at_once():
     for t in [t for t in threading.enumerate() if t.name.startswith("diloco-group-")]:
         t.join(TIMEOUT_S + 5)
         assert not t.is_alive()
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_formation_that_failed_or_was_abandoned_closes_its_sockets_at_once():
+    """No reference cycle keeps gloo's device (a listening socket) or the helper's store client open
+    until a garbage collection: under churn those piled up by the dozen."""
+    host = StoreHost()
+    cache = _cache(host)
+    cache.store  # the cache's own client, kept
+    gc.disable()
+    try:
+        before = _open_fds()
+        with pytest.raises(CollectiveError, match="did not form"):
+            GroupCache(lambda: connect_store("127.0.0.1", host.port, 1.0), "127.0.0.1", 1.0).get("g3", 0, 2, lambda: "")
+        assert _open_fds() == before
+        ended_at = time.monotonic() + 0.2
+        with pytest.raises(CollectiveError, match="abandoned"):
+            GroupCache(lambda: connect_store("127.0.0.1", host.port, 1.0), "127.0.0.1", 1.0).get(
+                "g4", 0, 2, lambda: "over" if time.monotonic() >= ended_at else "")
+        for t in [t for t in threading.enumerate() if t.name.startswith("diloco-group-")]:
+            t.join(10)
+        assert _open_fds() == before
+    finally:
+        gc.enable()
 
 
 def test_a_group_formed_with_a_stop_check_that_never_fires_is_the_same_group():

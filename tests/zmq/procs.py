@@ -150,6 +150,28 @@ class Cluster:
         return self.start(worker_id, ["worker", "--connect", self.address, "--id", worker_id, "--entry", ENTRY,
                                       "--sync-every", str(sync_every), "--coordinator-timeout", "120", *args])
 
+    def worker_ranks(self, worker_id: str, entry: str, ranks: int, trace_dir: Path, *args: str, sync_every: int = 5,
+                     env: dict | None = None) -> list[Proc]:
+        """The ranks of one multi-rank worker, rank 0 first, started as torchrun starts them: they meet
+        through a file store (``DILOCO_GROUP_INIT``, a fresh one per call) and gloo on loopback."""
+        assert self.address is not None, "start a server first"
+        store = self.tmp / f"{worker_id}.{time.monotonic_ns()}.store"
+        procs = []
+        for rank in range(ranks):
+            renv = {**self.env, "RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank),
+                    "DILOCO_GROUP_INIT": f"file://{store}", "GLOO_SOCKET_IFNAME": "lo",
+                    "RANK_TRACE_DIR": str(trace_dir),
+                    "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "zmq"), self.env["PYTHONPATH"]]),
+                    **(env or {})}
+            self._n += 1
+            proc = Proc(f"{self._n:02d}-{worker_id}-rank{rank}",
+                        ["worker", "--connect", self.address, "--id", worker_id, "--entry", entry,
+                         "--sync-every", str(sync_every), "--coordinator-timeout", "120", "--device", "cpu", *args],
+                        self.tmp, renv)
+            self.procs.append(proc)
+            procs.append(proc)
+        return procs
+
     def status(self, timeout_s: float = 10.0) -> dict:
         reply = admin_request(self.address, AdminRequest("status"), timeout_s=timeout_s, auth=self.admin_auth)
         assert reply.ok, reply

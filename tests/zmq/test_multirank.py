@@ -30,21 +30,7 @@ H = 5
 
 def start_group(cluster: Cluster, worker_id: str, trace_dir: Path, *args: str) -> list[Proc]:
     """The ranks of one worker, rank 0 first."""
-    store = cluster.tmp / f"{worker_id}.store"
-    procs = []
-    for rank in range(RANKS):
-        env = {**cluster.env, "RANK": str(rank), "WORLD_SIZE": str(RANKS), "LOCAL_RANK": str(rank),
-               "DILOCO_GROUP_INIT": f"file://{store}", "GLOO_SOCKET_IFNAME": "lo",
-               "RANK_TRACE_DIR": str(trace_dir),
-               "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "zmq"), cluster.env["PYTHONPATH"]])}
-        cluster._n += 1
-        proc = Proc(f"{cluster._n:02d}-{worker_id}-rank{rank}",
-                    ["worker", "--connect", cluster.address, "--id", worker_id, "--entry", RANK_ENTRY,
-                     "--sync-every", str(H), "--coordinator-timeout", "120", "--device", "cpu", *args],
-                    cluster.tmp, env)
-        cluster.procs.append(proc)
-        procs.append(proc)
-    return procs
+    return cluster.worker_ranks(worker_id, RANK_ENTRY, RANKS, trace_dir, *args, sync_every=H)
 
 
 def traces(trace_dir: Path, worker_id: str) -> list[dict[int, str]]:

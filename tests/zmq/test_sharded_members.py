@@ -28,21 +28,7 @@ H = 5
 
 def start_member(cluster: Cluster, worker_id: str, trace_dir: Path, *args: str, env: dict | None = None) -> list[Proc]:
     """The ranks of one member, rank 0 first."""
-    store = cluster.tmp / f"{worker_id}.{time.monotonic_ns()}.store"
-    procs = []
-    for rank in range(RANKS):
-        penv = {**cluster.env, "RANK": str(rank), "WORLD_SIZE": str(RANKS), "LOCAL_RANK": str(rank),
-                "DILOCO_GROUP_INIT": f"file://{store}", "GLOO_SOCKET_IFNAME": "lo", "RANK_TRACE_DIR": str(trace_dir),
-                "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "zmq"), cluster.env["PYTHONPATH"]]),
-                **(env or {})}
-        cluster._n += 1
-        proc = Proc(f"{cluster._n:02d}-{worker_id}-rank{rank}",
-                    ["worker", "--connect", cluster.address, "--id", worker_id, "--entry", SHARD_ENTRY,
-                     "--sync-every", str(H), "--coordinator-timeout", "120", "--device", "cpu", *args],
-                    cluster.tmp, penv)
-        cluster.procs.append(proc)
-        procs.append(proc)
-    return procs
+    return cluster.worker_ranks(worker_id, SHARD_ENTRY, RANKS, trace_dir, *args, sync_every=H, env=env)
 
 
 def traces(trace_dir: Path, worker_id: str) -> list[dict[int, tuple[str, float]]]:
