@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -49,7 +49,10 @@ class Worker:
                  hook: bool = False, **options) -> None:
         worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
         info = _sharded_group(model)
-        self._driver = None
+        #: What the loop drives: the worker, or a sharded member's GroupLeader / GroupFollower.
+        self._driver: Any = None
+        #: The DilocoWorker (a follower rank: its GroupFollower); its attributes are this one's.
+        self.worker: Any
         if info is not None:  # every rank of the member names it as its rank 0 does
             from diloco.worker.group import GroupFollower, GroupLeader, share_worker_id
 

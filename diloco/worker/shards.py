@@ -104,6 +104,7 @@ class ShardedParams:
         p = self.params[name]
         device = p.to_local().device
         if self.is_leader:
+            assert whole is not None, "the leader scatters what it holds"
             src = whole[name].to(device, torch.float32)
         else:
             src = torch.empty(tuple(p.shape), dtype=torch.float32, device=device)
@@ -120,8 +121,8 @@ class ShardedParams:
 
     # ------------------------------------------------------------------ what the worker asks
 
-    def full_params(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor] | None:
-        """The model's params, whole (a Join that brings the run its first params)."""
+    def full_params(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """The model's params, whole (a Join that brings the run its first params); empty off the leader."""
         names = list(self.params) if names is None else list(names)
         self._command("full_params", names=names)
         out = {}
@@ -130,7 +131,7 @@ class ShardedParams:
                 whole = self._gather(n, self.params[n].to_local().detach().to(torch.float32))
                 if whole is not None:
                     out[n] = whole
-        return out if self.is_leader else None
+        return out
 
     def install(self, names: list[str], whole: Mapping[str, torch.Tensor] | None = None, delta: bool = False,
                 keep_if_same: bool = False) -> str:
@@ -175,8 +176,8 @@ class ShardedParams:
             return None
         return new
 
-    def pseudo_gradients(self, names: list[str], with_residual: bool = False) -> dict[str, torch.Tensor] | None:
-        """``global - local`` (plus the residual) for ``names``, whole on the leader (CPU fp32)."""
+    def pseudo_gradients(self, names: list[str], with_residual: bool = False) -> dict[str, torch.Tensor]:
+        """``global - local`` (plus the residual) for ``names``, whole on the leader (CPU fp32); empty off it."""
         self._command("pseudo_gradients", names=list(names), with_residual=with_residual)
         out = {}
         with torch.no_grad():
@@ -188,7 +189,7 @@ class ShardedParams:
                 whole = self._gather(n, shard)
                 if whole is not None:
                     out[n] = whole
-        return out if self.is_leader else None
+        return out
 
     def set_residual(self, names: list[str], whole: Mapping[str, torch.Tensor] | None = None) -> None:
         """Error feedback: what the wire left out of the pseudo-gradients just sent, kept per shard."""

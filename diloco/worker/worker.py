@@ -485,7 +485,7 @@ class DilocoWorker:
                 if self._shards is not None:
                     from diloco.worker.sharded_checkpoint import seal_of
 
-                    checkpoint = seal_of(s, self.worker_id, self.sync_every, self.model)
+                    seal = seal_of(s, self.worker_id, self.sync_every, self.model)
                     break
                 checkpoint = WorkerCheckpoint(
                     worker_id=self.worker_id, sync_every=self.sync_every, inner_step=s.inner_step,
@@ -499,7 +499,7 @@ class DilocoWorker:
         if self._shards is not None:
             from diloco.worker.sharded_checkpoint import save_sharded
 
-            save_sharded(self.checkpoint_path, self._shards, checkpoint)
+            save_sharded(self.checkpoint_path, self._shards, seal)
         else:
             save_worker_checkpoint(self.checkpoint_path, checkpoint)
         log.info("worker %s: checkpoint written to %s (inner step %d)", self.worker_id, self.checkpoint_path,
