@@ -327,11 +327,11 @@ class SimEndpoint:
         self._timeout_s = self.cfg.collective_timeout_s
         self._job: Job | None = None
         #: The machine's job the running generator carries out, and the wait it is in (token,
-        #: waiter, meeting): what a ``CancelJob`` stops, while ``_meeting_peer`` (a serve's or a reduce's
-        #: group still forming: the real ``heal.meet``).
+        #: waiter, meeting): what a ``CancelJob`` stops, while ``_cancellable_wait`` (a serve's or a reduce's
+        #: group still forming: the real ``heal.meet`` and ``GroupCache.get``'s abandon).
         self._job_of = None
         self._wait: tuple | None = None
-        self._meeting_peer = False
+        self._cancellable_wait = False
         self._token = 0
         #: The store client (``GroupCache.store``): the store generation it connected to, or None.
         self._store_gen: int | None = None
@@ -476,7 +476,7 @@ class SimEndpoint:
         """``CollectiveEndpoint``'s stop check: a heal withdrawn while it waits for its peer (M12,
         ``heal.meet``; here the group's forming), or a reduce whose attempt is over while its group
         forms (M13, ``GroupCache.get``'s abandon), stops there; past the wait, the job runs on."""
-        if self._job_of is job and self._meeting_peer and self._wait is not None:
+        if self._job_of is job and self._cancellable_wait and self._wait is not None:
             why = ("the attempt is over (aborted, superseded or decided)" if isinstance(job, ReduceJob)
                    else "the coordinator withdrew it (the joiner is gone)")
             self.w.later(0.0, lambda arg: self._timed_out(arg, why), self._wait)
@@ -506,11 +506,11 @@ class SimEndpoint:
         if self._prefix == prefix and self._group is not None:
             return self._group
         self._drop_group()
-        self._meeting_peer = True  # M13: an attempt that ends meanwhile abandons the forming group
+        self._cancellable_wait = True  # M13: an attempt that ends meanwhile abandons the forming group
         try:
             group = yield from self._build(prefix, rank, size)
         finally:
-            self._meeting_peer = False
+            self._cancellable_wait = False
         self._prefix, self._group, self._seq = prefix, group, 0
         return group
 
@@ -641,11 +641,11 @@ class SimEndpoint:
         # applied in place until a Welcome settles it (C6).
         state = self.replica.committed_state()
         try:
-            self._meeting_peer = True
+            self._cancellable_wait = True
             try:
                 group = yield from self._build(job.order.prefix, 0, 2, HEAL_TIMEOUTS * self._timeout_s)
             finally:
-                self._meeting_peer = False
+                self._cancellable_wait = False
             yield from self._heal_transfer(group, state)
         except SimCollectiveError as exc:
             self.world.emit({"k": "fault", "t": self.clock.now, "what": "heal_failed", "w": self.w.wid,

@@ -159,26 +159,23 @@ class _Header:
         return kind, bool(go_on), bool(changed), inner_step, rounds, reason
 
 
-def share_worker_id(worker_id: str) -> str:
-    """Rank 0's worker id, on every rank (the member has one name, whatever each rank guessed)."""
-    box = [worker_id]
-    with _collective("agreeing on the worker's id"):
+def _from_leader(value: Any, what: str) -> Any:
+    """Rank 0's ``value`` (a small picklable object), on every rank."""
+    box = [value]
+    with _collective(what):
         dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def share_worker_id(worker_id: str) -> str:
+    """Rank 0's worker id, on every rank (the member has one name, whatever each rank guessed)."""
+    return _from_leader(worker_id, "agreeing on the worker's id")
 
 
 def tell_followers(op: str, kwargs: dict) -> None:
     """The leader of a sharded member: have every other rank run ``op(**kwargs)`` with it (next)."""
     _Header.send(True, False, 0, 0, None, kind=COMMAND)
-    with _collective(f"telling the other ranks to run {op}"):
-        dist.broadcast_object_list([(op, kwargs)], src=0)
-
-
-def _heard_command() -> tuple[str, dict]:
-    box: list = [None]
-    with _collective("hearing the leader's operation"):
-        dist.broadcast_object_list(box, src=0)
-    return box[0]
+    _from_leader((op, kwargs), f"telling the other ranks to run {op}")
 
 
 class GroupLeader:
@@ -280,7 +277,7 @@ class GroupFollower:
         """A follower stops when the leader does (``torchrun`` forwards a SIGTERM to every rank)."""
 
     def _run_command(self) -> None:
-        op, kwargs = _heard_command()
+        op, kwargs = _from_leader(None, "hearing the leader's operation")
         if self.shards is None:
             raise DilocoWorkerError(f"rank 0 runs {op} on a sharded model; this rank's model is not sharded",
                                     "group_failed")
