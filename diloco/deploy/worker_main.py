@@ -190,16 +190,60 @@ def run_worker_command(args) -> int:
     overlap = overlap_options(args, sync_every)
     func = load_entry(entry)
     init_group(info, device)
-    try:
+
+    def run() -> int:
         context = {"rank": info.rank, "world_size": info.world_size, "device": device}
         setup = call_entry(func, worker_id, **context)
         setup.model.to(device)
         if info.is_leader:
             return _run_leader(args, setup, worker_id, sync_every, info, device, overlap)
         return _run_follower(args, setup, worker_id, info, device)
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+
+    if not torch.distributed.is_initialized():
+        return run()
+    code = _run_in_group(run)
+    torch.distributed.destroy_process_group()
+    _end_process(code)
+    return code  # not reached
+
+
+def _run_in_group(run: Callable[[], int]) -> int:
+    """``run()``'s exit code, with the errors ``diloco``'s main would report reported here: a
+    process in a group ends in ``_end_process``, never by unwinding to the interpreter's exit."""
+    from diloco.exits import EXIT_INTERRUPTED, EXIT_USAGE
+
+    try:
+        return run()
+    except UsageError as exc:
+        print(f"diloco worker: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("diloco worker: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception:
+        import traceback
+
+        traceback.print_exc()
+        return EXIT_PROBLEM
+
+
+def _end_process(code: int) -> None:
+    """End a process that joined a process group without the interpreter's finalization.
+
+    FSDP2 keeps the group's ``ProcessGroup`` object alive after ``destroy_process_group`` (its
+    mesh info holds it, and caches hold that), so gloo's threads would be torn down while the
+    interpreter finalizes, which now and then aborts the process (SIGABRT, "terminate called
+    without an active exception": one exit in about thirty on this kind of machine). Everything
+    the worker writes is written and closed by now; flush what is buffered and leave."""
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def _grad_sync(info, model):

@@ -7,13 +7,16 @@ With ``SHARD_ENTRY_REPLICATED=1`` the same model is left whole (the replicated
 multi-rank worker): the two runs see the same data and seeds, so their losses
 can be compared. Each rank trains on its own data (a seed per rank).
 
-Every rank writes its pid to ``<RANK_TRACE_DIR>/<worker>.rank<k>.pid`` and,
+Every rank writes its pid to ``<RANK_TRACE_DIR>/<worker>.rank<k>.pid``, registers an ``atexit``
+hook that writes ``<worker>.rank<k>.finalized`` (a worker in a group must end without the
+interpreter's finalization), and,
 before each inner step, ``<step> <sha256 of its local shards> <loss of the
 previous step>`` to ``<worker>.rank<k>.trace``.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
 from pathlib import Path
@@ -50,6 +53,7 @@ def make_setup(worker_id: str = "w", rank: int = 0, world_size: int = 1):
         fully_shard(model)
     out = Path(os.environ["RANK_TRACE_DIR"])
     (out / f"{worker_id}.rank{rank}.pid").write_text(str(os.getpid()))
+    atexit.register((out / f"{worker_id}.rank{rank}.finalized").write_text, "atexit ran")
     trace = open(out / f"{worker_id}.rank{rank}.trace", "a", buffering=1)
     step, last = 0, float("nan")
 
