@@ -385,6 +385,11 @@ class MemberMachine:
 
     # ------------------------------------------------------------------ what the session sends
 
+    @property
+    def wants_start_params(self) -> bool:
+        """The coordinator asked this member to start the run from its own params (C6)."""
+        return self._wants_start_params
+
     def session_sends(self, message: Message) -> list[Action]:
         """M5, C2: what goes to the coordinator of a session's message. A Join with params must
         carry copies the session will not change (the driver's job)."""

@@ -234,8 +234,17 @@ class GroupFollower:
     def __init__(self, model: torch.nn.Module, inner_optimizer: Any, worker_id: str, info: RankInfo) -> None:
         from diloco.worker.shards import ShardedParams, is_sharded
 
-        #: A sharded member's keeping of this rank's shards, which the leader's operations run on.
-        self.shards = ShardedParams(model, inner_optimizer) if is_sharded(model) else None
+        #: A sharded member's keeping of this rank's shards, which the leader's operations run on;
+        #: and its part of the member's collective data plane, run on a thread of its own that
+        #: serves the leader's data plane's requests until it says stop (on the hub it never asks).
+        self.shards = ShardedParams(model, inner_optimizer, worker_id=worker_id) if is_sharded(model) else None
+        if self.shards is not None and self.shards.plane is not None:
+            import threading
+
+            from diloco.collective.shard_part import serve_plane
+
+            threading.Thread(target=serve_plane, args=(self.shards.part, self.shards.plane),
+                             name=f"diloco-plane-{worker_id}-rank{info.rank}", daemon=True).start()
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.worker_id = worker_id

@@ -23,19 +23,23 @@ other ranks (``diloco.worker.group``), which run the same method without them.
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
 
+from diloco.collective.reduce import contribution_norm, tensors_norm
+from diloco.wire import compression
 from diloco.wire.compression import apply_delta
 
 #: ``tell(op, kwargs)``: the leader's word to the other ranks before it runs ``op`` (None: no others).
 Tell = Callable[[str, dict], None]
 
 #: What the other ranks may be told to run (``ShardedParams.run``).
-COMMANDS = ("full_params", "install", "merge", "pseudo_gradients", "set_residual", "save", "load")
+COMMANDS = ("full_params", "install", "merge", "pseudo_gradients", "set_residual", "save", "load",
+            "submit_shards", "install_handed", "merge_handed", "snapshot_start")
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -60,8 +64,11 @@ def layout_of(model: torch.nn.Module) -> dict:
 class ShardedParams:
     """Per-shard keeping of one rank of a sharded member. See the module docstring."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, tell: Tell | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, tell: Tell | None = None,
+                 worker_id: str = "") -> None:
         from torch.distributed.tensor import DTensor
+
+        from diloco.collective.shard_part import PlaneLink, ShardPart
 
         self.params: dict[str, Any] = {}  # name -> its DTensor
         for name, p in model.named_parameters():
@@ -75,6 +82,18 @@ class ShardedParams:
         #: This rank's shard of the fp32 copy of the global params, and of the error-feedback residual.
         self.global_shards: dict[str, torch.Tensor] = {}
         self.residual: dict[str, torch.Tensor] = {}
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        device = next(iter(self.params.values())).to_local().device
+        #: This rank's part of the member's collective data plane (``diloco.collective.shard_part``).
+        self.part = ShardPart(worker_id, rank, "127.0.0.1", device if device.type == "cuda" else None)
+        #: The member's plane group, over which the leader's data plane asks the others (gloo, so
+        #: that small objects travel on the CPU whatever the model's device). Created here, on every
+        #: rank at the same point: a new group is a collective of the whole member.
+        self.plane: PlaneLink | None = None
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            from diloco.worker.group import GROUP_TIMEOUT
+
+            self.plane = PlaneLink(dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT))
 
     @property
     def is_leader(self) -> bool:
@@ -196,6 +215,74 @@ class ShardedParams:
         self._command("set_residual", names=list(names))
         for n in names:
             self.residual[n] = self._scatter(n, whole)
+
+    # ------------------------------------------------------------------ the collective plane
+
+    def submit_shards(self, fid: int, round_id: int, names: list[str], wire_dtype: str,
+                      feedback: bool) -> tuple[compression.Encoded, float, float]:
+        """A collective run's submit: every rank encodes its own shard of the pseudo-gradient
+        (error feedback per shard) and posts it for its data plane (``ShardPart.post``). Returns
+        this rank's encoded shard, the norm of the whole contribution as the group will decode it
+        (what the member declares, M9) and that of the whole pseudo-gradient before encoding."""
+        self._command("submit_shards", fid=fid, round_id=round_id, names=list(names), wire_dtype=wire_dtype,
+                      feedback=feedback)
+        with torch.no_grad():
+            shards = {}
+            for n in names:
+                shard = self.global_shards[n] - self.params[n].to_local().detach().to(torch.float32)
+                r = self.residual.get(n) if feedback else None
+                if r is not None:
+                    shard.add_(r)
+                shards[n] = shard.cpu()
+            raw = tensors_norm(shards)
+            enc = compression.encode(shards, wire_dtype)
+            if feedback:
+                sent = compression.decoded(enc, wire_dtype, shards)
+                declared = tensors_norm(sent)
+                for n, t in shards.items():
+                    self.residual[n] = t.sub_(sent[n]).to(self.params[n].to_local().device)
+            else:
+                declared = contribution_norm(enc, wire_dtype, {n: t.shape for n, t in shards.items()})
+        self.part.post(fid, round_id, enc)
+        # On the member's default group, as every command: the plane group is the data plane's.
+        device = next(iter(self.params.values())).to_local().device
+        squares = torch.tensor([declared * declared, raw * raw], dtype=torch.float64, device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(squares)
+        return enc, math.sqrt(float(squares[0])), math.sqrt(float(squares[1]))
+
+    def snapshot_start(self) -> dict[str, torch.Tensor]:
+        """Every rank keeps its shards as they are now: the run may start from them (C6). Returns
+        the leader's (the Join's token params; they never leave the member)."""
+        self._command("snapshot_start")
+        self.part.snapshot_start({n: p.to_local() for n, p in self.params.items()})
+        assert self.part.start_params is not None
+        return dict(self.part.start_params)
+
+    def install_handed(self, names: list[str], keep_if_same: bool = False) -> str:
+        """``install`` from what each rank's data plane committed (the collective plane)."""
+        self._command("install_handed", names=list(names), keep_if_same=keep_if_same)
+        new = self.part.handed(names)
+        if keep_if_same and self._all(all(n in self.global_shards and torch.equal(self.global_shards[n].cpu(), new[n])
+                                          for n in names)):
+            return "kept"
+        with torch.no_grad():
+            for n in names:
+                local = self.params[n].to_local()
+                local.copy_(new[n])
+                self.global_shards[n] = new[n].to(local.device, torch.float32, copy=True)
+        return "installed"
+
+    def merge_handed(self, names: list[str], alpha: float = 0.5) -> str:
+        """``merge`` from what each rank's data plane committed (the collective plane)."""
+        self._command("merge_handed", names=list(names), alpha=alpha)
+        new = self.part.handed(names)
+        with torch.no_grad():
+            for n in names:
+                local = self.params[n].to_local()
+                local.lerp_(new[n].to(local.device, local.dtype), 1.0 - alpha)
+                self.global_shards[n] = new[n].to(local.device, torch.float32, copy=True)
+        return "installed"
 
     # ------------------------------------------------------------------ checkpoints
 

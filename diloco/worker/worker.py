@@ -190,7 +190,18 @@ class DilocoWorker:
         # hub's, so the session is the same on both (diloco.collective.endpoint).
         # A model on a CUDA device reduces there, over NCCL; on the CPU, over gloo.
         device = next(iter(self._params.values())).device if self._params else None
-        self.data_plane = CollectiveEndpoint(endpoint, worker_id, device=device)
+        #: A model FSDP2 shards across this worker's ranks keeps its global copy and residual per
+        #: shard, and every model operation runs on all its ranks (``diloco.worker.shards``); on the
+        #: collective plane every data-plane job too (``diloco.collective.sharded_endpoint``).
+        self._shards = (ShardedParams(model, inner_optimizer, tell=_followers_tell(), worker_id=worker_id)
+                        if is_sharded(model) else None)
+        if self._shards is not None:
+            from diloco.collective.sharded_endpoint import ShardedCollectiveEndpoint
+
+            self.data_plane: CollectiveEndpoint = ShardedCollectiveEndpoint(endpoint, worker_id, self._shards.part,
+                                                                            self._shards.plane, device=device)
+        else:
+            self.data_plane = CollectiveEndpoint(endpoint, worker_id, device=device)
         self.link = Link(self.data_plane, worker_id, threaded=(clock is None) if comm_thread is None else bool(comm_thread))
         self.worker_id = worker_id
         self.sync_every = sync_every
@@ -212,9 +223,6 @@ class DilocoWorker:
         #: ``--max-update-norm`` is compared with (NaN before the first submission).
         self.last_update_norm = math.nan
         self._global: Tensors = {}                    # fp32 copy of the global params
-        #: A model FSDP2 shards across this worker's ranks keeps its global copy and residual per
-        #: shard, and every model operation runs on all its ranks (``diloco.worker.shards``).
-        self._shards = ShardedParams(model, inner_optimizer, tell=_followers_tell()) if is_sharded(model) else None
         self._global_on_device = DeviceGlobal(self._params)  # its mirror on a GPU, for pseudo-gradients
         #: Times the driver wrote global params into the model (a Welcome, a Result, a restore):
         #: a multi-rank worker's leader broadcasts the model to its other ranks when this moves.
@@ -568,11 +576,6 @@ class DilocoWorker:
         if not only_if_expected or self.session.awaiting_replies:
             msg = self.link.recv(timeout_s)
             while msg is not None:
-                if self._shards is not None and isinstance(msg, Welcome) and msg.data_plane == "collective":
-                    raise DilocoWorkerError(
-                        "this worker's model is sharded across its ranks (FSDP2), and the run's data plane is "
-                        "collective: a sharded member runs on the hub plane (diloco server --data-plane hub); "
-                        "on the collective plane each member holds one replica of the whole model", "unsupported")
                 msg = compression.mark_delta(msg)  # a delta Result is decoded at install, in order
                 with self._lock:
                     actions = self._took(self.session.on_message(msg, self._clock()))
@@ -661,8 +664,12 @@ class DilocoWorker:
             elif isinstance(action, SubmitFragment):
                 self._submit(action)
             elif isinstance(action, SendJoinWithParams):
-                params = (self._shards.full_params() if self._shards is not None else
-                          {n: p.detach().to("cpu", torch.float32).clone() for n, p in self._params.items()})
+                if self._shards is not None and self.data_plane.machine.wants_start_params:
+                    params = self._shards.snapshot_start()  # every rank keeps its own; none leaves the member
+                elif self._shards is not None:
+                    params = self._shards.full_params()
+                else:
+                    params = {n: p.detach().to("cpu", torch.float32).clone() for n, p in self._params.items()}
                 self.link.post(Join(self.worker_id, PROTOCOL_VERSION, self.session.spec, params,
                                     unit=self.session.unit))
                 self.bytes_sent += compression.tensor_nbytes(params)
@@ -715,6 +722,10 @@ class DilocoWorker:
 
     def _merge(self, action: MergeParams) -> None:
         """Overlap (W16): local <- alpha * local + (1 - alpha) * global; the global copy becomes the Result's."""
+        if self._shards is not None and self.data_plane.collective:  # each rank's data plane holds its shards
+            self._sharded_outcome(self._shards.merge_handed(list(action.names), action.alpha), action)
+            self.params_written += 1
+            return
         params = self._check_params(action, "Result")
         if self._shards is not None:
             delta = isinstance(action.params, compression.DeltaParams)
@@ -730,6 +741,10 @@ class DilocoWorker:
         self.params_written += 1
 
     def _install(self, action: InstallParams) -> None:
+        if self._shards is not None and self.data_plane.collective:  # each rank's data plane holds its shards
+            if self._shards.install_handed(list(action.names), action.keep_if_same) == "installed":
+                self.params_written += 1
+            return
         params = self._check_params(action, action.source)
         if self._shards is not None:
             delta = isinstance(action.params, compression.DeltaParams)
@@ -761,6 +776,9 @@ class DilocoWorker:
     def _submit(self, action: SubmitFragment) -> None:
         feedback = self.error_feedback_on
         names = self.session.fragments[action.fragment_id]
+        if self._shards is not None and self.data_plane.collective:
+            self._submit_shards(action, names, feedback)
+            return
         if self._shards is not None:  # per shard on every rank (residual included), whole here
             tensors = self._shards.pseudo_gradients(list(names), with_residual=feedback)
         else:
@@ -787,6 +805,19 @@ class DilocoWorker:
                 self._shards.set_residual(list(tensors), self._residual)
                 self._residual = {}  # kept per shard by every rank
         fid = action.fragment_id
+        tokens = self._tokens_since - self._tokens_at_submit.get(fid, 0)
+        self._tokens_at_submit[fid] = self._tokens_since
+        self.link.post(Submit(self.worker_id, fid, action.round_id, enc.values, self.wire_dtype, enc.scales,
+                              tokens if tokens > 0 else None, unit=self.session.unit, norm=declared))
+        self.bytes_sent += enc.nbytes
+
+    def _submit_shards(self, action: SubmitFragment, names, feedback: bool) -> None:
+        """A sharded member on the collective plane: every rank keeps its encoded shard for its own
+        reduce; the Submit carries rank 0's and the norm of the whole contribution (M9)."""
+        assert self._shards is not None
+        fid = action.fragment_id
+        enc, declared, raw = self._shards.submit_shards(fid, action.round_id, list(names), self.wire_dtype, feedback)
+        self.last_update_norm = raw
         tokens = self._tokens_since - self._tokens_at_submit.get(fid, 0)
         self._tokens_at_submit[fid] = self._tokens_since
         self.link.post(Submit(self.worker_id, fid, action.round_id, enc.values, self.wire_dtype, enc.scales,
