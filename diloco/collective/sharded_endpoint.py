@@ -19,6 +19,7 @@ shards from its checkpoint and heals from a live member, or starts the run from 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -44,14 +45,20 @@ from diloco.collective.member import (
 )
 from diloco.collective.shard_part import STOP, PlaneLink, ReducePart, ShardPart, combined_digest, combined_norm
 from diloco.wire.messages import Join, Message, Submit
-from diloco.worker.errors import DilocoWorkerError
+
+
+class MemberBroken(RuntimeError):
+    """The member lost a rank: the worker stops with this as its error (``group_failed``)."""
 
 
 class ShardedCollectiveEndpoint(CollectiveEndpoint):
     """A ``CollectiveEndpoint`` whose jobs run on every rank of a sharded member."""
 
-    def __init__(self, inner, worker_id: str, part: ShardPart, link: PlaneLink | None, *, device=None) -> None:
+    def __init__(self, inner, worker_id: str, part: ShardPart, link: PlaneLink | None, layout: str, *,
+                 device=None) -> None:
         super().__init__(inner, worker_id, device=device)
+        #: Every Join names it: the coordinator refuses a member laid out unlike the run's (S8).
+        self.layout = layout
         self.part = part
         part.store_host = self._store_host
         self.link = link
@@ -63,6 +70,8 @@ class ShardedCollectiveEndpoint(CollectiveEndpoint):
     # ------------------------------------------------------------------ the owner thread
 
     def send(self, message: Message) -> None:
+        if isinstance(message, Join):
+            message = dataclasses.replace(message, layout=self.layout)
         if isinstance(message, Submit) and self.machine.collective and message.norm is None:
             raise ValueError("a sharded member's Submit declares its norm (ShardedParams.submit_shards)")
         if isinstance(message, Join) and message.params:
@@ -92,7 +101,7 @@ class ShardedCollectiveEndpoint(CollectiveEndpoint):
         if self._broken:
             # The member lost a rank: it cannot reduce, commit or heal any more. It goes as a whole
             # (the coordinator sees one death), as it does when a collective of its training fails.
-            raise DilocoWorkerError(self._broken, "group_failed")
+            raise MemberBroken(self._broken)
         return message
 
     def _member(self, what: str, call, *args) -> Any:

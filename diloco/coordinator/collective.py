@@ -19,7 +19,7 @@ import secrets
 from typing import Callable
 
 from diloco.coordinator.params import describe_mismatch, partition
-from diloco.wire.messages import ErrorCode, Join, TensorSpec
+from diloco.wire.messages import REPLICATED_LAYOUT, ErrorCode, Join, TensorSpec
 
 
 class CollectivePlane:
@@ -58,6 +58,8 @@ class CollectivePlane:
         #: (prefix, group size) of groups no longer in use, for the runner to delete from the store.
         self.retired: collections.deque[tuple[str, int]] = collections.deque(maxlen=1024)
         self.stats: collections.Counter = collections.Counter()
+        #: How the members holding the run's state shard their model (``Join.layout``; None: not sharded).
+        self.layout: str | None = None
 
     # -- joins and heals
 
@@ -75,6 +77,14 @@ class CollectivePlane:
         if join.params:
             return ErrorCode.BAD_MESSAGE, ("this run is on the collective data plane: the coordinator takes no "
                                            "params (join with holds_params; diloco >= protocol 4 does)")
+        # S8: rank r of each member reduces with rank r of the others. The members holding the run's
+        # state set its layout; once none does, the next member's becomes the run's.
+        held = any(is_member(w) for w in self._holders if w != join.worker_id)
+        if held and join.layout != self.layout:
+            return ErrorCode.MODEL_MISMATCH, (
+                f"the worker's model is laid out as {join.layout or REPLICATED_LAYOUT}; this run's members "
+                f"hold theirs as {self.layout or REPLICATED_LAYOUT} (on the collective plane every member "
+                f"shards its model the same way: the same number of ranks, the same placements)")
         # The joiner's own id does not count: a restarted worker's old incarnation is about to be
         # reported gone (R6), and what it held died with that process.
         if not any(is_member(w) for w in self._holders if w != join.worker_id) and not join.holds_params:
@@ -83,6 +93,8 @@ class CollectivePlane:
         if self.spec is None:
             self.spec = tuple(join.spec)
             self.fragments = partition(self.spec, self.num_fragments)
+        if not held:
+            self.layout = join.layout
         return None
 
     def reseed_for(self, joiner: str, held_rounds: tuple[int, ...], held_digests: tuple[str, ...]) -> tuple[str, ...]:

@@ -886,7 +886,8 @@ class Coordinator:
             params={}, wire_dtype=self.config.wire_dtype, sync_every=self.sync_every_of(effect.worker_id),
             data_plane=DataPlane.COLLECTIVE.value, store_port=plane.store_port, heal_source=source or "",
             heal_prefix=prefix, outer=self.config.outer.to_dict(),
-            collective_timeout_s=self.config.collective_timeout_s, committed=tuple(plane.last_commit))))
+            collective_timeout_s=self.config.collective_timeout_s, committed=tuple(plane.last_commit),
+            layout=plane.layout)))
         self._notify("join", now, worker_id=effect.worker_id, parked=list(effect.parked), heal_source=source or "")
 
     def _order(self, effect: OrderReduce, out: Outgoing, now: float) -> None:

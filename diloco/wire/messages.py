@@ -180,6 +180,14 @@ class Join:
     #: Data work units: the unit this worker holds and trains on (a re-join after a coordinator restart
     #: asks to keep it); None: none, or the run has no units (SPEC.md section 12, "Data work units").
     unit: int | None = None
+    #: Collective plane: how the member's model is sharded across its ranks (``layout_text``; None:
+    #: one rank holds the whole model). Rank r of each member reduces with rank r of the others, so
+    #: every member of a collective run has the run's layout (SPEC.md section 15, S8).
+    layout: str | None = None
+
+
+#: How a refusal names the layout of a member that is not sharded (``Join.layout`` None).
+REPLICATED_LAYOUT = "replicated (one rank holds the whole model)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,6 +303,8 @@ class Welcome:
     #: (``epoch * data_units + index``; None: none).
     data_units: int | None = None
     unit: int | None = None
+    #: Collective: the run's layout (``Join.layout`` of the members holding its state; None: not sharded).
+    layout: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -233,9 +233,9 @@ def _metrics(v: Any) -> dict | None:
 
 #: Fields a sender may leave out (they are then None); encoders omit them when None.
 OPTIONAL_FIELDS: dict[str, frozenset[str]] = {"Heartbeat": frozenset({"metrics"}),
-                                               "Join": frozenset({"unit"}),
+                                               "Join": frozenset({"unit", "layout"}),
                                                "Submit": frozenset({"tokens", "unit", "norm"}),
-                                               "Welcome": frozenset({"sync_every", "data_units", "unit"}),
+                                               "Welcome": frozenset({"sync_every", "data_units", "unit", "layout"}),
                                                "Result": frozenset({"unit"}),
                                                "HeartbeatReply": frozenset({"sync_every"})}
 
@@ -246,7 +246,7 @@ TENSOR_FIELD = object()
 SCHEMAS: dict[str, dict[str, Any]] = {
     "Join": {"worker_id": _str, "protocol_version": _int, "spec": _spec, "params": TENSOR_FIELD,
              "holds_params": _bool, "held_rounds": _int_tuple,
-             "held_digests": _str_tuple, "unit": _unit},
+             "held_digests": _str_tuple, "unit": _unit, "layout": _str},
     "Heartbeat": {"worker_id": _str, "metrics": _metrics},
     "Submit": {"worker_id": _str, "fragment_id": _int, "round_id": _int, "tensors": TENSOR_FIELD,
                "wire_dtype": _wire_dtype, "scales": TENSOR_FIELD, "tokens": _tokens,
@@ -257,7 +257,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                 "heartbeat_interval_s": _float, "params": TENSOR_FIELD, "wire_dtype": _wire_dtype,
                 "sync_every": _sync_every, "data_plane": _data_plane, "store_port": _port, "heal_source": _str,
                 "heal_prefix": _str, "outer": _plain_map, "collective_timeout_s": _float,
-                "committed": _commits, "data_units": _unit, "unit": _unit},
+                "committed": _commits, "data_units": _unit, "unit": _unit, "layout": _str},
     "HeartbeatReply": {"below_min_workers": _bool, "min_workers": _int, "phase": _str,
                        "command": _enum(Command), "sync_every": _sync_every},
     "Accepted": {"fragment_id": _int, "round_id": _int},

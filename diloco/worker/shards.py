@@ -61,6 +61,13 @@ def layout_of(model: torch.nn.Module) -> dict:
             "placements": [str(pl) for pl in first.placements]}
 
 
+def layout_text(model: torch.nn.Module) -> str:
+    """``layout_of`` as one line, what a collective member's Join carries and a refusal names."""
+    layout = layout_of(model)
+    return (f"sharded over {layout['world_size']} ranks (mesh {layout['mesh']}, "
+            f"placements {', '.join(layout['placements'])})")
+
+
 class ShardedParams:
     """Per-shard keeping of one rank of a sharded member. See the module docstring."""
 
@@ -84,6 +91,8 @@ class ShardedParams:
         self.residual: dict[str, torch.Tensor] = {}
         rank = dist.get_rank() if dist.is_initialized() else 0
         device = next(iter(self.params.values())).to_local().device
+        #: How the model is sharded: a collective run's members must agree (SPEC.md S8).
+        self.layout = layout_text(model)
         #: This rank's part of the member's collective data plane (``diloco.collective.shard_part``).
         self.part = ShardPart(worker_id, rank, "127.0.0.1", device if device.type == "cuda" else None)
         #: The member's plane group, over which the leader's data plane asks the others (gloo, so

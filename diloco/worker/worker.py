@@ -91,6 +91,7 @@ import torch
 
 from diloco.collective.endpoint import CollectiveEndpoint
 from diloco.collective.reduce import tensors_norm
+from diloco.collective.sharded_endpoint import MemberBroken, ShardedCollectiveEndpoint
 
 from diloco.wire import compression
 from diloco.wire.endpoints import WorkerEndpoint
@@ -196,10 +197,9 @@ class DilocoWorker:
         self._shards = (ShardedParams(model, inner_optimizer, tell=_followers_tell(), worker_id=worker_id)
                         if is_sharded(model) else None)
         if self._shards is not None:
-            from diloco.collective.sharded_endpoint import ShardedCollectiveEndpoint
-
             self.data_plane: CollectiveEndpoint = ShardedCollectiveEndpoint(endpoint, worker_id, self._shards.part,
-                                                                            self._shards.plane, device=device)
+                                                                            self._shards.plane, self._shards.layout,
+                                                                            device=device)
         else:
             self.data_plane = CollectiveEndpoint(endpoint, worker_id, device=device)
         self.link = Link(self.data_plane, worker_id, threaded=(clock is None) if comm_thread is None else bool(comm_thread))
@@ -565,6 +565,12 @@ class DilocoWorker:
 
     # ------------------------------------------------------------------ the endpoint
 
+    def _recv(self, timeout_s: float):
+        try:
+            return self.link.recv(timeout_s)
+        except MemberBroken as exc:  # a sharded member lost a rank: it goes as a whole (S10)
+            raise DilocoWorkerError(str(exc), "group_failed") from None
+
     def _pump(self, timeout_s: float, only_if_expected: bool = False) -> None:
         """Receive what arrived (waiting up to ``timeout_s``) and tick the session.
 
@@ -574,7 +580,7 @@ class DilocoWorker:
             with self._lock:
                 self._wake.notify_all()  # the training thread takes the stop
         if not only_if_expected or self.session.awaiting_replies:
-            msg = self.link.recv(timeout_s)
+            msg = self._recv(timeout_s)
             while msg is not None:
                 msg = compression.mark_delta(msg)  # a delta Result is decoded at install, in order
                 with self._lock:
@@ -583,7 +589,7 @@ class DilocoWorker:
                         self.wire_dtype = msg.wire_dtype  # adopted with the Welcome the session took
                     actions = self._queue_model_actions(actions)
                 self._run(actions)
-                msg = self.link.recv(0.0)
+                msg = self._recv(0.0)
         sending, receiving = self.link.transport_activity()
         silence = self.link.transport_silence()
         with self._lock:

@@ -236,3 +236,22 @@ def test_the_example_runs_sharded_members_in_a_loop_of_its_own_with_diloco_worke
     assert len(results) == 2, "rank 0 of each member reports"
     assert all("inner_steps=20 rounds=4" in r for r in results), results
     assert cluster.members(cluster.status()) <= {"w1", "w2"}
+
+
+def test_a_member_laid_out_unlike_the_collective_runs_members_is_refused_naming_both_layouts(cluster, tmp_path):
+    trace_dir = tmp_path / "traces"
+    trace_dir.mkdir()
+    cluster.server("--min-workers", "1", "--data-plane", "collective")
+    sharded = start_member(cluster, "w1", trace_dir)
+    cluster.wait_status(lambda s: s["rounds_applied"] >= 1, 240, "a round applied by the sharded member")
+    # The same model, not sharded (two ranks, each the whole model): its rank 0 cannot reduce with
+    # the sharded member's rank 0, which holds half of each tensor.
+    replicated = start_member(cluster, "w2", trace_dir, env={"SHARD_ENTRY_REPLICATED": "1"})
+    assert replicated[0].wait_exit(120) == 1, replicated[0].output()
+    out = replicated[0].output()
+    assert "replicated (one rank holds the whole model)" in out and "sharded over 2 ranks" in out, out
+    assert replicated[1].wait_exit(60) is not None
+    assert cluster.members() == {"w1"}
+    assert admin_request(cluster.address, AdminRequest("shutdown", {"kind": "drain"}), timeout_s=10).ok
+    for p in sharded:
+        assert p.wait_exit(60) == 0, p.output()
