@@ -19,16 +19,23 @@ parameter at a time) and its residual, as a sync does. Per rank it reports
   the held bytes plus what the sync's whole-parameter buffers, gradients and the
   allocator add;
 
+* ``held_collective``: ``held`` plus what the collective plane keeps per shard on
+  top: the replica (``Replica.held_bytes``: committed params, outer momentum and
+  the proposal's backup of both, built and stepped twice as rounds do). A rank
+  of a collective member also keeps its reduce buffer and the committed shards it
+  hands the session (one shard-sized fp32 buffer each, not counted);
+
 and for W > 1 each against 1/W of the world-1 figure (the replicated member's):
 ``held_ratio = held_W / (held_1 / W)`` (1.0: exactly 1/W). ``sync_ms`` is a sync's
 work on the shards (the pseudo-gradient gathered whole with its residual, the
 residual scattered back, the round's params scattered and installed), best of 3.
 
-**Time per round** on the hub (``--rounds``, default 6): a ``diloco server``
-and one member of two ranks training the built-in char transformer (H =
-``--sync-every``), sharded (``examples/fsdp2_member.py``) against replicated
-(the built-in entry, gradients all-reduced), in the same run; from the first
-round applied to the last, read from ``diloco status``.
+**Time per round** on each data plane (``--planes``, default hub collective;
+``--rounds``, default 6): a ``diloco server`` and one member of two ranks
+training the built-in char transformer (H = ``--sync-every``), sharded
+(``examples/fsdp2_member.py``) against replicated (the built-in entry, gradients
+all-reduced), in the same run; from the first round applied to the last, read
+from ``diloco status``.
 
 Run::
 
@@ -36,9 +43,10 @@ Run::
     python benchmarks/bench_sharded.py --quick    # a small model, worlds 1 2, 4 rounds
 
 Prints, per world, ``RESULT bench_sharded_memory world=W held_mb=X rss_mb=X
-rss_leader_mb=X rss_other_mb=X sync_ms=X held_ratio=X rss_ratio=X`` (indented), and
-last ``RESULT bench_sharded held_mb_W=X rss_mb_W=X sync_ms_W=X held_ratio_W=X
-rss_ratio_W=X ... round_sharded_s=X round_replicated_s=X round_ratio=X``.
+rss_leader_mb=X rss_other_mb=X sync_ms=X held_collective_mb=X held_ratio=X rss_ratio=X
+held_collective_ratio=X`` (indented), and last ``RESULT bench_sharded held_mb_W=X
+held_collective_mb_W=X rss_mb_W=X sync_ms_W=X held_ratio_W=X held_collective_ratio_W=X
+rss_ratio_W=X ... round_sharded_s_P=X round_replicated_s_P=X round_ratio_P=X`` per plane P.
 """
 
 from __future__ import annotations
@@ -106,9 +114,21 @@ def _rank(rank: int, world: int, store: str, d_model: int, layers: int, out: str
                 local = t.to_local() if hasattr(t, "to_local") else t
                 held += local.numel() * local.element_size()
     held += shards.shard_bytes()
+    # The collective plane adds, per shard, the replica (committed params, outer momentum, the
+    # proposal's backup of both): built and stepped once as a round does, then counted.
+    from diloco.collective.replica import Replica
+    from diloco.outer import OuterConfig
+
+    local = {n: p.to_local() for n, p in shards.params.items()}
+    replica = Replica(local, (tuple(names),), [0], OuterConfig(), "fp32", 1)
+    mean = {n: (shards.global_shards[n] - t.detach().float()) for n, t in local.items()}
+    for rid in (0, 1):  # the second proposal's backup holds the momentum the first one made
+        assert replica.commit(0, rid, replica.propose(0, rid, mean))
+    held_collective = held + replica.held_bytes()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     numel = sum(p.numel() for p in model.parameters())
-    pathlib.Path(out).write_text(f"{held / 2**20:.2f} {peak - before:.2f} {numel} {sync_s * 1e3:.1f}\n")
+    pathlib.Path(out).write_text(f"{held / 2**20:.2f} {peak - before:.2f} {numel} {sync_s * 1e3:.1f} "
+                                 f"{held_collective / 2**20:.2f}\n")
     dist.destroy_process_group()
 
 
@@ -135,22 +155,28 @@ def memory(worlds: list[int], d_model: int, layers: int) -> dict:
         # fragment's pseudo-gradient it encodes: its figure and the others' are told apart.
         leader_rss = rows[0][1]
         other_rss = max((r[1] for r in rows[1:]), default=leader_rss)
-        figures[world] = (held, rss)
+        held_c = max(r[4] for r in rows)
+        figures[world] = (held, rss, held_c)
         numel = int(rows[0][2])
         sync_ms = max(r[3] for r in rows)
-        base_held, base_rss = figures.get(1, (None, None))
+        base_held, base_rss, base_c = figures.get(1, (None, None, None))
         ratios = ""
         if base_held is not None and world > 1:
-            ratios = f" held_ratio={held / (base_held / world):.3f} rss_ratio={rss / (base_rss / world):.3f}"
-        print(f"  world {world}: {numel / 1e6:.1f}M params; per rank at most: held {held:.1f} MB, "
-              f"peak resident growth {rss:.1f} MB; a sync's work on the shards {sync_ms:.0f} ms", flush=True)
+            ratios = (f" held_ratio={held / (base_held / world):.3f} rss_ratio={rss / (base_rss / world):.3f}"
+                      f" held_collective_ratio={held_c / (base_c / world):.3f}")
+        print(f"  world {world}: {numel / 1e6:.1f}M params; per rank at most: held {held:.1f} MB "
+              f"({held_c:.1f} MB with the collective plane's replica), peak resident growth {rss:.1f} MB; "
+              f"a sync's work on the shards {sync_ms:.0f} ms", flush=True)
         print(f"  RESULT bench_sharded_memory world={world} params={numel} held_mb={held:.2f} rss_mb={rss:.2f} "
-              f"rss_leader_mb={leader_rss:.2f} rss_other_mb={other_rss:.2f} sync_ms={sync_ms:.1f}{ratios}", flush=True)
+              f"rss_leader_mb={leader_rss:.2f} rss_other_mb={other_rss:.2f} sync_ms={sync_ms:.1f} "
+              f"held_collective_mb={held_c:.2f}{ratios}", flush=True)
         summary[f"held_mb_{world}"] = f"{held:.2f}"
+        summary[f"held_collective_mb_{world}"] = f"{held_c:.2f}"
         summary[f"rss_mb_{world}"] = f"{rss:.2f}"
         summary[f"sync_ms_{world}"] = f"{sync_ms:.1f}"
         if ratios:
             summary[f"held_ratio_{world}"] = f"{held / (base_held / world):.3f}"
+            summary[f"held_collective_ratio_{world}"] = f"{held_c / (base_c / world):.3f}"
             summary[f"rss_ratio_{world}"] = f"{rss / (base_rss / world):.3f}"
     return summary
 
@@ -168,13 +194,14 @@ def _status(address: str) -> dict:
     return admin_request(address, AdminRequest("status", {}), timeout_s=10).data
 
 
-def one_run(kind: str, rounds: int, sync_every: int, workdir: pathlib.Path) -> float:
+def one_run(kind: str, rounds: int, sync_every: int, workdir: pathlib.Path, plane: str = "hub") -> float:
     """Seconds from the first round applied to round ``rounds + 1`` for one member of two ranks."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    log = open(workdir / f"{kind}-server.log", "wb")
+    log = open(workdir / f"{kind}-{plane}-server.log", "wb")
     server = subprocess.Popen([sys.executable, "-m", "diloco", "server", "--bind", "tcp://127.0.0.1:0",
-                               "--min-workers", "1"], env=env, cwd=workdir, stdout=subprocess.PIPE,
+                               "--min-workers", "1", "--data-plane", plane], env=env, cwd=workdir,
+                              stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT)
     address = None
     for raw in server.stdout:
@@ -192,7 +219,7 @@ def one_run(kind: str, rounds: int, sync_every: int, workdir: pathlib.Path) -> f
                     "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo"}
             ranks.append(subprocess.Popen([sys.executable, "-m", "diloco", "worker", "--connect", address, "--id", "m",
                                            "--sync-every", str(sync_every), "--device", "cpu", *entry], env=renv,
-                                          cwd=workdir, stdout=open(workdir / f"{kind}-rank{rank}.log", "wb"),
+                                          cwd=workdir, stdout=open(workdir / f"{kind}-{plane}-rank{rank}.log", "wb"),
                                           stderr=subprocess.STDOUT))
         first = None
         deadline = time.monotonic() + 600
@@ -212,19 +239,23 @@ def one_run(kind: str, rounds: int, sync_every: int, workdir: pathlib.Path) -> f
             p.wait()
 
 
-def round_time(rounds: int, sync_every: int) -> dict:
+def round_time(rounds: int, sync_every: int, planes: list[str]) -> dict:
+    summary = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = pathlib.Path(tmp)
-        # Alternated, so that the machine's noise falls on both.
-        times = {"sharded": [], "replicated": []}
-        for _ in range(2):
-            for kind in ("sharded", "replicated"):
-                times[kind].append(one_run(kind, rounds, sync_every, work))
-        sharded, replicated = min(times["sharded"]), min(times["replicated"])
-        print(f"  one member of 2 ranks, H={sync_every}: {sharded:.3f} s per round sharded, {replicated:.3f} s "
-              f"replicated (best of 2 runs each)", flush=True)
-        return {"round_sharded_s": f"{sharded:.3f}", "round_replicated_s": f"{replicated:.3f}",
-                "round_ratio": f"{sharded / replicated:.3f}"}
+        for plane in planes:
+            # Alternated, so that the machine's noise falls on both.
+            times: dict[str, list[float]] = {"sharded": [], "replicated": []}
+            for _ in range(2):
+                for kind in ("sharded", "replicated"):
+                    times[kind].append(one_run(kind, rounds, sync_every, work, plane))
+            sharded, replicated = min(times["sharded"]), min(times["replicated"])
+            print(f"  {plane} plane, one member of 2 ranks, H={sync_every}: {sharded:.3f} s per round sharded, "
+                  f"{replicated:.3f} s replicated (best of 2 runs each)", flush=True)
+            summary.update({f"round_sharded_s_{plane}": f"{sharded:.3f}",
+                            f"round_replicated_s_{plane}": f"{replicated:.3f}",
+                            f"round_ratio_{plane}": f"{sharded / replicated:.3f}"})
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sync-every", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="a small model, worlds 1 2, 4 rounds")
     parser.add_argument("--only", choices=("memory", "round"), help="one part only")
+    parser.add_argument("--planes", nargs="+", choices=("hub", "collective"), default=["hub", "collective"],
+                        help="data planes to time a round on")
     args = parser.parse_args(argv)
     if args.quick:
         args.worlds, args.d_model, args.layers, args.rounds = [1, 2], 256, 4, 4
@@ -245,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.only != "round":
         summary.update(memory(sorted(args.worlds), args.d_model, args.layers))
     if args.only != "memory":
-        summary.update(round_time(args.rounds, args.sync_every))
+        summary.update(round_time(args.rounds, args.sync_every, args.planes))
     print("RESULT bench_sharded " + " ".join(f"{k}={v}" for k, v in summary.items()), flush=True)
     return 0
 

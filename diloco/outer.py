@@ -238,6 +238,10 @@ class OptimizerBackup:
         self._state = kept
         self._groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The buffers this backup keeps."""
+        return [v for entry in self._state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
+
     def restore(self, opt: torch.optim.Optimizer) -> None:
         with torch.no_grad():
             for i, p in enumerate(params_of(opt)):

@@ -284,6 +284,15 @@ class Replica:
             return [self._proposals[fid].optimizer.state_dict(opt) if fid in self._proposals
                     else copy.deepcopy(opt.state_dict()) for fid, opt in enumerate(self.optimizers)]
 
+    def held_bytes(self) -> int:
+        """Bytes this replica keeps: committed params, outer optimizer state, and the backup buffers
+        (params and optimizer state) its proposals are taken into."""
+        tensors = list(self.params.values()) + [b for f in self._buffers for b in f.values()]
+        for opt, backup in zip(self.optimizers, self._optimizer_backups):
+            tensors += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+            tensors += backup.tensors()
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def _restore(self, fid: int, params: Tensors, optimizer: OptimizerBackup) -> None:
         with torch.no_grad():
             for n, p in self.fragment(fid).items():

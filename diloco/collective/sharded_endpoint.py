@@ -176,7 +176,9 @@ class ShardedCollectiveEndpoint(CollectiveEndpoint):
                                f"could not commit round {job.round_id}")
         replica = self.part.replica
         assert replica is not None
-        return Committed(self._result_params(job.fragment_id, replica.fragment(job.fragment_id)))
+        # The session installs each rank's handed shards (``ShardPart.handed``): what it is given here
+        # only names the fragment's params, so no copy of them is kept.
+        return Committed(replica.fragment(job.fragment_id))
 
     def _rollback(self, job: RollbackJob) -> Completion:
         for fid in job.fragment_ids:
@@ -190,7 +192,7 @@ class ShardedCollectiveEndpoint(CollectiveEndpoint):
         if failed:
             return JobFailed("; ".join(failed))
         self.replica = self.part.replica
-        return Started(self._member_digests(replies), self.part.replica.params_copy())
+        return Started(self._member_digests(replies), dict(self.part.replica.params))
 
     def _heal(self, job: HealJob) -> Completion:
         self._rank_digests.clear()
@@ -202,8 +204,7 @@ class ShardedCollectiveEndpoint(CollectiveEndpoint):
         if any(r[1] != round_ids for r in replies):
             return HealFailed(f"the source's ranks sent different rounds: {[r[1] for r in replies]}")
         self.replica = self.part.replica
-        return Healed(tuple(round_ids), self._member_digests([r[2] for r in replies]),
-                      self.part.replica.params_copy())
+        return Healed(tuple(round_ids), self._member_digests([r[2] for r in replies]), dict(self.part.replica.params))
 
     def _serve_heal(self, job: ServeHealJob) -> Completion:
         replies = self._ask(("serve", job.order, *self._where()), job)

@@ -261,10 +261,11 @@ class ShardedParams:
         return enc, math.sqrt(float(squares[0])), math.sqrt(float(squares[1]))
 
     def snapshot_start(self) -> dict[str, torch.Tensor]:
-        """Every rank keeps its shards as they are now: the run may start from them (C6). Returns
-        the leader's (the Join's token params; they never leave the member)."""
+        """Every rank keeps its shards of the member's committed params as they are now -- its global
+        copy once it has one (a restored checkpoint's), else the model's: the run may start from
+        them (C6). Returns the leader's (the Join's token params; they never leave the member)."""
         self._command("snapshot_start")
-        self.part.snapshot_start({n: p.to_local() for n, p in self.params.items()})
+        self.part.snapshot_start({n: self.global_shards.get(n, p.to_local()) for n, p in self.params.items()})
         assert self.part.start_params is not None
         return dict(self.part.start_params)
 

@@ -255,3 +255,50 @@ def test_a_member_laid_out_unlike_the_collective_runs_members_is_refused_naming_
     assert admin_request(cluster.address, AdminRequest("shutdown", {"kind": "drain"}), timeout_s=10).ok
     for p in sharded:
         assert p.wait_exit(60) == 0, p.output()
+
+
+def test_collective_sharded_members_save_the_same_committed_shards_and_resume_from_them(cluster, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    trace_dir = tmp_path / "traces"
+    trace_dir.mkdir()
+    server = cluster.server("--min-workers", "2", "--data-plane", "collective", "--checkpoint-dir", "ckpt-server",
+                            heartbeat_timeout_s=5.0)
+    members = {w: start_member(cluster, w, trace_dir, "--checkpoint-dir", f"ckpt-{w}") for w in ("w1", "w2")}
+    cluster.wait_status(lambda s: s["rounds_applied"] >= 3, 240, "three rounds applied")
+    assert _cli("set-min-workers", "3", "--connect", cluster.address) == 0
+    before = cluster.wait_status(lambda s: s["below_min_workers"], 60, "the run below its new quorum")
+    assert _cli("shutdown", "--save", "--connect", cluster.address) == 0
+    for procs in members.values():
+        for p in procs:
+            assert p.wait_exit(60) == 0, p.output()
+    assert server.wait_exit(30) == 0
+    # Both members hold the run's committed params, shard by shard (S6, S7): joined, they are equal.
+    exported = {}
+    for w in ("w1", "w2"):
+        dcp_dir = cluster.tmp / f"ckpt-{w}" / f"worker-{w}.dcp"
+        assert (dcp_dir / "diloco.json").is_file(), "the checkpoint is sealed"
+        assert _cli("export", str(dcp_dir), str(tmp_path / f"{w}.safetensors")) == 0
+        exported[w] = load_file(tmp_path / f"{w}.safetensors")
+    assert set(exported["w1"]) == set(exported["w2"])
+    for name, t in exported["w1"].items():
+        assert torch.equal(t, exported["w2"][name]), name
+
+    # Restarted, the members resume their shards and the run goes on: nobody offers a committed
+    # state (S9), so one member starts it from its checkpoint's shards and the other heals from it.
+    address = cluster.address
+    cluster.server("--resume", "ckpt-server", "--checkpoint-dir", "ckpt-server", bind=address,
+                   heartbeat_timeout_s=5.0)
+    members = {w: start_member(cluster, w, trace_dir, "--checkpoint-dir", f"ckpt-{w}") for w in ("w1", "w2")}
+    for w, procs in members.items():
+        saved = json.loads((cluster.tmp / f"ckpt-{w}" / f"worker-{w}.dcp" / "diloco.json").read_text())
+        procs[0].wait_for(rf"restored from its checkpoint at inner step {saved['inner_step']}\b", 120)
+    assert _cli("set-min-workers", "2", "--connect", cluster.address) == 0
+    resumed = cluster.wait_status(lambda s: s["rounds_applied"] >= before["rounds_applied"] + 2, 240,
+                                  "the resumed run applies rounds")
+    assert resumed["data_plane"] == "collective"
+    assert _cli("shutdown", "--abort", "--connect", cluster.address) == 0
+    for procs in members.values():
+        for p in procs:
+            assert p.wait_exit(60) == 0, p.output()
