@@ -21,8 +21,10 @@ ranks never disagree on what they are doing. The replies are small (norms, diges
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
 import math
+import pickle
 import threading
 from typing import Any, Callable
 
@@ -277,22 +279,48 @@ def _bytes_on_link(encoded: compression.Encoded, wire_dtype: str, size: int, gat
 
 
 class PlaneLink:
-    """The member's own plane group: the leader's requests out, every rank's replies back."""
+    """The member's own plane group: the leader's requests out, every rank's replies back.
+
+    Objects travel pickled in uint8 tensors (a length first). The leader bounds each of its waits
+    (``timeout_s``): a rank that froze or died fails the request, and the member with it (S10).
+    The other ranks wait for the next request as long as the group's own timeout: the leader may
+    have nothing to ask for as long as the run is paused."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
 
-    def broadcast(self, request: tuple | None) -> tuple | None:
-        box = [request]
-        dist.broadcast_object_list(box, group=self.group, group_src=0)
-        return box[0]
+    def _wait(self, work, timeout_s: float | None) -> None:
+        if timeout_s is None:
+            work.wait()
+        else:
+            work.wait(datetime.timedelta(seconds=timeout_s))
 
-    def gather(self, reply: Any) -> list[Any] | None:
-        out: list[Any] | None = [None] * self.size if self.rank == 0 else None
-        dist.gather_object(reply, out, group=self.group, group_dst=0)
-        return out
+    def broadcast(self, request: tuple | None, timeout_s: float | None = None) -> tuple | None:
+        """The leader's ``request`` on every rank."""
+        raw = pickle.dumps(request) if self.rank == 0 else b""
+        length = torch.tensor([len(raw)], dtype=torch.int64)
+        self._wait(dist.broadcast(length, group=self.group, group_src=0, async_op=True), timeout_s)
+        data = (torch.frombuffer(bytearray(raw), dtype=torch.uint8) if self.rank == 0
+                else torch.empty(int(length[0]), dtype=torch.uint8))
+        self._wait(dist.broadcast(data, group=self.group, group_src=0, async_op=True), timeout_s)
+        return request if self.rank == 0 else pickle.loads(data.numpy().tobytes())
+
+    def gather(self, reply: Any, timeout_s: float | None = None) -> list[Any] | None:
+        """Every rank's ``reply`` on the leader, in rank order (None elsewhere)."""
+        raw = pickle.dumps(reply)
+        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        self._wait(dist.all_gather(lengths, torch.tensor([len(raw)], dtype=torch.int64), group=self.group,
+                                   async_op=True), timeout_s)
+        longest = max(int(t[0]) for t in lengths)
+        data = torch.zeros(longest, dtype=torch.uint8)
+        data[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.size)] if self.rank == 0 else None
+        self._wait(dist.gather(data, out, group=self.group, group_dst=0, async_op=True), timeout_s)
+        if out is None:
+            return None
+        return [pickle.loads(t[:int(n[0])].numpy().tobytes()) for t, n in zip(out, lengths)]
 
 
 STOP = ("stop",)

@@ -25,6 +25,7 @@ from typing import Any
 
 from diloco.collective.endpoint import CollectiveEndpoint
 from diloco.collective.member import (
+    HEAL_TIMEOUTS,
     Committed,
     Completion,
     HealFailed,
@@ -90,7 +91,7 @@ class ShardedCollectiveEndpoint(CollectiveEndpoint):
         thread = self._thread
         if self.link is not None and not self._broken and (thread is None or not thread.is_alive()):
             try:
-                self.link.broadcast(STOP)
+                self.link.broadcast(STOP, self._timeout_s)
             except Exception:
                 pass  # a rank is gone already  # the other ranks' data planes end (they wait for the next request)
 
@@ -115,10 +116,15 @@ class ShardedCollectiveEndpoint(CollectiveEndpoint):
             self.wake()
             raise RuntimeError(self._broken) from None
 
+    def _bound_s(self) -> float:
+        """How long the leader waits for the other ranks' part of any job: the longest a job may take
+        (a heal's transfer, after a formation that waits out gloo's connect), and some."""
+        return (HEAL_TIMEOUTS + 6) * self._timeout_s + 30.0
+
     def _ask(self, request: tuple, job: Any = None) -> list[Any]:
         """Every rank's reply to ``request``, in rank order (this rank's carried out here)."""
         if self.link is not None:
-            self._member(f"asking the other ranks to {request[0]}", self.link.broadcast, request)
+            self._member(f"asking the other ranks to {request[0]}", self.link.broadcast, request, self._bound_s())
         stop = self._stop_for(job) if job is not None else (lambda: "")
         try:
             mine = self.part.handle(request, stop)
@@ -130,7 +136,7 @@ class ShardedCollectiveEndpoint(CollectiveEndpoint):
         if self.link is None:
             replies = [mine]
         else:
-            gathered = self._member(f"hearing the other ranks {request[0]}", self.link.gather, mine)
+            gathered = self._member(f"hearing the other ranks {request[0]}", self.link.gather, mine, self._bound_s())
             assert gathered is not None
             replies = gathered
         if isinstance(mine, _Raised):
