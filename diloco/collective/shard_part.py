@@ -191,7 +191,7 @@ class ShardPart:
                               stop)
             mean, norms, mean_norm = mean_pseudo_gradient(group, encoded, replica.wire_dtype, shapes, self.timeout_s,
                                                           self._buffer(fid, shapes), cache.device, order.gather)
-        except (CollectiveError, RuntimeError) as exc:
+        except (CollectiveError, FloatingPointError, RuntimeError) as exc:
             cache.drop()
             self._reduce_buffers.pop(fid, None)
             return ReducePart(error=f"rank {self.rank}: {exc}")
