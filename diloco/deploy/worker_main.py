@@ -189,7 +189,7 @@ def run_worker_command(args) -> int:
             sync_every = 100
     overlap = overlap_options(args, sync_every)
     func = load_entry(entry)
-    init_group(info, device)
+    created = init_group(info, device)
 
     def run() -> int:
         context = {"rank": info.rank, "world_size": info.world_size, "device": device}
@@ -199,7 +199,7 @@ def run_worker_command(args) -> int:
             return _run_leader(args, setup, worker_id, sync_every, info, device, overlap)
         return _run_follower(args, setup, worker_id, info, device)
 
-    if not torch.distributed.is_initialized():
+    if not created:  # no group, or one this process made before (a program that runs the command itself)
         return run()
     code = _run_in_group(run)
     torch.distributed.destroy_process_group()

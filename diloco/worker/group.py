@@ -70,8 +70,9 @@ class RankInfo:
 INIT_METHOD_ENV = "DILOCO_GROUP_INIT"
 
 
-def init_group(info: RankInfo, device: torch.device) -> None:
-    """Join the ranks' process group: NCCL for CUDA devices, gloo otherwise (idempotent).
+def init_group(info: RankInfo, device: torch.device) -> bool:
+    """Join the ranks' process group: NCCL for CUDA devices, gloo otherwise (idempotent). True when
+    this call created it (the caller then destroys it).
 
     A launcher's world of one rank gets its group too (an FSDP2 model needs one to shard over)."""
     launched = bool(os.environ.get(INIT_METHOD_ENV) or os.environ.get("MASTER_ADDR"))
@@ -79,6 +80,8 @@ def init_group(info: RankInfo, device: torch.device) -> None:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=os.environ.get(INIT_METHOD_ENV) or "env://",
                                 rank=info.rank, world_size=info.world_size, timeout=GROUP_TIMEOUT)
+        return True
+    return False
 
 
 @contextlib.contextmanager
