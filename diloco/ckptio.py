@@ -5,7 +5,7 @@ safetensors file (``safetensors.torch.load_file`` reads it without diloco);
 its header metadata (a str->str map) holds:
 
 - ``format``: what the file is (``diloco.coordinator``, ``diloco.worker``);
-- ``version``: ``"2"`` (version 1 was ``diloco.tensorfile``);
+- ``version``: ``"2"`` (version 1, a format of its own, is no longer read);
 - ``diloco``: the rest of the state as JSON (counters, snapshots, the
   optimizers' non-tensor state with ``{"__tensor__": NAME}`` references);
 - ``sha256``: ``tensors_digest`` of the tensors, checked on load, so a
@@ -30,10 +30,12 @@ from typing import Any
 
 import torch
 
-from diloco.tensorfile import CheckpointError
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, corrupt, truncated or of an unknown version."""
 
 FORMAT_VERSION = "2"
-TENSOR_REF = "__tensor__"  # the same reference ``diloco.tensorfile.unflatten`` resolves
+TENSOR_REF = "__tensor__"  # where a tensor stood in nested state: its name in the tensor table
 ITEMS = "__items__"  # a dict with keys that are not strings, as [[key, value], ...]
 
 
@@ -53,7 +55,7 @@ def flatten_named(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 def unflatten_named(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """The inverse of ``flatten_named`` (also reads ``diloco.tensorfile.flatten``'s references)."""
+    """The inverse of ``flatten_named``."""
     if isinstance(obj, dict):
         if set(obj) == {TENSOR_REF}:
             try:

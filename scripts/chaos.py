@@ -1036,7 +1036,7 @@ def collective_params(out: Path) -> tuple[list[str], dict | None, str]:
     """Check 6 and the newest committed params among the workers' checkpoints (collective plane)."""
     import torch
 
-    from diloco.tensorfile import CheckpointError
+    from diloco.ckptio import CheckpointError
     from diloco.worker.checkpoint import load_worker_checkpoint
 
     violations: list[str] = []

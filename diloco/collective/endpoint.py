@@ -63,6 +63,7 @@ from diloco.collective.member import (
 )
 from diloco.collective.reduce import bytes_on_link, contribution_norm, mean_pseudo_gradient, tensors_norm
 from diloco.collective.replica import Replica, StepRefused, digest
+from diloco.transport.zmq.address import address_host
 from diloco.wire import compression
 from diloco.wire.messages import Join, Message, ReduceOrder, Submit
 
@@ -409,9 +410,9 @@ class CollectiveEndpoint:
 
 
 def _host_of(address: str | None) -> str:
-    """The host of a ZeroMQ address (``tcp://10.0.0.5:5555`` -> ``10.0.0.5``); loopback otherwise."""
+    """The host the store is dialled at for the coordinator's ZeroMQ address (``tcp://10.0.0.5:5555`` ->
+    ``10.0.0.5``); loopback for none, ``ipc://``, or a wildcard."""
     if not address or "://" not in address:
         return "127.0.0.1"
-    rest = address.split("://", 1)[1]
-    host = rest.rsplit(":", 1)[0].strip("[]")
+    host = address_host(address)
     return "127.0.0.1" if host in ("*", "0.0.0.0", "localhost", "") else host  # a wildcard bind: dial loopback

@@ -13,6 +13,8 @@ import ipaddress
 
 import torch.distributed as dist
 
+from diloco.transport.zmq.address import address_host
+
 #: The keys a group's rendezvous writes under its prefix, one per rank: gloo's (torch 2.x: context
 #: 0, then the rank) and a heal's presence key (``heal.meet``): what ``forget`` deletes. A test
 #: checks the store is empty after ``forget``.
@@ -79,7 +81,4 @@ def host_store(coordinator, bind: str, trusted_network: bool) -> StoreHost:
 
 def bind_host(bind: str) -> str:
     """The host of a ``--bind`` address (``ipc://`` binds are loopback)."""
-    if bind.startswith("ipc://"):
-        return "127.0.0.1"
-    rest = bind.split("://", 1)[1] if "://" in bind else bind
-    return rest.rsplit(":", 1)[0].strip("[]")
+    return address_host(bind)

@@ -20,8 +20,6 @@ Writes are atomic (temporary name in the same folder, fsync of the file,
 rename, fsync of the folder) and go straight from the live tensors (no copy):
 the runner writes between two steps of the single-threaded loop, so nothing
 changes them meanwhile. The newest ``keep`` files are kept.
-
-The old format (``coordinator.ckpt``, ``diloco.tensorfile``) is still read.
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from diloco.ckptio import flatten_named, numbered_files, read_safetensors, unflatten_named, write_safetensors
+from diloco.ckptio import CheckpointError, flatten_named, numbered_files, read_safetensors, unflatten_named, write_safetensors
 from diloco.core import Mode, RoundFSM
 from diloco.coordinator import journal
 from diloco.coordinator.access import AccessList
@@ -46,10 +44,6 @@ from diloco.coordinator.budget import TokenBudget
 from diloco.coordinator.units import UnitLedger
 from diloco.coordinator.service import Coordinator, Observer, held_tensors
 from diloco.wire import compression
-from diloco.tensorfile import CheckpointError, flatten, load_tensorfile
-
-#: The old single-file format (``diloco.tensorfile``), still read by ``--resume``.
-FILENAME = "coordinator.ckpt"
 KIND = "diloco.coordinator"
 PREFIX = "coordinator-"
 SUFFIX = ".safetensors"
@@ -74,7 +68,7 @@ def coordinator_state(coordinator: Coordinator) -> tuple[dict, dict[str, torch.T
         raise CheckpointError("nothing to checkpoint: no worker ever joined, so the run has no params")
     params = coordinator.store.params if coordinator.store is not None else {}
     tensors = {f"param/{name}": t.clone() for name, t in params.items()}
-    outer = flatten(copy.deepcopy(coordinator.optimizer_states()), "outer", tensors)
+    outer = flatten_named(copy.deepcopy(coordinator.optimizer_states()), "outer", tensors)
     return _meta(coordinator, outer), tensors
 
 
@@ -215,30 +209,19 @@ def rotate(directory: pathlib.Path, keep: int) -> list[pathlib.Path]:
     """Delete all but the newest ``keep`` checkpoint files (and stale temporary files of this process)."""
     removed = []
     for path in list_checkpoints(directory)[max(1, keep):]:
-        if path.name != FILENAME:  # an old-format file is the operator's: never deleted
-            path.unlink(missing_ok=True)
-            removed.append(path)
+        path.unlink(missing_ok=True)
+        removed.append(path)
     return removed
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[pathlib.Path]:
-    """The checkpoint files in ``directory``, newest first; an old-format ``coordinator.ckpt`` last."""
-    directory = pathlib.Path(directory)
-    paths = [p for _, p in reversed(numbered_files(directory, _NAME_RX))]
-    legacy = directory / FILENAME
-    if legacy.is_file():
-        paths.append(legacy)
-    return paths
+    """The checkpoint files in ``directory``, newest first."""
+    return [p for _, p in reversed(numbered_files(pathlib.Path(directory), _NAME_RX))]
 
 
 def read_checkpoint(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(meta, tensors) of one checkpoint file, either format; tensors named as ``restore_coordinator`` wants."""
+    """(meta, tensors) of one checkpoint file; tensors named as ``restore_coordinator`` wants."""
     path = pathlib.Path(path)
-    if path.suffix != SUFFIX:
-        meta, tensors = load_tensorfile(path)  # the old format
-        if meta.get("kind") != KIND:
-            raise CheckpointError(f"{path}: not a coordinator checkpoint (kind={meta.get('kind')!r})")
-        return meta, tensors
     meta, raw = read_safetensors(path, KIND)
     try:
         names = meta["param_names"]

@@ -62,7 +62,7 @@ from typing import Iterator
 import torch
 
 from diloco.ckptio import _raw, fsync_dir, numbered_files, write_all
-from diloco.tensorfile import CheckpointError
+from diloco.ckptio import CheckpointError
 
 MAGIC = b"DLJ1"
 CONTRIBUTION = b"K"

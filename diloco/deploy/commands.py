@@ -87,10 +87,9 @@ def _add_connect(p: argparse.ArgumentParser, role: str = "admin") -> None:
 
 def _is_loopback_bind(address: str) -> bool:
     """True for ipc:// and for tcp:// on a loopback address (127.0.0.0/8, ::1, localhost)."""
-    if address.startswith("ipc://"):
-        return True
-    host = address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
-    return host == "localhost" or host == "::1" or host.startswith("127.")
+    from diloco.transport.zmq.address import is_loopback_address
+
+    return is_loopback_address(address)
 
 
 def register(subparsers) -> None:
@@ -304,8 +303,6 @@ def register(subparsers) -> None:
                         "waits the worker prints a line after 5 s, then every 10 s; a coordinator restarted "
                         "within S seconds is re-joined and the run goes on. At S it gives up: writes its "
                         "checkpoint (with --checkpoint-dir) and exits 3, so a supervisor restarts it")
-    p.add_argument("--join-timeout", type=_positive_float, default=None, metavar="S",
-                   help="deprecated: the same as --coordinator-timeout")
     p.add_argument("--threads", type=_positive_int, default=1, metavar="N",
                    help="torch CPU threads for this worker (default 1)")
     p.add_argument("--device", default="auto", metavar="auto|cpu|cuda[:N]",

@@ -49,7 +49,7 @@ def read_run_params(location: str | os.PathLike) -> RunParams:
     """The global params of the newest valid checkpoint in ``location`` (a coordinator checkpoint
     directory or file, or a worker checkpoint file). Raises ``CheckpointError`` saying what is wrong."""
     from diloco.coordinator import checkpoint as coordinator_ckpt
-    from diloco.tensorfile import CheckpointError
+    from diloco.ckptio import CheckpointError
     from diloco.worker import checkpoint as worker_ckpt
 
     path = pathlib.Path(location)
@@ -151,7 +151,7 @@ def register(subparsers) -> None:
 
 
 def cmd_export(args) -> int:
-    from diloco.tensorfile import CheckpointError
+    from diloco.ckptio import CheckpointError
 
     try:
         run = read_run_params(args.checkpoint)

@@ -30,7 +30,7 @@ from diloco.deploy.events import EventPrinter
 from diloco.core import ConfigError, Mode
 from diloco.deploy.options import DEFAULT_WIRE_DTYPE
 from diloco.deploy.startup import startup_lines
-from diloco.tensorfile import CheckpointError
+from diloco.ckptio import CheckpointError
 from diloco.wire.endpoints import CoordinatorEndpoint
 from diloco.wire.messages import AdminRequest
 from diloco.wire.zmq import ZmqCoordinatorEndpoint, ZmqOptions

@@ -267,11 +267,6 @@ def _run_leader(args, setup, worker_id: str, sync_every: int, info, device, over
     from diloco.deploy.options import client_auth
 
     coordinator_timeout = args.coordinator_timeout
-    if args.join_timeout is not None:
-        print("diloco worker: --join-timeout is deprecated; use --coordinator-timeout (it covers joining too)",
-              file=sys.stderr, flush=True)
-        if coordinator_timeout is None:
-            coordinator_timeout = args.join_timeout
     if coordinator_timeout is None:
         coordinator_timeout = DEFAULT_COORDINATOR_TIMEOUT_S
 

@@ -9,9 +9,7 @@ round ids it holds. One file per worker, ``worker-<id>.safetensors``
 (``diloco.ckptio``: safetensors, the model's state under ``model/<name>``, the
 global copy under ``global/<name>``, the inner optimizer's tensors under
 ``optim/...``, the rest as JSON in the header metadata, a sha256 checked on
-load; written atomically). A ``worker-<id>.ckpt`` of the old format
-(``diloco.tensorfile``) is still read (the format is told by the file's first
-bytes), and rewritten in the new format, under its name, at the next save.
+load; written atomically).
 
 A pseudo-gradient that was pending when the run stopped was discarded by the
 coordinator (P4); nothing is lost, because the local params and the global
@@ -28,29 +26,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco.ckptio import flatten_named, read_safetensors, unflatten_named, write_safetensors
-from diloco.tensorfile import MAGIC as TENSORFILE_MAGIC
-from diloco.tensorfile import CheckpointError, load_tensorfile
+from diloco.ckptio import CheckpointError, flatten_named, read_safetensors, unflatten_named, write_safetensors
 
 KIND = "diloco.worker"
 VERSION = 1
 
 
 SUFFIX = ".safetensors"
-LEGACY_SUFFIX = ".ckpt"
 
 
 def checkpoint_path(directory: str | os.PathLike, worker_id: str) -> pathlib.Path:
-    """``<directory>/worker-<id>.safetensors``; the id is percent-quoted so it can never leave the directory.
-
-    An old-format ``worker-<id>.ckpt`` is returned instead when it is there and the new
-    file is not, so that a worker resumes from it (and saves to it, in the new format).
-    """
-    stem = pathlib.Path(directory) / f"worker-{urllib.parse.quote(worker_id, safe='')}"
-    new, old = stem.with_name(stem.name + SUFFIX), stem.with_name(stem.name + LEGACY_SUFFIX)
-    if not new.exists() and old.exists():
-        return old
-    return new
+    """``<directory>/worker-<id>.safetensors``; the id is percent-quoted so it can never leave the directory."""
+    return pathlib.Path(directory) / f"worker-{urllib.parse.quote(worker_id, safe='')}{SUFFIX}"
 
 
 @dataclass
@@ -115,10 +102,7 @@ def save_worker_checkpoint(path: pathlib.Path, ckpt: WorkerCheckpoint) -> None:
 def load_worker_checkpoint(path: pathlib.Path) -> WorkerCheckpoint:
     """Read and check a worker checkpoint; raises ``CheckpointError`` naming what is wrong."""
     path = pathlib.Path(path)
-    if _is_tensorfile(path):
-        meta, tensors = load_tensorfile(path)  # the old format
-    else:
-        meta, tensors = read_safetensors(path, KIND)
+    meta, tensors = read_safetensors(path, KIND)
     if meta.get("kind") != KIND:
         raise CheckpointError(f"{path}: not a worker checkpoint (kind={meta.get('kind')!r})")
     if meta.get("version") != VERSION:
@@ -151,13 +135,6 @@ def load_worker_checkpoint(path: pathlib.Path) -> WorkerCheckpoint:
                               f"and {len(ckpt.next_close)} sync points")
     return ckpt
 
-
-def _is_tensorfile(path: pathlib.Path) -> bool:
-    try:
-        with open(path, "rb") as f:
-            return f.read(len(TENSORFILE_MAGIC)) == TENSORFILE_MAGIC
-    except OSError:
-        return False  # the safetensors reader names the problem
 
 
 def _typed(meta: dict, key: str, kind: type):

@@ -631,7 +631,7 @@ class WorkerSession:
         self.min_workers = msg.min_workers
         self.below_min_workers = bool(msg.below_min_workers)
         self.heartbeat_interval_s = float(msg.heartbeat_interval_s)
-        self.target_sync_every = _valid_h(getattr(msg, "sync_every", None))
+        self.target_sync_every = _valid_h(msg.sync_every)
         self.units_per_epoch, self.unit = msg.data_units, msg.unit
         self._place_on_schedule(ids_same, same_layout)
         self.waiting = {int(f): int(r) for f, r in msg.parked}
@@ -715,7 +715,7 @@ class WorkerSession:
         self.min_workers = msg.min_workers
         command = _known(Command, msg.command)
         if command is Command.CONTINUE:
-            self.target_sync_every = _valid_h(getattr(msg, "sync_every", None))  # W19: adopted at a boundary
+            self.target_sync_every = _valid_h(msg.sync_every)  # W19: adopted at a boundary
         if self.state is S.STOPPING:
             self._ask_answered(command, now)  # W12
         elif command is Command.REJOIN:

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from diloco.tensorfile import CheckpointError
+from diloco.ckptio import CheckpointError
 
 KIND = "diloco.worker.sharded"
 VERSION = 1

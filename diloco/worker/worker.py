@@ -84,7 +84,6 @@ import math
 import os
 import threading
 import time
-import warnings
 from typing import Callable, Mapping
 
 import torch
@@ -156,16 +155,10 @@ class DilocoWorker:
                  coordinator_timeout_s: float | None = None,
                  on_outage: Callable[[str, float, str, float], None] | None = None,
                  comm_thread: bool | None = None,
-                 join_timeout_s: float | None = None,
                  overlap_steps: int = 0,
                  overlap_alpha: float = DEFAULT_OVERLAP_ALPHA,
                  checkpoint_every: int | None = None,
                  error_feedback: bool | None = None) -> None:
-        if join_timeout_s is not None:
-            warnings.warn("DilocoWorker(join_timeout_s=...) is deprecated: coordinator_timeout_s governs every "
-                          "wait for the coordinator, joining included", DeprecationWarning, stacklevel=2)
-            if coordinator_timeout_s is None:
-                coordinator_timeout_s = join_timeout_s
         if coordinator_timeout_s is None:
             coordinator_timeout_s = DEFAULT_COORDINATOR_TIMEOUT_S
         if isinstance(poll_interval_s, bool) or not isinstance(poll_interval_s, (int, float)) \

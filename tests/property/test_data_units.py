@@ -36,7 +36,7 @@ from diloco.coordinator import Coordinator, CoordinatorConfig, OuterConfig
 from diloco.coordinator.checkpoint import coordinator_state, restore_coordinator
 from diloco.coordinator.units import NO_UNIT, UnitLedger, check_units
 from diloco.core import ConfigError, FSMConfig
-from diloco.tensorfile import CheckpointError
+from diloco.ckptio import CheckpointError
 from diloco.testing import join_message, only, replies
 from diloco.wire.messages import Accepted, AdminRequest, Heartbeat, Leave, Result, Submit, Welcome
 

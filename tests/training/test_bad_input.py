@@ -123,12 +123,8 @@ def test_join_without_a_coordinator_gives_up_after_the_coordinator_timeout():
     assert 0.2 <= time.monotonic() - t0 < 2.0
 
 
-def test_join_timeout_s_is_a_deprecated_alias_of_coordinator_timeout_s():
+def test_coordinator_timeout_s_defaults_to_ten_minutes():
     model = linear(0)
-    with pytest.warns(DeprecationWarning, match="coordinator_timeout_s"):
-        w = DilocoWorker(model, torch.optim.SGD(model.parameters(), lr=0.1), InprocNetwork().connect("a"),
-                         worker_id="a", sync_every=2, join_timeout_s=7.0)
-    assert w.coordinator_timeout_s == 7.0
     assert DilocoWorker(model, torch.optim.SGD(model.parameters(), lr=0.1), InprocNetwork().connect("b"),
                         worker_id="b", sync_every=2).coordinator_timeout_s == 600.0
 
@@ -160,9 +156,9 @@ def test_bad_worker_arguments_are_refused():
 def test_a_corrupt_or_foreign_worker_checkpoint_is_refused_clearly(tmp_path):
     model = mlp(0)
     opt = torch.optim.AdamW(model.parameters())
-    path = tmp_path / "worker-a.ckpt"
-    path.write_bytes(b"DILOCOTF" + b"\x00" * 20)
-    with pytest.raises(DilocoWorkerError, match="truncated|corrupt|checksum") as info:
+    path = tmp_path / "worker-a.safetensors"
+    path.write_bytes(b"\x10" + b"\x00" * 27)  # a header length and then too little of anything
+    with pytest.raises(DilocoWorkerError, match="torn or corrupt") as info:
         DilocoWorker(model, opt, InprocNetwork().connect("a"), worker_id="a", sync_every=4,
                      checkpoint_dir=tmp_path)
     assert info.value.code == "bad_checkpoint"

@@ -11,7 +11,6 @@ import torch
 from diloco.coordinator import Coordinator
 from diloco.coordinator.audit import AuditLog, Tee
 from diloco.coordinator.checkpoint import (
-    FILENAME,
     coordinator_state,
     find_newest,
     list_checkpoints,
@@ -19,7 +18,7 @@ from diloco.coordinator.checkpoint import (
     save_coordinator,
 )
 from diloco.coordinator.runner import serve
-from diloco.tensorfile import CheckpointError, save_tensorfile
+from diloco.ckptio import CheckpointError
 from diloco.testing import join_message, make_coordinator
 from diloco.transport import Arrival
 from diloco.wire.messages import Error, Result, Submit
@@ -84,19 +83,6 @@ def test_resume_restores_params_momentum_and_counters(tmp_path):
     run_rounds(1, c), run_rounds(1, back)
     for name, t in c.store.params.items():
         assert torch.equal(back.store.params[name], t)
-
-
-def test_old_format_checkpoint_still_resumes(tmp_path):
-    c = run_rounds(2)
-    meta, tensors = coordinator_state(c)
-    save_tensorfile(tmp_path / FILENAME, meta, tensors)
-    back = load_coordinator(tmp_path, 0.0)
-    assert back.fsm.rounds_applied == 2
-    assert torch.equal(back.store.params["layer.bias"], c.store.params["layer.bias"])
-    # A newer safetensors checkpoint wins over the old file; the old file is never rotated away.
-    run_rounds(1, back)
-    save_coordinator(back, tmp_path, keep=1)
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["coordinator-000000000003.safetensors", FILENAME]
 
 
 class RecordingEndpoint:
@@ -171,36 +157,6 @@ def test_audit_log_repairs_a_torn_last_line_and_continues_the_incarnation(tmp_pa
     lines = (tmp_path / "events.jsonl").read_text().splitlines()
     assert lines[1] == '{"incarnation":4,"ev'
     assert json.loads(lines[2])["incarnation"] == 5 and json.loads(lines[2])["rounds_applied"] == 1
-
-
-def test_worker_checkpoint_old_format_is_read_and_rewritten(tmp_path):
-    from diloco.worker.checkpoint import (
-        WorkerCheckpoint,
-        checkpoint_path,
-        load_worker_checkpoint,
-        save_worker_checkpoint,
-    )
-    from diloco.tensorfile import flatten
-
-    ck = WorkerCheckpoint("a", 4, 8, 8, [12], [2], 2, "sync", (("w",),), {"w": torch.ones(2)},
-                          {"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [{"lr": 0.1, "params": [0]}]},
-                          {"w": torch.zeros(2)})
-    tensors = {"model/w": ck.model_state["w"], "global/w": ck.global_params["w"]}
-    meta = {"kind": "diloco.worker", "version": 1, "worker_id": "a", "sync_every": 4, "inner_step": 8,
-            "sched_step": 8, "next_close": [12], "round_ids": [2], "rounds_synced": 2, "mode": "sync",
-            "fragments": [["w"]], "model_keys": ["w"], "global_names": ["w"],
-            "optimizer": flatten(ck.optimizer_state, "optim", tensors)}
-    save_tensorfile(tmp_path / "worker-a.ckpt", meta, tensors)
-    path = checkpoint_path(tmp_path, "a")
-    assert path.name == "worker-a.ckpt"
-    old = load_worker_checkpoint(path)
-    assert old.optimizer_state["state"][0]["step"].item() == 3.0
-    save_worker_checkpoint(path, old)  # rewritten in the new format, under its name
-    assert checkpoint_path(tmp_path, "a") == path and path.read_bytes()[:8] != b"DILOCOTF"
-    new = load_worker_checkpoint(path)
-    assert new.optimizer_state["state"][0]["step"].item() == 3.0 and new.round_ids == [2]
-    from safetensors.torch import load_file
-    assert set(load_file(path)) == {"model/w", "global/w", "optim/state/0/step"}
 
 
 def test_a_failed_write_announces_nothing_and_logs_no_line(tmp_path, monkeypatch):

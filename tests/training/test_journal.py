@@ -26,7 +26,7 @@ from diloco.coordinator.checkpoint import find_newest, list_checkpoints, load_co
 from diloco.coordinator.runner import serve
 from diloco.core import FSMConfig, Mode
 from diloco.outer import OuterConfig
-from diloco.tensorfile import CheckpointError
+from diloco.ckptio import CheckpointError
 from diloco.testing import join_message
 from diloco.transport import Arrival
 from diloco.wire import compression

@@ -1,7 +1,7 @@
 """Regressions found while running deployments for real (not ZeroMQ-specific).
 
 0-dim tensors (an optimizer's step count: AdamW's ``step``, DelayedNesterov's
-``step``) could not be written by ``diloco.tensorfile``: ``view(torch.uint8)``
+``step``) could not be written by the first checkpoint format: ``view(torch.uint8)``
 refuses a 0-dim tensor whose element is wider than a byte. A worker's
 save-and-stop (AdamW state) and an async coordinator's checkpoint (Delayed
 Nesterov state) both failed with a RuntimeError.
@@ -13,17 +13,17 @@ import torch
 
 from diloco.coordinator.checkpoint import load_coordinator, save_coordinator
 from diloco.core import Mode
-from diloco.tensorfile import load_tensorfile, save_tensorfile
+from diloco.ckptio import read_safetensors, write_safetensors
 from diloco.testing import join_message, make_coordinator
 from diloco.wire.messages import Submit
 
 
-def test_tensorfile_round_trips_zero_dim_tensors(tmp_path):
+def test_a_checkpoint_file_round_trips_zero_dim_tensors(tmp_path):
     tensors = {"f": torch.tensor(3.5), "i": torch.tensor(7, dtype=torch.int64), "b": torch.tensor(True),
                "h": torch.tensor(1.5, dtype=torch.bfloat16), "v": torch.arange(4.0)}
-    save_tensorfile(tmp_path / "x.ckpt", {"k": 1}, tensors)
-    meta, back = load_tensorfile(tmp_path / "x.ckpt")
-    assert meta == {"k": 1}
+    write_safetensors(tmp_path / "x.safetensors", dict(tensors), {"k": 1}, "diloco.test")
+    meta, back = read_safetensors(tmp_path / "x.safetensors", "diloco.test")
+    assert meta["k"] == 1
     for name, t in tensors.items():
         assert back[name].shape == t.shape and back[name].dtype == t.dtype and torch.equal(back[name], t)
 
