@@ -60,6 +60,10 @@ outer momentum it holds on this plane) and the hub coordinator's write::
 
     RESULT bench_durable_collective coord_write_ms_10M=X coord_write_p90_ms_10M=X coord_ckpt_kb_10M=X
         fsync_floor_ms_10M=X worker_write_ms_10M=X worker_ckpt_mb_10M=X hub_write_ms_10M=X ... (then _100M)
+
+About 460 lines: one benchmark is one file, run and read top to bottom; its
+three coordinators share one setup, and this docstring (what is measured and
+how to read it) is a good part of it.
 """
 
 from __future__ import annotations

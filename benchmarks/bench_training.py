@@ -95,6 +95,11 @@ or, with ``--dylu``::
 
     RESULT bench_training_dylu idle_off=R idle_on=R loss_off=X loss_on=X loss_on_same_wall=X \
         rounds_on_same_wall=N wall_off=S wall_on=S
+
+About 1,260 lines: one benchmark is one file, run and read top to bottom; its
+arms (fp32, the wire dtypes, error feedback, data parallel, one worker) train
+the same model on the same data with the same seeds, and share that setup and
+the report.
 """
 
 from __future__ import annotations

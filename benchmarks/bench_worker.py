@@ -50,6 +50,10 @@ Progress goes to stderr; the report to stdout, whose last line is::
     RESULT bench_worker comm_ratio=R steps_per_s_threaded=X steps_per_s_inline=X
         max_hb_gap_threaded_over_interval=R max_hb_gap_inline_over_interval=R cpu_ratio=R
         sync_ms_threaded=X sync_ms_inline=X idle_cpu_pct_threaded=X idle_cpu_pct_inline=X
+
+About 550 lines: one benchmark is one file, run and read top to bottom; its two
+arms (with and without the communication thread) share one setup and the
+report.
 """
 
 from __future__ import annotations

@@ -153,6 +153,11 @@ final ``shutdown --save`` that fails are violations too: a run that cannot
 be resumed has lost the crash-safety it exists for. Exit 1 on any
 violation. Every process it starts is thawed (``SIGCONT``) and killed by pid
 at the end.
+
+About 1,300 lines in one script: the README's soak is run and read as one
+program -- the seeded fault schedule, the supervision of the real processes it
+kills, freezes and restarts, and the checks over the run's event log share one
+run's state, and the CI variant runs the same code.
 """
 
 from __future__ import annotations

@@ -55,6 +55,10 @@ The last line::
 ``tests/zmq/test_slow_link.py`` runs ``--quick``. Every namespace made is
 deleted at the end (also on an error) and every process started is killed by
 its pid.
+
+About 550 lines in one script: building and removing the namespaces, running
+the coordinator and the worker inside them, and checking what crossed the link
+belong to one experiment that is run and read as a whole.
 """
 
 from __future__ import annotations

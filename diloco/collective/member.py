@@ -20,7 +20,7 @@ its round ids and digests, which the completions report. No clock, randomness, t
 I/O (``tests/test_layering.py`` checks the imports), so the same events give the same actions
 in a thread and in the simulator, and a test can drive it message by message.
 
-Why one file of about 630 lines: the machine's rules share one small state (the open orders,
+Why one file of about 770 lines: the machine's rules share one small state (the open orders,
 the proposals, the queue, the held state), and about half the file is the plain records of its
 inputs and outputs (jobs, completions, actions), which both drivers import from here.
 """

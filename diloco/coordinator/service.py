@@ -13,10 +13,11 @@ What the coordinator owns: the global fp32 params and their fragments
 running sums of open rounds, async contributions held below quorum, and the
 map from worker ids to transport peers.
 
-Why one class of about 690 lines: every handler and effect executor below
+Why one class of about 1,220 lines: every handler and effect executor below
 reads and writes the same few maps (peers, held contributions, running
-sums), in the order SPEC.md section 5 fixes; split across
-files they would have to pass that state around or share it implicitly.
+sums), in the order SPEC.md section 5 fixes, and the hub's and the
+collective plane's halves both live here, branching on the data plane (most
+of the private maps are the hub's alone).
 The parts that own no coordinator state are elsewhere: the params, their
 fragments and the checks on incoming tensors (``params.py``), the outer
 step (``outer.py``), the wire dtypes (``diloco.wire.compression``), checkpoints, the

@@ -41,7 +41,7 @@ members. Both the order and the commit are emitted by ``_apply_ready``; a
 failure, a mismatch, a timeout, a lost member or a quorum raised above the
 group aborts the attempt (``AbortReduce``), and the survivors stay ready.
 
-Why one file of about 600 lines: it is the decision, and SPEC.md's claim
+Why one file of about 800 lines: it is the decision, and SPEC.md's claim
 that ``_apply_ready`` is the only place that applies is checkable only if
 every path to it is in view. What is not decision lives beside it: the
 quorum rule (``quorum.py``), the barriers and lanes (``fragments.py``), the

@@ -2,7 +2,7 @@
 
 (One state machine in one file, as ``diloco/core/round_fsm.py`` is: its rules
 W1-W20 share one small state, and splitting them across files would make a
-reader chase that state; hence over 400 lines, about 1,000.)
+reader chase that state; hence over 400 lines: about 1,070 lines.)
 
 How to read it. ``WorkerSession.__init__`` is the inventory of that state: every
 field, grouped by the rule it serves, with its W-labels. Then come the queries,

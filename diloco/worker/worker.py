@@ -1,8 +1,9 @@
 """``DilocoWorker``: DiLoCo for any PyTorch training loop; the thin driver of a ``WorkerSession``.
 
-(Longer than 400 lines because of its documentation and the read-only view of
-the session -- counters, round ids, state -- that users read; the driving
-itself is the ``_run`` dispatch and a dozen short methods.)
+(About 940 lines: its documentation, the read-only view of the session --
+counters, round ids, state -- that users read, the ``_run`` dispatch with a
+dozen short methods, and beside them the branches of a member whose model is
+sharded across its ranks, ``diloco.worker.shards``, and of error feedback.)
 
 Embedding it::
 
