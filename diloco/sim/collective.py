@@ -84,8 +84,7 @@ from diloco.sim.trace import hash_values
 from diloco.wire.messages import Join, ReduceReport, Submit, Welcome
 
 if TYPE_CHECKING:  # pragma: no cover
-    from diloco.sim.worker import SimWorker
-    from diloco.sim.world import Clock, PlaneWorld
+    from diloco.sim.world import Clock, PlaneWorld, WorkerProcess
 
 #: While a party of a rendezvous is frozen (SIGSTOP), its peers' transfer waits; checked this often.
 _FROZEN_POLL_S = 0.05
@@ -315,7 +314,7 @@ class SimEndpoint:
     """One worker incarnation's driver of its ``MemberMachine`` in simulated time (``CollectiveEndpoint``'s
     counterpart): the machine decides, this carries it out over ``SimGloo``."""
 
-    def __init__(self, worker: SimWorker, world: PlaneWorld, gloo: SimGloo) -> None:
+    def __init__(self, worker: WorkerProcess, world: PlaneWorld, gloo: SimGloo) -> None:
         self.w = worker
         self.world = world
         self.clock = world.clock

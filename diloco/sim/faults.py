@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from diloco.sim.config import SimConfig
     from diloco.sim.network import Network
-    from diloco.sim.simulation import SimStats
+    from diloco.sim.stats import SimStats
     from diloco.sim.worker import SimWorker
     from diloco.sim.world import Clock, FaultHost
     from diloco.wire.messages import ReduceOrder

@@ -57,7 +57,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import random
     from typing import Callable
 
-    from diloco.sim.simulation import SimStats
+    from diloco.sim.stats import SimStats
     from diloco.sim.worker import SimWorker
     from diloco.sim.world import Clock, CoordinatorPort
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from diloco.sim.checker import TraceChecker, Violation
 from diloco.sim.config import SimConfig, config_from_dict, derive_config
-from diloco.sim.simulation import SimStats, Simulation
+from diloco.sim.simulation import Simulation
+from diloco.sim.stats import SimStats
 from diloco.sim.trace import TRACE_FORMAT, ConsumerAbort, TraceWriter
 
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import random
 import traceback
-from dataclasses import dataclass, field
 
 import torch
 
@@ -43,27 +42,11 @@ from diloco.sim.coord_process import CoordinatorProcess
 from diloco.sim.faults import FaultInjector
 from diloco.sim.network import Network
 from diloco.sim.scheduler import EventQueue
+from diloco.sim.stats import SimStats
 from diloco.sim.trace import TRACE_FORMAT, TRACE_VERSION, ConsumerAbort, TraceWriter
 from diloco.sim.worker import SimWorker
 from diloco.sim.world import SimModel
 from diloco.wire.messages import spec_of
-
-
-@dataclass
-class SimStats:
-    events: int = 0
-    messages_sent: int = 0
-    messages_delivered: int = 0
-    messages_dropped: int = 0
-    applied: int = 0
-    worker_rounds: int = 0
-    faults: dict = field(default_factory=dict)
-    end_reason: str = ""
-    sim_time_s: float = 0.0
-    heal_at_s: float | None = None
-    liveness_s: float | None = None
-    stop_at_s: float | None = None
-    error: str = ""
 
 
 def initial_model(cfg: SimConfig) -> SimModel:

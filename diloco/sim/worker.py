@@ -69,8 +69,7 @@ from diloco.worker.session import WorkerSession
 from diloco.worker.states import WorkerState
 
 if TYPE_CHECKING:  # pragma: no cover
-    from diloco.sim.collective import SimEndpoint
-    from diloco.sim.world import WorkerWorld
+    from diloco.sim.world import MemberPlane, WorkerWorld
 
 # Timer kinds (indexes into SimWorker.tokens).
 TICK, TRAIN = 0, 1
@@ -144,7 +143,7 @@ class SimWorker:
         self._stop: Stop | None = None
         self._fail: Fail | None = None
         #: Collective plane: what ``CollectiveEndpoint`` does around the session (``collective.py``).
-        self.plane: SimEndpoint | None = world.endpoint(self)
+        self.plane: MemberPlane | None = world.endpoint(self)
         if checkpoint is not None and world.cfg.worker_checkpoints:
             self.checkpoint = checkpoint  # the file stays until this incarnation writes its own
         if checkpoint is not None:

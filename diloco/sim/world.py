@@ -10,6 +10,8 @@ coordinator's process (``coord_process.CoordinatorProcess``), the fault injector
 Protocols below where that is more than a value or a peer object.
 
 * ``Clock``: the time and the event queue (everyone);
+* ``WorkerProcess``: what the others may use of a worker process (``SimWorker``);
+* ``MemberPlane``: what a worker process may use of its collective plane (``SimEndpoint``);
 * ``WorkerWorld``: what a worker process may do in its world (``SimWorker``);
 * ``PlaneWorld``: what a worker's collective plane may do (``SimEndpoint``);
 * ``CoordinatorPort``: how the network hands messages to the coordinator's process;
@@ -29,10 +31,9 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from diloco.collective.member import MemberMachine
     from diloco.coordinator.service import Coordinator
-    from diloco.sim.collective import SimEndpoint
     from diloco.sim.config import SimConfig
-    from diloco.sim.worker import SimWorker
     from diloco.wire.messages import AdminReply, ReduceOrder, TensorSpec
 
 
@@ -59,6 +60,58 @@ class Clock(Protocol):
         """Run ``fn(arg)`` at simulated time ``t`` (ties run in the order they were scheduled)."""
 
 
+class WorkerProcess(Protocol):
+    """A simulated worker process (``worker.SimWorker``), as its world, its plane and the fault
+    injector use it: named by its id, alive or not, frozen or not, slowed by ``straggle``."""
+
+    wid: str
+    peer: str
+    alive: bool
+    frozen: bool
+    straggle: float
+
+    def later(self, delay_s: float, fn: Callable[[Any], None], arg: Any) -> None:
+        """Run ``fn(arg)`` after ``delay_s`` of simulated time, unless this incarnation is gone by then."""
+
+    def deliver_local(self, msg: Any, mid: int | None = None) -> None:
+        """Hand ``msg`` to the worker's session, from its own plane (no link in between)."""
+
+    def crash(self) -> None:
+        """The process dies (kill -9)."""
+
+    def leave(self) -> None:
+        """The process leaves the run cleanly."""
+
+    def freeze(self) -> None:
+        """The process stops running (SIGSTOP) until ``thaw``."""
+
+    def thaw(self) -> None:
+        """The process runs again (SIGCONT)."""
+
+
+class MemberPlane(Protocol):
+    """A worker process's collective plane (``collective.SimEndpoint``), as the process uses it."""
+
+    machine: MemberMachine
+
+    @property
+    def state_confirmed(self) -> bool:
+        """Whether a checkpoint may label the committed state with its round ids (M10)."""
+
+    def restore(self, params: dict[str, torch.Tensor], round_ids: list[int],
+                fragments: tuple[tuple[str, ...], ...]) -> None:
+        """A checkpoint's committed state, offered in the Join (C6)."""
+
+    def send(self, message: Any) -> None:
+        """The session's message, through the member machine."""
+
+    def incoming(self, msg: Any, mid: int) -> list:
+        """What the session hears of a message from the coordinator."""
+
+    def close(self) -> None:
+        """The process is gone: the plane's waits end."""
+
+
 class WorkerWorld(Protocol):
     """What a simulated worker process (``worker.SimWorker``) may use of its world."""
 
@@ -77,13 +130,13 @@ class WorkerWorld(Protocol):
     def emit(self, record: dict, line: str | None = None) -> None:
         """Append a record to the trace (``line``: its JSON, when the caller formatted it)."""
 
-    def send(self, w: SimWorker, msg: Any) -> None:
+    def send(self, w: WorkerProcess, msg: Any) -> None:
         """Put a message of ``w`` on its link to the coordinator."""
 
-    def open_connection(self, w: SimWorker) -> None:
+    def open_connection(self, w: WorkerProcess) -> None:
         """Connect a new incarnation to the coordinator (sets ``w.peer``)."""
 
-    def close_connection(self, w: SimWorker, *, notice: bool) -> None:
+    def close_connection(self, w: WorkerProcess, *, notice: bool) -> None:
         """Close ``w``'s connection (``notice``: the coordinator may be told ``peer_lost``)."""
 
     def record_recv(self, mid: int, src: str, dst: str, msg: Any) -> None:
@@ -92,13 +145,13 @@ class WorkerWorld(Protocol):
     def record_drop(self, mid: int, src: str, dst: str, msg: Any, why: str) -> None:
         """Trace the loss of a message a frozen process held, whose connection is gone."""
 
-    def segment_time(self, w: SimWorker) -> float:
+    def segment_time(self, w: WorkerProcess) -> float:
         """How long ``w``'s next inner step takes (seeded; its speed and straggling)."""
 
-    def exited(self, w: SimWorker, why: str) -> None:
+    def exited(self, w: WorkerProcess, why: str) -> None:
         """``w`` exited with a status its supervisor restarts it on."""
 
-    def endpoint(self, w: SimWorker) -> SimEndpoint | None:
+    def endpoint(self, w: WorkerProcess) -> MemberPlane | None:
         """The collective plane of a new incarnation ``w``; None on a hub run."""
 
 
@@ -116,16 +169,16 @@ class PlaneWorld(Protocol):
     def emit(self, record: dict, line: str | None = None) -> None:
         """Append a record to the trace."""
 
-    def send(self, w: SimWorker, msg: Any, lose: str = "") -> None:
+    def send(self, w: WorkerProcess, msg: Any, lose: str = "") -> None:
         """Put a message of ``w`` on its link (``lose``: an injected fault loses it; the drop's why)."""
 
-    def reduce_fault(self, w: SimWorker, order: ReduceOrder) -> str | None:
+    def reduce_fault(self, w: WorkerProcess, order: ReduceOrder) -> str | None:
         """Draw the fault, if any, that hits ``w``'s reduce for ``order`` (counted and traced)."""
 
     def crash_before_collective(self) -> bool:
         """Where a ``reduce_crash`` strikes a member holding its pseudo-gradient: before the collective?"""
 
-    def crash_in_reduce(self, w: SimWorker, where: str) -> None:
+    def crash_in_reduce(self, w: WorkerProcess, where: str) -> None:
         """``w``'s process dies inside a reduce (the ``reduce_crash`` fault)."""
 
 
@@ -147,7 +200,7 @@ class FaultHost(Protocol):
     def phase(self) -> str:
         """The run's phase: "safety", "liveness", "liveness_ok" or "shutdown"."""
 
-    def alive_workers(self) -> list[SimWorker]:
+    def alive_workers(self) -> list[WorkerProcess]:
         """The worker processes alive now, in the order they were started."""
 
     def is_alive(self, wid: str) -> bool:
