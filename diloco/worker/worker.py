@@ -1,9 +1,10 @@
 """``DilocoWorker``: DiLoCo for any PyTorch training loop; the thin driver of a ``WorkerSession``.
 
-(About 940 lines: its documentation, the read-only view of the session --
-counters, round ids, state -- that users read, the ``_run`` dispatch with a
-dozen short methods, and beside them the branches of a member whose model is
-sharded across its ranks, ``diloco.worker.shards``, and of error feedback.)
+(About 690 lines, of which about 460 are code: its documentation, the ``_run``
+dispatch with a dozen short methods, and the two threads' hand-over. What the
+worker keeps per parameter and does to it is ``diloco.worker.keeper`` (one
+keeper for a whole model, one for a model sharded across the worker's ranks);
+the read-only view of the session users read is ``diloco.worker.view``.)
 
 Embedding it::
 
@@ -89,9 +90,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from diloco.collective.endpoint import CollectiveEndpoint
-from diloco.collective.reduce import tensors_norm
-from diloco.collective.sharded_endpoint import MemberBroken, ShardedCollectiveEndpoint
+from diloco.collective.sharded_endpoint import MemberBroken
 
 from diloco.wire import compression
 from diloco.wire.endpoints import WorkerEndpoint
@@ -110,12 +109,11 @@ from diloco.worker.actions import (
     Stop,
     SubmitFragment,
 )
-from diloco.worker.checkpoint import WorkerCheckpoint, checkpoint_path, restore_worker, save_worker_checkpoint
-from diloco.worker.device import DeviceGlobal
 from diloco.worker.errors import DilocoWorkerError
 from diloco.worker.link import Link
 from diloco.worker.metrics import TrainingMetrics
-from diloco.worker.shards import ShardedParams, is_sharded
+from diloco.worker.keeper import keeper_and_plane
+from diloco.worker.view import SessionView
 from diloco.worker.session import DEFAULT_COORDINATOR_TIMEOUT_S, DEFAULT_OVERLAP_ALPHA, WorkerSession
 from diloco.worker.states import WorkerState
 
@@ -133,18 +131,7 @@ __all__ = ["DEFAULT_COORDINATOR_TIMEOUT_S", "DilocoWorker", "DilocoWorkerError"]
 STALL_S = 2.0
 
 
-def _followers_tell():
-    """How a sharded member's leader tells its other ranks what to run (None: it has none)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return None
-    from diloco.worker.group import tell_followers
-
-    return tell_followers
-
-
-class DilocoWorker:
+class DilocoWorker(SessionView):
     """One DiLoCo worker around a model and its inner optimizer. See the module docstring."""
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer,
@@ -169,8 +156,6 @@ class DilocoWorker:
             raise ValueError(f"error_feedback={error_feedback!r}: expected True, False or None (on for int8)")
         #: Error feedback (SPEC.md section 14, "Error feedback"): None follows the run's wire dtype.
         self.error_feedback = error_feedback
-        #: What quantization left out of the pseudo-gradients sent so far, added to the next (per param).
-        self._residual: dict[str, torch.Tensor] = {}
         #: Tokens trained since the start (``step_done``), and where each fragment's last Submit left it.
         self._tokens_since = 0
         self._tokens_at_submit: dict[int, int] = {}
@@ -181,21 +166,11 @@ class DilocoWorker:
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.endpoint = endpoint
-        # Transparent on a hub run; on a collective one it turns the plane's messages into the
-        # hub's, so the session is the same on both (diloco.collective.endpoint).
-        # A model on a CUDA device reduces there, over NCCL; on the CPU, over gloo.
-        device = next(iter(self._params.values())).device if self._params else None
-        #: A model FSDP2 shards across this worker's ranks keeps its global copy and residual per
-        #: shard, and every model operation runs on all its ranks (``diloco.worker.shards``); on the
-        #: collective plane every data-plane job too (``diloco.collective.sharded_endpoint``).
-        self._shards = (ShardedParams(model, inner_optimizer, tell=_followers_tell(), worker_id=worker_id)
-                        if is_sharded(model) else None)
-        if self._shards is not None:
-            self.data_plane: CollectiveEndpoint = ShardedCollectiveEndpoint(endpoint, worker_id, self._shards.part,
-                                                                            self._shards.plane, self._shards.layout,
-                                                                            device=device)
-        else:
-            self.data_plane = CollectiveEndpoint(endpoint, worker_id, device=device)
+        #: The global copy and residual beside the model, and the operations on them (``keeper``): per
+        #: shard on every rank for a model FSDP2 shards across this worker's ranks. The data plane is
+        #: transparent on a hub run; on a collective one it turns the plane's messages into the hub's,
+        #: so the session is the same on both (``diloco.collective.endpoint``).
+        self._keeper, self.data_plane = keeper_and_plane(model, inner_optimizer, worker_id, endpoint)
         self.link = Link(self.data_plane, worker_id, threaded=(clock is None) if comm_thread is None else bool(comm_thread))
         self.worker_id = worker_id
         self.sync_every = sync_every
@@ -216,8 +191,6 @@ class DilocoWorker:
         #: L2 norm of the last pseudo-gradient submitted (one fragment's): what a coordinator's
         #: ``--max-update-norm`` is compared with (NaN before the first submission).
         self.last_update_norm = math.nan
-        self._global: Tensors = {}                    # fp32 copy of the global params
-        self._global_on_device = DeviceGlobal(self._params)  # its mirror on a GPU, for pseudo-gradients
         #: Times the driver wrote global params into the model (a Welcome, a Result, a restore):
         #: a multi-rank worker's leader broadcasts the model to its other ranks when this moves.
         self.params_written = 0
@@ -247,128 +220,27 @@ class DilocoWorker:
         #: Write the checkpoint after every this many synced rounds (at a commit boundary), or never.
         self.checkpoint_every = checkpoint_every
         self._saved_at_rounds = 0
-        if checkpoint_dir is None:
-            self.checkpoint_path = None
-        elif self._shards is not None:
-            from diloco.worker.sharded_checkpoint import sharded_checkpoint_path
-
-            self.checkpoint_path = sharded_checkpoint_path(checkpoint_dir, worker_id)
-        else:
-            self.checkpoint_path = checkpoint_path(checkpoint_dir, worker_id)
-        if self._shards is not None and self.checkpoint_path is not None:
-            from diloco.worker import sharded_checkpoint
-
-            found = sharded_checkpoint.sealed(self.checkpoint_path)
-            if found is not None:
-                self._restore_sharded(found)
-        elif self.checkpoint_path is not None and self.checkpoint_path.exists():
-            self._restore()
+        self.checkpoint_path = None if checkpoint_dir is None else self._keeper.checkpoint_path(checkpoint_dir,
+                                                                                                   worker_id)
+        if self.checkpoint_path is not None:
+            labels = self._keeper.restore(self.checkpoint_path, worker_id, sync_every, model, inner_optimizer,
+                                          self.data_plane)
+            if labels is not None:
+                self.session.restore(**labels)
+                log.info("worker %s: restored from %s (inner step %d, round ids %s)", worker_id,
+                         self.checkpoint_path, labels["inner_step"], labels["round_ids"])
 
     # ------------------------------------------------------------------ what the session knows
 
     @property
-    def state(self) -> str:
-        """The session's state (a ``WorkerState`` value); "joining" before ``join``."""
-        return (self.session.state or S.JOINING).value
-
-    @property
-    def overlap_steps(self) -> int:
-        """Inner steps a worker trains on after submitting a fragment before merging its Result (0: none)."""
-        return self.session.overlap_steps
-
-    @property
-    def overlap_alpha(self) -> float:
-        return self.session.overlap_alpha
-
-    @property
-    def coordinator_timeout_s(self) -> float:
-        """How long a silent coordinator is waited for before the worker gives up (W11)."""
-        return self.session.coordinator_timeout_s
-
-    @property
-    def effective_sync_every(self) -> int:
-        """Inner steps per round in force: ``sync_every``, or the H_w a DyLU coordinator named (W19)."""
-        return self.session.sync_every
-
-    @property
-    def inner_step(self) -> int:
-        """Inner steps this worker has taken (restored from its checkpoint)."""
-        return self.session.inner_step
-
-    @property
-    def rounds_synced(self) -> int:
-        return self.session.rounds_synced
-
-    @property
-    def stop_reason(self) -> str | None:
-        return self.session.stop_reason
-
-    @property
-    def seconds_paused(self) -> float:
-        return self.session.seconds_paused
-
-    @property
-    def mode(self) -> str | None:
-        return self.session.mode
-
-    @property
-    def min_workers(self) -> int | None:
-        return self.session.min_workers
-
-    @property
-    def below_min_workers(self) -> bool:
-        return self.session.below_min_workers
-
-    @property
-    def heartbeat_interval_s(self) -> float | None:
-        return self.session.heartbeat_interval_s if self.session.welcomed else None
-
-    @property
-    def sync_history(self) -> collections.deque:
-        """(inner_step, fragment_id, round_id, outcome) per released contribution, newest last."""
-        return self.session.history
-
-    @property
-    def restored(self) -> bool:
-        return self.session.restored
-
-    @property
-    def round_ids(self) -> tuple[int, ...]:
-        """Per fragment: the round this worker contributes to next (sync) or its base version (async)."""
-        return tuple(self.session.round_ids)
-
-    @property
-    def fragments(self) -> tuple[tuple[str, ...], ...]:
-        return self.session.fragments
-
-    @property
     def global_params(self) -> Tensors:
         """The worker's fp32 copy of the global params (read-only view; do not modify)."""
-        return dict(self._global)
-
-    @property
-    def units_per_epoch(self) -> int | None:
-        """Data work units per epoch of the run (``diloco server --data-units``), or None: it hands out none."""
-        return self.session.units_per_epoch
-
-    @property
-    def data_unit(self) -> tuple[int, int] | None:
-        """Data work units: ``(epoch, index)`` of the unit to train on now (``index`` in 0..N-1 names the
-        data); None when the run hands out none (``diloco server --data-units``). It changes only at a
-        sync point: read it after each ``step_done``."""
-        unit, units = self.session.unit, self.session.units_per_epoch
-        if unit is None or not units:
-            return None
-        return divmod(unit, units)
-
-    @property
-    def stopped(self) -> bool:
-        return self.session.stopped
+        return dict(self._keeper.global_)
 
     @property
     def sharded(self) -> bool:
         """True when the model is sharded across this worker's ranks (FSDP2): see ``diloco.worker.shards``."""
-        return self._shards is not None
+        return self._keeper.sharded
 
     @property
     def uses_comm_thread(self) -> bool:
@@ -484,26 +356,10 @@ class DilocoWorker:
                     return
                 # Taken together under the lock: the labels and the params they name (installs run
                 # on this thread, and the queue is empty).
-                if self._shards is not None:
-                    from diloco.worker.sharded_checkpoint import seal_of
-
-                    seal = seal_of(s, self.worker_id, self.sync_every, self.model)
-                    break
-                checkpoint = WorkerCheckpoint(
-                    worker_id=self.worker_id, sync_every=self.sync_every, inner_step=s.inner_step,
-                    sched_step=s.sched_step, next_close=list(s.next_close), round_ids=list(s.round_ids),
-                    rounds_synced=s.rounds_synced, mode=s.mode, fragments=s.fragments,
-                    model_state=self.model.state_dict(), optimizer_state=self.inner_optimizer.state_dict(),
-                    global_params=dict(self._global), outer_states=self.data_plane.committed_outer_states(),
-                    residual=self._residual,
-                )
+                taken = self._keeper.snapshot(s, self.worker_id, self.sync_every, self.model, self.inner_optimizer,
+                                              self.data_plane)
             break
-        if self._shards is not None:
-            from diloco.worker.sharded_checkpoint import save_sharded
-
-            save_sharded(self.checkpoint_path, self._shards, seal)
-        else:
-            save_worker_checkpoint(self.checkpoint_path, checkpoint)
+        self._keeper.write(self.checkpoint_path, taken)
         log.info("worker %s: checkpoint written to %s (inner step %d)", self.worker_id, self.checkpoint_path,
                  s.inner_step)
 
@@ -664,12 +520,7 @@ class DilocoWorker:
             elif isinstance(action, SubmitFragment):
                 self._submit(action)
             elif isinstance(action, SendJoinWithParams):
-                if self._shards is not None and self.data_plane.machine.wants_start_params:
-                    params = self._shards.snapshot_start()  # every rank keeps its own; none leaves the member
-                elif self._shards is not None:
-                    params = self._shards.full_params()
-                else:
-                    params = {n: p.detach().to("cpu", torch.float32).clone() for n, p in self._params.items()}
+                params = self._keeper.join_params(self.data_plane.machine.wants_start_params)
                 self.link.post(Join(self.worker_id, PROTOCOL_VERSION, self.session.spec, params,
                                     unit=self.session.unit))
                 self.bytes_sent += compression.tensor_nbytes(params)
@@ -687,24 +538,22 @@ class DilocoWorker:
             elif isinstance(action, Note):
                 log.log(_LOG_LEVELS.get(action.level, logging.INFO), "worker %s: %s", self.worker_id, action.text)
 
-    def _check_params(self, action: InstallParams | MergeParams, source: str) -> Mapping[str, torch.Tensor]:
+    def _check_params(self, action: InstallParams | MergeParams, source: str) -> Mapping[str, torch.Tensor] | None:
         """The action's params checked against the model; a delta (SPEC.md section 11) resolved first.
+        None for a sharded member on the collective plane: each rank's data plane holds its shards.
 
         A delta Result carries new = global + delta: it is resolved against this worker's
         global copy, which is the round's base (with overlap too: the copy changes only when
         a fragment's params are installed or merged).
         """
+        if self._keeper.sharded and self.data_plane.collective:
+            return None
         params = action.params
         received = None
         if isinstance(params, compression.DeltaParams):
             received = params.nbytes
-            what = f"{source} for fragment {action.fragment_id}"
             try:
-                if self._shards is not None:  # decoded here, added to each rank's shard of the global copy
-                    params = compression.decode(dict(params), params.scales, params.wire_dtype,
-                                                [(n, tuple(self._params[n].shape)) for n in action.names], what)
-                else:
-                    params = params.resolve(self._global, action.names, what)
+                params = self._keeper.resolve_delta(params, action.names, f"{source} for fragment {action.fragment_id}")
             except compression.EncodingError as exc:
                 raise DilocoWorkerError(str(exc), "bad_message") from None
         for n in action.names:
@@ -722,102 +571,29 @@ class DilocoWorker:
 
     def _merge(self, action: MergeParams) -> None:
         """Overlap (W16): local <- alpha * local + (1 - alpha) * global; the global copy becomes the Result's."""
-        if self._shards is not None and self.data_plane.collective:  # each rank's data plane holds its shards
-            self._sharded_outcome(self._shards.merge_handed(list(action.names), action.alpha), action)
-            self.params_written += 1
-            return
         params = self._check_params(action, "Result")
-        if self._shards is not None:
-            delta = isinstance(action.params, compression.DeltaParams)
-            self._sharded_outcome(self._shards.merge(list(action.names), params, delta, action.alpha), action)
-            self.params_written += 1
-            return
-        with torch.no_grad():
-            for n in action.names:
-                t = params[n]
-                p = self._params[n]
-                p.lerp_(t.to(p.device, p.dtype), 1.0 - action.alpha)
-                self._set_global(n, t)
-        self.params_written += 1
+        delta = isinstance(action.params, compression.DeltaParams)
+        self._written(self._keeper.merge(action.names, params, delta, action.alpha, self.data_plane.collective),
+                      action)
 
     def _install(self, action: InstallParams) -> None:
-        if self._shards is not None and self.data_plane.collective:  # each rank's data plane holds its shards
-            if self._shards.install_handed(list(action.names), action.keep_if_same) == "installed":
-                self.params_written += 1
-            return
         params = self._check_params(action, action.source)
-        if self._shards is not None:
-            delta = isinstance(action.params, compression.DeltaParams)
-            outcome = self._shards.install(list(action.names), params, delta, action.keep_if_same)
-            self._sharded_outcome(outcome, action)
-            if outcome == "installed":
-                self.params_written += 1
-            return
-        if action.keep_if_same and all(n in self._global and torch.equal(self._global[n], params[n])
-                                       for n in action.names):
-            return  # same base: the local progress is still valid for this fragment
-        with torch.no_grad():
-            for n in action.names:
-                t = params[n]
-                self._params[n].copy_(t)
-                self._set_global(n, t)
-        self.params_written += 1
+        delta = isinstance(action.params, compression.DeltaParams)
+        self._written(self._keeper.install(action.names, params, delta, action.keep_if_same,
+                                           self.data_plane.collective), action)
 
-    @staticmethod
-    def _sharded_outcome(outcome: str, action: InstallParams | MergeParams) -> None:
+    def _written(self, outcome: str, action: InstallParams | MergeParams) -> None:
         if outcome == "non_finite":
             raise DilocoWorkerError(f"the delta for fragment {action.fragment_id} makes a parameter non-finite",
                                     "bad_message")
-
-    def _set_global(self, name: str, value: torch.Tensor) -> None:
-        self._global[name] = value.detach().to("cpu", torch.float32).clone()
-        self._global_on_device.set(name, self._global[name], self._params[name].device)
+        if outcome == "installed":
+            self.params_written += 1
 
     def _submit(self, action: SubmitFragment) -> None:
-        feedback = self.error_feedback_on
-        names = self.session.fragments[action.fragment_id]
-        if self._shards is not None and self.data_plane.collective:
-            self._submit_shards(action, names, feedback)
-            return
-        if self._shards is not None:  # per shard on every rank (residual included), whole here
-            tensors = self._shards.pseudo_gradients(list(names), with_residual=feedback)
-        else:
-            # global - local, on the model's device when it has one, copied to the CPU for the wire.
-            tensors = self._global_on_device.pseudo_gradients(names, self._params, self._global)
-        if feedback and self._shards is None:
-            for n, t in tensors.items():
-                r = self._residual.get(n)
-                if r is not None:
-                    t.add_(r)
-        self.last_update_norm = tensors_norm(tensors)  # exact at any size (fp32's own norm drifts by percents)
-        # The collective plane's ready declares the norm as the group decodes it (SPEC.md M9): fp32's is
-        # the one just measured, a lossy wire's that of what error feedback decodes anyway; else the
-        # data plane measures it.
-        declared = self.last_update_norm if self.data_plane.collective and self.wire_dtype == "fp32" else None
-        enc = compression.encode(tensors, self.wire_dtype)  # the run's wire dtype, from the Welcome
-        if feedback:
-            sent = compression.decoded(enc, self.wire_dtype, tensors)
-            if self.data_plane.collective:
-                declared = tensors_norm(sent)
-            for n, t in tensors.items():
-                self._residual[n] = t.sub_(sent[n])  # t is this Submit's own buffer, encoded already
-            if self._shards is not None:
-                self._shards.set_residual(list(tensors), self._residual)
-                self._residual = {}  # kept per shard by every rank
         fid = action.fragment_id
-        tokens = self._tokens_since - self._tokens_at_submit.get(fid, 0)
-        self._tokens_at_submit[fid] = self._tokens_since
-        self.link.post(Submit(self.worker_id, fid, action.round_id, enc.values, self.wire_dtype, enc.scales,
-                              tokens if tokens > 0 else None, unit=self.session.unit, norm=declared))
-        self.bytes_sent += enc.nbytes
-
-    def _submit_shards(self, action: SubmitFragment, names, feedback: bool) -> None:
-        """A sharded member on the collective plane: every rank keeps its encoded shard for its own
-        reduce; the Submit carries rank 0's and the norm of the whole contribution (M9)."""
-        assert self._shards is not None
-        fid = action.fragment_id
-        enc, declared, raw = self._shards.submit_shards(fid, action.round_id, list(names), self.wire_dtype, feedback)
-        self.last_update_norm = raw
+        enc, declared, self.last_update_norm = self._keeper.pseudo_gradient(
+            fid, action.round_id, self.session.fragments[fid], self.wire_dtype, self.error_feedback_on,
+            self.data_plane.collective)
         tokens = self._tokens_since - self._tokens_at_submit.get(fid, 0)
         self._tokens_at_submit[fid] = self._tokens_since
         self.link.post(Submit(self.worker_id, fid, action.round_id, enc.values, self.wire_dtype, enc.scales,
@@ -911,35 +687,3 @@ class DilocoWorker:
         except Exception:  # an observer must never break training
             log.exception("worker %s: on_outage callback failed", self.worker_id)
 
-    # ------------------------------------------------------------------ restore
-
-    def _restore_sharded(self, path) -> None:
-        """Every rank reads its shards from the sealed checkpoint ``path``; the session takes the seal's labels."""
-        from diloco.worker.sharded_checkpoint import restore_member
-
-        meta = restore_member(path, self._shards, self.worker_id, self.sync_every)
-        self.session.restore(fragments=tuple(tuple(str(n) for n in f) for f in meta["fragments"]),
-                             round_ids=[int(r) for r in meta["round_ids"]],
-                             next_close=[int(c) for c in meta["next_close"]], sched_step=meta["sched_step"],
-                             inner_step=meta["inner_step"], rounds_synced=meta["rounds_synced"], mode=meta.get("mode"))
-        log.info("worker %s: restored its shards from %s (inner step %d, round ids %s)", self.worker_id, path,
-                 meta["inner_step"], meta["round_ids"])
-
-    def _restore(self) -> None:
-        assert self.checkpoint_path is not None  # its one caller checked
-        ckpt = restore_worker(self.checkpoint_path, self.worker_id, self.sync_every, self.model,
-                              self.inner_optimizer)
-        self._global = {}
-        for n, t in ckpt.global_params.items():
-            self._set_global(n, t)
-        self._residual = {n: t.to(torch.float32).clone() for n, t in ckpt.residual.items()}
-        if ckpt.outer_states is not None:  # a collective run's checkpoint: it holds a committed state
-            # If this worker starts the run again, it does so from this state and continues its
-            # outer momentum (C6).
-            self.data_plane.restore({n: t.detach().to(torch.float32).clone() for n, t in ckpt.global_params.items()},
-                                    list(ckpt.round_ids), tuple(tuple(f) for f in ckpt.fragments), ckpt.outer_states)
-        self.session.restore(fragments=ckpt.fragments, round_ids=ckpt.round_ids, next_close=ckpt.next_close,
-                             sched_step=ckpt.sched_step, inner_step=ckpt.inner_step,
-                             rounds_synced=ckpt.rounds_synced, mode=ckpt.mode)
-        log.info("worker %s: restored from %s (inner step %d, round ids %s)", self.worker_id,
-                 self.checkpoint_path, ckpt.inner_step, ckpt.round_ids)

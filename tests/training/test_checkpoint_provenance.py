@@ -32,8 +32,8 @@ def _worker(tmp_path) -> DilocoWorker:
     w = DilocoWorker(model, torch.optim.SGD(model.parameters(), lr=0.1), InprocNetwork().connect("w1"),
                      worker_id="w1", sync_every=2, checkpoint_dir=tmp_path)
     w._training_thread = threading.get_ident()  # this test plays the training thread
-    w._global = {n: p.detach().clone() for n, p in model.named_parameters()}
-    w.session.fragments = (tuple(w._global),)
+    w._keeper.global_ = {n: p.detach().clone() for n, p in model.named_parameters()}
+    w.session.fragments = (tuple(w._keeper.global_),)
     w.session.round_ids = [0]
     w.session.next_close = [2]
     return w
@@ -41,7 +41,7 @@ def _worker(tmp_path) -> DilocoWorker:
 
 def test_a_checkpoint_installs_the_params_of_the_round_it_names_first(tmp_path):
     w = _worker(tmp_path)
-    new = {n: t + 1.0 for n, t in w._global.items()}
+    new = {n: t + 1.0 for n, t in w._keeper.global_.items()}
     # As the communication thread leaves it: the session already at round 1, its params queued.
     w.session.round_ids = [1]
     w._model_queue.append(InstallParams(0, tuple(new), new, False, "Result"))
@@ -53,7 +53,7 @@ def test_a_checkpoint_installs_the_params_of_the_round_it_names_first(tmp_path):
 
 def test_the_communication_thread_queues_a_results_params_with_the_session_change(tmp_path):
     w = _worker(tmp_path)
-    actions = [InstallParams(0, tuple(w._global), w._global, False, "Result")]
+    actions = [InstallParams(0, tuple(w._keeper.global_), w._keeper.global_, False, "Result")]
     with w._lock:  # as ``_pump`` holds it while the session takes the message
         assert w._queue_model_actions(actions) == actions  # on the training thread: nothing to queue
     done = []
@@ -70,7 +70,7 @@ def test_the_communication_thread_queues_a_results_params_with_the_session_chang
 
 def test_no_checkpoint_while_a_result_is_held_for_its_overlap_window(tmp_path):
     w = _worker(tmp_path)
-    w.session.held[0] = dict(w._global)
+    w.session.held[0] = dict(w._keeper.global_)
     w.save_checkpoint()
     assert not w.checkpoint_path.exists()
     del w.session.held[0]

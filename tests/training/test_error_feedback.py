@@ -74,14 +74,14 @@ def test_with_error_feedback_their_sum_arrives_to_within_one_quantization_step()
     assert float(gap.max()) <= quantum / 2 + 1e-6, gap
     assert torch.count_nonzero(received[0, 1:]) == 255
     # What is still owed is exactly the worker's residual.
-    assert torch.allclose(received + w._residual["weight"], sent_by_training, atol=1e-6)
+    assert torch.allclose(received + w._keeper.residual["weight"], sent_by_training, atol=1e-6)
 
 
 def test_the_residual_is_saved_in_the_workers_checkpoint(tmp_path):
     _, _, w = run(True, tmp_path)
     ckpt = load_worker_checkpoint(w.checkpoint_path)
     assert set(ckpt.residual) == {"weight"}
-    assert torch.equal(ckpt.residual["weight"], w._residual["weight"])
+    assert torch.equal(ckpt.residual["weight"], w._keeper.residual["weight"])
     assert float(ckpt.residual["weight"].abs().max()) > 0
 
 
