@@ -56,7 +56,9 @@ def test_every_unit_of_an_epoch_is_finished_exactly_once_through_kills_and_a_res
     workers["w3"] = cluster.worker("w3", sync_every=3)
     wait_until(lambda: _finished_total(cluster) >= 10, 120, "ten units finished (into epoch 1)")
 
-    # Save and stop; a new coordinator resumes the ledger with the run.
+    # Save and stop; a new coordinator resumes the ledger with the run. Every worker has joined first:
+    # one still joining when the coordinator exits would wait out its --coordinator-timeout (120 s).
+    cluster.wait_status(lambda s: cluster.members(s) == {"w1", "w2", "w3"}, 120, "the three workers members")
     saved = cluster.status()["units"]
     admin = cluster.start("save", ["shutdown", "--save", "--connect", cluster.address])
     assert admin.wait_exit(30) == 0, admin.output()
