@@ -36,6 +36,7 @@ from diloco.collective.groups import CollectiveError, GroupCache, connect_store,
 from diloco.collective.member import HEAL_TIMEOUTS
 from diloco.collective.reduce import mean_pseudo_gradient, tensors_norm
 from diloco.collective.replica import Replica, StepRefused
+from diloco.collective.store import ABANDONED_KEY, rank_prefix
 from diloco.wire import compression
 
 Tensors = dict[str, torch.Tensor]
@@ -49,11 +50,6 @@ def combined_digest(rank_digests: list[str]) -> str:
 def combined_norm(shard_norms: list[float]) -> float:
     """The norm of a whole tensor set from the norms of its disjoint shards."""
     return math.sqrt(sum(n * n for n in shard_norms))
-
-
-def rank_prefix(prefix: str, rank: int) -> str:
-    """Where rank ``rank`` of every member meets its peers for ``prefix``'s group or heal."""
-    return f"{prefix}/r{rank}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +85,6 @@ class ShardPart:
         self._handed: Tensors = {}
         self._means: dict[int, Tensors] = {}
         self._reduce_buffers: dict[int, torch.Tensor] = {}
-        #: The prefix of the reduce the leader abandoned (M13): a follower's formation stops.
-        self._cancel_key = "cancelled"
 
     # ------------------------------------------------------------------ the training thread's side
 
@@ -160,7 +154,7 @@ class ShardPart:
             if prefix is None:
                 return ""
             try:
-                if self.groups().store.check([f"{prefix}/{self._cancel_key}"]):
+                if self.groups().store.check([f"{prefix}/{ABANDONED_KEY}"]):
                     return "the member's leader abandoned the attempt"
             except Exception:
                 return ""
@@ -170,7 +164,7 @@ class ShardPart:
     def mark_abandoned(self, prefix: str) -> None:
         """The leader: tell the member's other ranks the attempt at ``prefix`` is over (M13)."""
         try:
-            self.groups().store.set(f"{prefix}/{self._cancel_key}", b"1")
+            self.groups().store.set(f"{prefix}/{ABANDONED_KEY}", b"1")
         except Exception:
             pass  # their formation ends within gloo's bounds anyway
 

@@ -19,6 +19,13 @@ from diloco.transport.zmq.address import address_host
 #: 0, then the rank) and a heal's presence key (``heal.meet``): what ``forget`` deletes. A test
 #: checks the store is empty after ``forget``.
 _RENDEZVOUS_KEYS = ("0/{}", "here/{}")
+#: The key a sharded member's leader sets under an attempt's prefix when it abandons it (S7, M13).
+ABANDONED_KEY = "cancelled"
+
+
+def rank_prefix(prefix: str, rank: int) -> str:
+    """Where rank ``rank`` of every sharded member meets its peers for ``prefix``'s group or heal (S7, S9)."""
+    return f"{prefix}/r{rank}"
 
 
 class DataPlaneSecurityError(ValueError):
@@ -50,7 +57,17 @@ class StoreHost:
         self.port = self.store.port
 
     def forget(self, prefix: str, max_ranks: int) -> int:
-        """Delete a retired group's rendezvous keys; returns how many existed."""
+        """Delete a retired group's rendezvous keys, its sharded members' per-rank ones (rank index 0,
+        1, ... while there are any) and their leaders' abandon marks; returns how many existed."""
+        deleted = self._forget_keys(prefix, max_ranks)
+        for index in range(1 << 16):
+            found = self._forget_keys(rank_prefix(prefix, index), max_ranks)
+            if not found:
+                break
+            deleted += found
+        return deleted + int(self.store.delete_key(f"{prefix}/{ABANDONED_KEY}"))
+
+    def _forget_keys(self, prefix: str, max_ranks: int) -> int:
         deleted = 0
         for rank in range(max_ranks):
             for key in _RENDEZVOUS_KEYS:

@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from diloco.collective.digest import digest
 from diloco.collective.reduce import tensors_norm
-from diloco.collective.shard_part import ShardPart, combined_digest, combined_norm, rank_prefix
+from diloco.collective.shard_part import ShardPart, combined_digest, combined_norm
+from diloco.collective.store import StoreHost, rank_prefix
 from diloco.wire import compression
 from diloco.wire.messages import ReduceOrder
 
@@ -72,3 +73,15 @@ def test_a_leaders_mark_stops_its_other_ranks_formation_of_that_attempt_only():
     assert stop() == ""
     current[0] = None
     assert stop() == ""
+
+
+def test_a_retired_prefix_leaves_no_key_of_its_sharded_members_behind():
+    host = StoreHost("127.0.0.1", 0, 5.0)
+    for prefix in ("g3", rank_prefix("g3", 0), rank_prefix("g3", 1)):
+        for rank in range(2):
+            host.store.set(f"{prefix}/0/{rank}", b"addr")
+    host.store.set("g3/cancelled", b"1")
+    host.store.set("g4/0/0", b"another group's")
+    assert host.forget("g3", 2) == 7  # two ranks in the group and in each rank index, and the mark
+    assert host.num_keys() == 1 and host.store.check(["g4/0/0"])
+
