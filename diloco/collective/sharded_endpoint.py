@@ -91,11 +91,9 @@ class ShardedCollectiveEndpoint(CollectiveEndpoint):
         thread = self._thread
         if self.link is not None and not self._broken and (thread is None or not thread.is_alive()):
             try:
-                self.link.broadcast(STOP, self._timeout_s)
+                self.link.broadcast(STOP, self._timeout_s)  # the other ranks' data planes end
             except Exception:
-                pass  # a rank is gone already  # the other ranks' data planes end (they wait for the next request)
-
-    # ------------------------------------------------------------------ the data-plane thread
+                pass  # a rank is gone already
 
     def recv(self, timeout_s: float) -> Message | None:
         message = None if self._broken else super().recv(timeout_s)
@@ -104,6 +102,8 @@ class ShardedCollectiveEndpoint(CollectiveEndpoint):
             # (the coordinator sees one death), as it does when a collective of its training fails.
             raise MemberBroken(self._broken)
         return message
+
+    # ------------------------------------------------------------------ the data-plane thread
 
     def _member(self, what: str, call, *args) -> Any:
         """A collective on the member's plane group; its failure breaks the member."""
