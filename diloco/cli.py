@@ -27,6 +27,7 @@ from diloco.exits import (  # noqa: F401  (re-exported: the exit-code contract, 
     EXIT_UNREACHABLE,
     EXIT_USAGE,
     UsageError,
+    reported,
 )
 from diloco.observe import commands as observe_commands
 from diloco.planner import command as plan_command
@@ -63,14 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     if handler is None:
         parser.print_help()
         return EXIT_USAGE
-    try:
-        return int(handler(args) or 0)
-    except UsageError as exc:
-        print(f"diloco {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print(f"diloco {args.command}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    return reported(args.command, lambda: handler(args))
 
 
 if __name__ == "__main__":

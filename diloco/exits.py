@@ -21,3 +21,18 @@ EXIT_INTERRUPTED = 130
 
 class UsageError(Exception):
     """Bad input found after parsing (a file that is not there, an invalid combination): exit 2."""
+
+
+def reported(command: str, run) -> int:
+    """``run()``'s exit code, a usage error or a Ctrl-C said on stderr as ``diloco COMMAND: ...`` and
+    turned into its code (anything else propagates)."""
+    import sys
+
+    try:
+        return int(run() or 0)
+    except UsageError as exc:
+        print(f"diloco {command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"diloco {command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED

@@ -61,7 +61,13 @@ from diloco.collective.member import (
     ToCoordinator,
     ToSession,
 )
-from diloco.collective.reduce import bytes_on_link, contribution_norm, mean_pseudo_gradient, tensors_norm
+from diloco.collective.reduce import (
+    bytes_on_link,
+    contribution_norm,
+    mean_pseudo_gradient,
+    reduce_buffer,
+    tensors_norm,
+)
 from diloco.collective.replica import Replica, StepRefused, digest
 from diloco.transport.zmq.address import address_host
 from diloco.wire import compression
@@ -271,7 +277,8 @@ class CollectiveEndpoint:
             group = cache.get(order.prefix, order.group.index(self.worker_id), len(order.group), self._stop_for(job))
             shapes = {n: replica.params[n].shape for n in replica.fragments[fid]}
             mean, norms, mean_norm = mean_pseudo_gradient(group, encoded, replica.wire_dtype, shapes, self._timeout_s,
-                                               self._reduce_buffer(fid, shapes), cache.device, order.gather)
+                                               reduce_buffer(self._reduce_buffers, fid, shapes), cache.device,
+                                               order.gather)
             self._job_stats["bytes_sent"] += bytes_on_link(encoded, replica.wire_dtype, len(order.group),
                                                            order.gather)
             refused = judge_reduce(order, norms, lambda: tensors_norm(mean) if mean_norm is None else mean_norm)
@@ -306,14 +313,8 @@ class CollectiveEndpoint:
         or, holding the run's state already, keeps it."""
         welcome = job.welcome
         if job.keep:
-            replica = self.replica
-            assert replica is not None
-            for fid in job.adopt:
-                rid, vote = replica.proposal(fid).round_id, replica.proposal(fid).digest
-                replica.commit(fid, rid, vote)
-            for fid in job.rollback:
-                replica.rollback(fid)
-            replica.round_ids = list(welcome.round_ids)
+            assert self.replica is not None
+            self.replica.settle(job.adopt, job.rollback, welcome.round_ids)
         else:
             self.replica = Replica.for_welcome(welcome, job.params, list(welcome.round_ids), job.outer_states)
         return Started(tuple(self.replica.committed_digests()), self.replica.params_copy())
@@ -375,15 +376,6 @@ class CollectiveEndpoint:
                 return "the worker is stopping"
             return withdrawn if self._cancelled is job else ""
         return why
-
-    def _reduce_buffer(self, fid: int, shapes: dict) -> torch.Tensor:
-        """Fragment ``fid``'s flat fp32 reduce buffer, kept from round to round. A round reuses it
-        only after the previous round's verdict: its mean was stepped into the replica by then."""
-        numel = sum(s.numel() for s in shapes.values())
-        buf = self._reduce_buffers.get(fid)
-        if buf is None or buf.numel() != numel:
-            buf = self._reduce_buffers[fid] = torch.empty(numel, dtype=torch.float32)
-        return buf
 
     def _result_params(self, fid: int, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A copy of fragment ``fid``'s committed params for the session's Result, in one of two sets

@@ -99,6 +99,17 @@ def _unflat(flat: torch.Tensor, shapes: Mapping[str, torch.Size], names: list[st
     return out
 
 
+def reduce_buffer(buffers: dict[int, torch.Tensor], fid: int, shapes: Mapping[str, torch.Size]) -> torch.Tensor:
+    """Fragment ``fid``'s flat fp32 reduce buffer in ``buffers``, kept from round to round (made anew
+    when the fragment's size changed). A round reuses it only after the previous round's verdict:
+    its mean was stepped into the replica by then."""
+    numel = sum(s.numel() for s in shapes.values())
+    buf = buffers.get(fid)
+    if buf is None or buf.numel() != numel:
+        buf = buffers[fid] = torch.empty(numel, dtype=torch.float32)
+    return buf
+
+
 def bytes_on_link(encoded: compression.Encoded, wire_dtype: str, size: int, gather: bool = False) -> int:
     """What one member sends for one reduce, by the algorithm's own count: a ring all-reduce sends
     2(k-1)/k of the fp32 payload; an all-gather sends the encoded payload to each of the k-1 others."""

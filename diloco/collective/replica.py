@@ -251,6 +251,17 @@ class Replica:
         with self._lock:
             del self._proposals[fid]
 
+    def settle(self, adopt, rollback, round_ids) -> None:
+        """Keep this replica for a run (re)started from it (C6): adopt the open proposals of ``adopt``
+        (their commits happened), roll back those of ``rollback``, then take the run's ``round_ids``."""
+        for fid in adopt:
+            proposal = self._proposals.get(fid)
+            if proposal is not None:
+                self.commit(fid, proposal.round_id, proposal.digest)
+        for fid in rollback:
+            self.rollback(fid)
+        self.round_ids = list(round_ids)
+
     def rollback_all(self) -> None:
         for fid in list(self._proposals):
             self.rollback(fid)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from diloco.collective import heal
 from diloco.collective.groups import CollectiveError, GroupCache, connect_store, local_address_towards
 from diloco.collective.member import HEAL_TIMEOUTS
-from diloco.collective.reduce import mean_pseudo_gradient, tensors_norm
+from diloco.collective.reduce import bytes_on_link, mean_pseudo_gradient, reduce_buffer, tensors_norm
 from diloco.collective.replica import Replica, StepRefused
 from diloco.collective.store import ABANDONED_KEY, rank_prefix
 from diloco.wire import compression
@@ -96,11 +96,12 @@ class ShardPart:
         self.start_params = {n: t.detach().to("cpu", torch.float32).clone() for n, t in shards.items()}
 
     def handed(self, names: list[str]) -> Tensors:
+        """Copies of the committed shards of ``names``: the caller's to keep (the global copy)."""
         with self._lock:
             missing = [n for n in names if n not in self._handed]
             if missing:
                 raise RuntimeError(f"no committed shard of {missing[:3]} on rank {self.rank} to install")
-            return {n: self._handed[n] for n in names}
+            return {n: self._handed[n].clone() for n in names}
 
     def _hand(self, params: Tensors) -> None:
         with self._lock:
@@ -184,7 +185,8 @@ class ShardPart:
             group = cache.get(rank_prefix(order.prefix, self.rank), order.group.index(self.worker_id), len(order.group),
                               stop)
             mean, norms, mean_norm = mean_pseudo_gradient(group, encoded, replica.wire_dtype, shapes, self.timeout_s,
-                                                          self._buffer(fid, shapes), cache.device, order.gather)
+                                                          reduce_buffer(self._reduce_buffers, fid, shapes), cache.device,
+                                                          order.gather)
         except (CollectiveError, FloatingPointError, RuntimeError) as exc:
             cache.drop()
             self._reduce_buffers.pop(fid, None)
@@ -192,7 +194,7 @@ class ShardPart:
         self._means[fid] = mean
         measured = tensors_norm(mean) if mean_norm is None else mean_norm
         return ReducePart(norms=tuple(norms), mean_norm=measured,
-                          bytes_sent=_bytes_on_link(encoded, replica.wire_dtype, len(order.group), order.gather))
+                          bytes_sent=bytes_on_link(encoded, replica.wire_dtype, len(order.group), order.gather))
 
     def _propose(self, fid: int, round_id: int, bound: float) -> tuple[str, str]:
         """(digest, "") or ("", why not)."""
@@ -214,15 +216,8 @@ class ShardPart:
 
     def _start(self, welcome, keep: bool, adopt: tuple[int, ...], rollback: tuple[int, ...]) -> list[str]:
         if keep:
-            replica = self.replica
-            assert replica is not None
-            for fid in adopt:
-                proposal = replica.proposal(fid)
-                if proposal is not None:
-                    replica.commit(fid, proposal.round_id, proposal.digest)
-            for fid in rollback:
-                replica.rollback(fid)
-            replica.round_ids = list(welcome.round_ids)
+            assert self.replica is not None
+            self.replica.settle(adopt, rollback, welcome.round_ids)
         else:
             if self.start_params is None:
                 raise RuntimeError(f"rank {self.rank} took no snapshot of its shards to start the run from")
@@ -257,19 +252,6 @@ class ShardPart:
         except CollectiveError as exc:
             return f"rank {self.rank}: {exc}"
         return ""
-
-    def _buffer(self, fid: int, shapes: dict) -> torch.Tensor:
-        numel = sum(s.numel() for s in shapes.values())
-        buf = self._reduce_buffers.get(fid)
-        if buf is None or buf.numel() != numel:
-            buf = self._reduce_buffers[fid] = torch.empty(numel, dtype=torch.float32)
-        return buf
-
-
-def _bytes_on_link(encoded: compression.Encoded, wire_dtype: str, size: int, gather: bool) -> int:
-    from diloco.collective.reduce import bytes_on_link
-
-    return bytes_on_link(encoded, wire_dtype, size, gather)
 
 
 class PlaneLink:

@@ -20,7 +20,6 @@ shards from its checkpoint and heals from a live member, or starts the run from 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 from diloco.collective.endpoint import CollectiveEndpoint
@@ -75,10 +74,7 @@ class ShardedCollectiveEndpoint(CollectiveEndpoint):
             message = dataclasses.replace(message, layout=self.layout)
         if isinstance(message, Submit) and self.machine.collective and message.norm is None:
             raise ValueError("a sharded member's Submit declares its norm (ShardedParams.submit_shards)")
-        if isinstance(message, Join) and message.params:
-            self._carry_out(self.machine.session_sends(message))  # rank 0's shards: a token, never sent
-            return
-        super().send(message)
+        super().send(message)  # a Join's params are rank 0's shards: the machine keeps them, never sends them
 
     def restore(self, *args, **kwargs) -> None:
         raise ValueError("a sharded member does not offer a checkpoint's committed state on the collective plane")
@@ -224,9 +220,6 @@ class ShardedCollectiveEndpoint(CollectiveEndpoint):
     @staticmethod
     def _member_digests(per_rank: list[list[str]]) -> tuple[str, ...]:
         return tuple(combined_digest([d[f] for d in per_rank]) for f in range(len(per_rank[0])))
-
-    def _declared_norm(self, submit: Submit) -> float:
-        return math.nan  # never reached: a sharded member's Submit declares its norm
 
 
 class _Raised:

@@ -208,18 +208,12 @@ def run_worker_command(args) -> int:
 
 
 def _run_in_group(run: Callable[[], int]) -> int:
-    """``run()``'s exit code, with the errors ``diloco``'s main would report reported here: a
-    process in a group ends in ``_end_process``, never by unwinding to the interpreter's exit."""
-    from diloco.exits import EXIT_INTERRUPTED, EXIT_USAGE
+    """``run()``'s exit code, errors reported as ``diloco``'s main reports them: a process in a
+    group ends in ``_end_process``, never by unwinding to the interpreter's exit."""
+    from diloco.exits import reported
 
     try:
-        return run()
-    except UsageError as exc:
-        print(f"diloco worker: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("diloco worker: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return reported("worker", run)
     except Exception:
         import traceback
 

@@ -151,8 +151,7 @@ class ShardedKeeper:
     sharded = True
 
     def __init__(self, shards: ShardedParams) -> None:
-        self.shards = shards
-        self.residual: Tensors = {}  # kept per shard by every rank (``shards.residual``)
+        self.shards = shards  # its residual too, per shard on every rank
 
     @property
     def global_(self) -> Tensors:

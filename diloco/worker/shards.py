@@ -169,30 +169,37 @@ class ShardedParams:
         "kept" (``keep_if_same`` and the params are the global copy's already: the local progress
         is still valid) or "non_finite" (the delta makes a param non-finite: nothing changed)."""
         self._command("install", names=list(names), delta=delta, keep_if_same=keep_if_same)
-        new = self._new_shards(names, whole, delta)
-        if new is None:
-            return "non_finite"
-        if keep_if_same and self._all(all(n in self.global_shards and torch.equal(self.global_shards[n], new[n])
-                                          for n in names)):
-            return "kept"
-        with torch.no_grad():
-            for n in names:
-                self.params[n].to_local().copy_(new[n])
-                self.global_shards[n] = new[n]
-        return "installed"
+        return self._take(names, self._new_shards(names, whole, delta), keep_if_same)
 
     def merge(self, names: list[str], whole: Mapping[str, torch.Tensor] | None = None, delta: bool = False,
               alpha: float = 0.5) -> str:
         """Overlap's merge: local <- alpha * local + (1 - alpha) * global, per shard; the copy becomes the global."""
         self._command("merge", names=list(names), delta=delta, alpha=alpha)
-        new = self._new_shards(names, whole, delta)
+        return self._blend(names, self._new_shards(names, whole, delta), alpha)
+
+    def _take(self, names: list[str], new: Mapping[str, torch.Tensor] | None, keep_if_same: bool) -> str:
+        """``new`` (this rank's shards, or None: not finite) into the model and the global copy."""
+        if new is None:
+            return "non_finite"
+        if keep_if_same and self._all(all(n in self.global_shards and torch.equal(self.global_shards[n].cpu(),
+                                                                                  new[n].cpu()) for n in names)):
+            return "kept"
+        with torch.no_grad():
+            for n in names:
+                local = self.params[n].to_local()
+                local.copy_(new[n])
+                self.global_shards[n] = new[n].to(local.device, torch.float32)
+        return "installed"
+
+    def _blend(self, names: list[str], new: Mapping[str, torch.Tensor] | None, alpha: float) -> str:
+        """Overlap's merge of ``new`` (this rank's shards, or None: not finite)."""
         if new is None:
             return "non_finite"
         with torch.no_grad():
             for n in names:
                 local = self.params[n].to_local()
-                local.lerp_(new[n].to(local.dtype), 1.0 - alpha)
-                self.global_shards[n] = new[n]
+                local.lerp_(new[n].to(local.device, local.dtype), 1.0 - alpha)
+                self.global_shards[n] = new[n].to(local.device, torch.float32)
         return "installed"
 
     def _new_shards(self, names: list[str], whole, delta: bool) -> dict[str, torch.Tensor] | None:
@@ -272,27 +279,12 @@ class ShardedParams:
     def install_handed(self, names: list[str], keep_if_same: bool = False) -> str:
         """``install`` from what each rank's data plane committed (the collective plane)."""
         self._command("install_handed", names=list(names), keep_if_same=keep_if_same)
-        new = self.part.handed(names)
-        if keep_if_same and self._all(all(n in self.global_shards and torch.equal(self.global_shards[n].cpu(), new[n])
-                                          for n in names)):
-            return "kept"
-        with torch.no_grad():
-            for n in names:
-                local = self.params[n].to_local()
-                local.copy_(new[n])
-                self.global_shards[n] = new[n].to(local.device, torch.float32, copy=True)
-        return "installed"
+        return self._take(names, self.part.handed(names), keep_if_same)
 
     def merge_handed(self, names: list[str], alpha: float = 0.5) -> str:
         """``merge`` from what each rank's data plane committed (the collective plane)."""
         self._command("merge_handed", names=list(names), alpha=alpha)
-        new = self.part.handed(names)
-        with torch.no_grad():
-            for n in names:
-                local = self.params[n].to_local()
-                local.lerp_(new[n].to(local.device, local.dtype), 1.0 - alpha)
-                self.global_shards[n] = new[n].to(local.device, torch.float32, copy=True)
-        return "installed"
+        return self._blend(names, self.part.handed(names), alpha)
 
     # ------------------------------------------------------------------ checkpoints
 
