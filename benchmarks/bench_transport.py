@@ -203,23 +203,24 @@ def _held_bytes(coordinator) -> int:
     store = coordinator.store
     if store is None:
         return 0
+    hub = coordinator.hub
     for t in store.params.values():
         add(t)
     for s in getattr(store, "_sums", []):
         for t in (s or {}).values():
             add(t)
-    for opt in coordinator._optimizers:
+    for opt in hub._optimizers:
         for state in opt.state.values():
             for v in state.values():
                 add(v)
-    for backup in getattr(coordinator, "_optimizer_backups", []):
+    for backup in hub._optimizer_backups:
         for entry in getattr(backup, "_state", {}).values():
             for v in entry.values():
                 add(v)
-    for _, released in coordinator._released.values():
+    for _, released in hub._released.values():
         for t in list(released.values.values()) + list(released.scales.values()):
             add(t)
-    for held in coordinator._held.values():
+    for held in hub._held.values():
         for t in held.tensors.values():
             add(t)
     return sum(seen.values())
@@ -294,6 +295,7 @@ class _HubProbe:
         import resource
 
         import torch
+        import diloco.coordinator.hub_rounds as hub_mod
         import diloco.coordinator.service as service_mod
         import diloco.transport.zmq.framing as framing_mod
         import diloco.wire.codec as codec_mod
@@ -338,36 +340,34 @@ class _HubProbe:
                 self._wrap(measure_mod.SubmitSquares, "frame", "measure")
             self._wrap(ParamStore, "accumulate", "accumulate")
             self._wrap(ParamStore, "take_mean", "mean")
-            self._wrap(service_mod, "all_finite", "finite")
+            self._wrap(hub_mod, "all_finite", "finite")
             self._wrap(torch.optim.SGD, "step", "opt_step")
-            if hasattr(service_mod, "step_in_blocks"):
-                self._wrap(service_mod, "step_in_blocks", "opt_step")
-            if hasattr(service_mod.Coordinator, "_prepare_steps"):
-                self._wrap(service_mod.Coordinator, "_prepare_steps", "prepare")
+            self._wrap(hub_mod, "step_in_blocks", "opt_step")
+            self._wrap(hub_mod.HubRounds, "idle", "prepare")
             self._wrap(framing_mod.Assembler, "add", "assemble", first_mark="first_part")
-            original_outer = service_mod.Coordinator.outer_step
-            original_apply = service_mod.Coordinator._apply
+            original_outer = hub_mod.HubRounds.outer_step
+            original_apply = hub_mod.HubRounds.apply
             original_handle = service_mod.Coordinator.handle
 
-            def outer_step(coordinator, fid, grad, *args):
+            def outer_step(hub, fid, grad, *args):
                 t = time.perf_counter()
                 before = dict(probe.round)
-                where = [p.data_ptr() for p in coordinator.store.fragment_params(fid).values()]
+                where = [p.data_ptr() for p in hub.store.fragment_params(fid).values()]
                 try:
-                    return original_outer(coordinator, fid, grad, *args)
+                    return original_outer(hub, fid, grad, *args)
                 finally:
                     # The params' memory unchanged: the step was made in place (``outer.step_in_blocks``).
-                    same = where == [p.data_ptr() for p in coordinator.store.fragment_params(fid).values()]
+                    same = where == [p.data_ptr() for p in hub.store.fragment_params(fid).values()]
                     probe._add("in_place", 1.0 if same else 0.0)
                     inner = sum(probe.round.get(k, 0.0) - before.get(k, 0.0) for k in ("opt_step", "finite"))
                     probe._add("outer_step", time.perf_counter() - t)
                     probe._add("outer_rest", time.perf_counter() - t - inner)
 
-            def apply(coordinator, effect, now):
+            def apply(hub, effect, now):
                 t = time.perf_counter()
                 before = dict(probe.round)
                 try:
-                    return original_apply(coordinator, effect, now)
+                    return original_apply(hub, effect, now)
                 finally:
                     inner = sum(probe.round.get(k, 0.0) - before.get(k, 0.0) for k in ("mean", "outer_step"))
                     probe._add("snapshot", time.perf_counter() - t - inner)
@@ -383,8 +383,8 @@ class _HubProbe:
                         inner = sum(probe.round.get(k, 0.0) - before.get(k, 0.0)
                                     for k in ("wire", "check", "accumulate", "mean", "outer_step", "snapshot"))
                         probe._add("fsm", time.perf_counter() - t - inner)
-            service_mod.Coordinator.outer_step = outer_step
-            service_mod.Coordinator._apply = apply
+            hub_mod.HubRounds.outer_step = outer_step
+            hub_mod.HubRounds.apply = apply
             service_mod.Coordinator.handle = handle
 
         original_send = type(endpoint).send
@@ -1320,7 +1320,7 @@ def hub_report(coord_rounds: list, step_s: float, profile: bool) -> tuple[list[s
         lines.append(f"    {what:86} {ms:8.1f}")
     lines.append(f"    {'sum':86} {total:8.1f}")
     prepare = med([r.get("prepare", 0.0) for r in reports]) * 1000
-    lines.append(f"    {'not on the round path: the next step prepared in idle ticks (_prepare_steps)':86} {prepare:8.1f}")
+    lines.append(f"    {'not on the round path: the next step prepared in idle ticks (HubRounds.idle)':86} {prepare:8.1f}")
     in_place = sum(r.get("in_place", 0.0) for r in reports)
     lines.append(f"    outer steps made in place (no Result held the params' memory; bounds proved them finite): "
                  f"{in_place:.0f} of {len(reports)}")

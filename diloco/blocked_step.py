@@ -146,7 +146,7 @@ def step_in_blocks(opt: torch.optim.Optimizer, params: dict[str, torch.Tensor], 
     from the bounds on an in-place one.
 
     ``undo_kept``: the caller kept an exact undo of its own (the params' old values elsewhere and the
-    optimizer's state backed up, ``Coordinator._prepare_steps``) and nothing else holds the params'
+    optimizer's state backed up, ``HubRounds.idle``) and nothing else holds the params'
     memory: in place, checked for finiteness as it goes; the caller undoes a refused step.
 
     ``grad_blocks``: ``grad`` is not made yet. The in-place step proven finite makes each block of it

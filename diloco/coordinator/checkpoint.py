@@ -42,7 +42,8 @@ from diloco.coordinator.config import CoordinatorConfig
 from diloco.coordinator.params import check_tensors
 from diloco.coordinator.budget import TokenBudget
 from diloco.coordinator.units import UnitLedger
-from diloco.coordinator.service import Coordinator, Observer, held_tensors
+from diloco.coordinator.hub_rounds import held_tensors
+from diloco.coordinator.service import Coordinator, Observer
 from diloco.wire import compression
 KIND = "diloco.coordinator"
 PREFIX = "coordinator-"
@@ -139,7 +140,7 @@ def restore_coordinator(meta: dict, tensors: dict[str, torch.Tensor], now_s: flo
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"checkpoint metadata: the collective plane's record is invalid ({exc!r})") from None
     else:
-        coordinator.install_params(params, outer)
+        coordinator.hub.install_params(params, outer)
     coordinator.incarnation = incarnation + 1
     coordinator.access = access
     coordinator.journal_seq = _int(meta.get("journal_seq", 0), "journal_seq")
@@ -294,7 +295,7 @@ def replay_journal(found: Found, directory: pathlib.Path) -> Found:
             # The config the step ran under (a resume may change the wire dtype).
             c.config = CoordinatorConfig.from_dict(step.meta["config"])
             for step_input in step.inputs:
-                c.outer_step(step_input.fragment_id, _replayed_grad(c, step_input, step.seq))
+                c.hub.outer_step(step_input.fragment_id, _replayed_grad(c, step_input, step.seq))
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         if isinstance(exc, CheckpointError):
             raise

@@ -4,7 +4,7 @@ A full checkpoint (``checkpoint.py``) holds the params and the outer optimizers'
 state: two model copies, 800 MB at 100M parameters, too much to write before
 every round's Results (SPEC.md section 5: persist before announce). What a
 round changes is fully determined by its outer step's *input*
-(``Coordinator.outer_step`` is deterministic), so the journal records that, and
+(``HubRounds.outer_step`` is deterministic), so the journal records that, and
 a full checkpoint is written every few rounds in the background
 (``persist.py``). The input is recorded in one of two forms:
 

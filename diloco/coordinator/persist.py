@@ -139,7 +139,7 @@ class Durability:
         self._contributions = c.config.wire_dtype != "fp32"
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-journal")
         self._segment = journal.Segment(self.directory, c.journal_seq + 1)
-        c.recorder = self
+        c.hub.recorder = self
 
     def close(self) -> None:
         """Wait for any background write (raising its error) and stop the writer thread."""
@@ -153,7 +153,7 @@ class Durability:
             if self._segment is not None:
                 self._segment.close()
             if self._coordinator is not None:
-                self._coordinator.recorder = None
+                self._coordinator.hub.recorder = None
 
     # ------------------------------------------------------------------ StepRecorder (the loop's thread)
 

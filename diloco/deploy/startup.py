@@ -60,7 +60,7 @@ def startup_lines(coordinator: Coordinator, s, address: str, store_host, auth) -
         lines.append("  auth: none (anyone who reaches the address can join or run admin commands)")
     if coordinator.resumed_from is not None:
         lines.append(f"  resumed from {coordinator.resumed_from}: open rounds {list(fsm.open_round_ids())}, "
-                     f"rounds applied {fsm.rounds_applied}, {coordinator._num_params()} params, "
+                     f"rounds applied {fsm.rounds_applied}, {coordinator.plane.num_params()} params, "
                      f"incarnation {coordinator.incarnation}")
         lines += [f"  {note}" for note in resume_notes(coordinator.resume_replayed, coordinator.resume_torn)]
     if s.checkpoint_dir:

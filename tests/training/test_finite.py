@@ -65,7 +65,7 @@ def params_copy(c: Coordinator) -> dict[str, torch.Tensor]:
 
 
 def opt_state(c: Coordinator, fid: int = 0) -> dict:
-    return copy.deepcopy(c._optimizers[fid].state_dict())
+    return copy.deepcopy(c.hub._optimizers[fid].state_dict())
 
 
 def assert_bit_identical(a, b) -> None:

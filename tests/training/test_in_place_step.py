@@ -303,7 +303,7 @@ def test_the_coordinator_makes_the_mean_in_the_steps_pass_unless_a_journal_write
             seen.append({n: t.clone() for n, t in grad.items()})
 
     seen: list = []
-    c.recorder = Recorder()
+    c.hub.recorder = Recorder()
     assert _round(c, 4)
     assert _round(plain, 4)
     sent = []  # what _round submitted in round 4

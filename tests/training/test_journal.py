@@ -133,7 +133,7 @@ def script(rounds: int, fragments: int = 1, seed: int = 0, wire: str = "fp32") -
     params = {n: torch.randn(*shape, generator=g) for n, shape in PARAMS.items()}
     items = [("p1", join_message("w1", params)), ("p2", join_message("w2", params))]
     c = make(fragments=fragments)
-    c.install_params(params)
+    c.hub.install_params(params)
     for r in range(rounds):
         for fid in range(fragments):
             names = c.store.fragments[fid]
@@ -293,7 +293,7 @@ def interleaved_script(rounds: int, seed: int = 0) -> list:
     params = {n: torch.randn(*shape, generator=g) for n, shape in PARAMS.items()}
     items = [("p1", join_message("w1", params)), ("p2", join_message("w2", params))]
     c = make(fragments=2)
-    c.install_params(params)
+    c.hub.install_params(params)
 
     def submit(peer, wid, fid, r):
         names = c.store.fragments[fid]
@@ -331,16 +331,16 @@ def test_auto_journals_only_a_big_state(tmp_path):
     from diloco.coordinator.persist import AUTO, AUTO_FULL_EVERY, Durability
 
     small = make()
-    small.install_params({"w": torch.zeros(1000)})
+    small.hub.install_params({"w": torch.zeros(1000)})
     d = Durability(tmp_path / "small", 3, AUTO)
     d.attach(small)
     assert d.full_every == 1 and not d.journaling
     big = make()
-    big.install_params({"w": torch.zeros(17 << 20)})  # 68 MB of params + as much momentum: 136 MB
+    big.hub.install_params({"w": torch.zeros(17 << 20)})  # 68 MB of params + as much momentum: 136 MB
     d = Durability(tmp_path / "big", 3, AUTO)
     d.attach(big)
     try:
-        assert d.full_every == AUTO_FULL_EVERY and d.journaling and big.recorder is d
+        assert d.full_every == AUTO_FULL_EVERY and d.journaling and big.hub.recorder is d
     finally:
         d.close()
 

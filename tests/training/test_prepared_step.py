@@ -80,7 +80,7 @@ def test_a_prepared_step_gives_the_bits_of_one_made_at_once(outer, fragments):
     ticked = _run(True, outer=config, fragments=fragments)
     # The ticks did prepare steps (and the steps used them, below); Nesterov's steps after its first
     # are made into fresh memory, with nothing prepared.
-    assert bool(ticked[0]._prepared) == (outer != "nesterov")
+    assert bool(ticked[0].hub._prepared) == (outer != "nesterov")
     _same(ticked, _run(False, outer=config, fragments=fragments))
 
 
@@ -91,14 +91,14 @@ def test_a_prepared_step_gives_the_same_bits_with_a_wire_dtype(wire_dtype, outer
     ticked = _run(True, wire_dtype=wire_dtype, outer=config)
     # A bf16/int8 run's step needs the params' old values (its delta): prepared for Nesterov too, and
     # then made in place on the prepared copy (``step_in_blocks(undo_kept=True)``).
-    assert ticked[0]._prepared
+    assert ticked[0].hub._prepared
     _same(ticked, _run(False, wire_dtype=wire_dtype, outer=config))  # asserts every param, state and Result equal
 
 
 def test_a_prepared_step_gives_the_same_bits_in_async_mode():
     outer = OuterConfig(name="delayed_nesterov", lr=0.5)
     ticked = _run(True, outer=outer, mode=Mode.ASYNC)
-    assert ticked[0]._prepared  # the ticks did prepare steps
+    assert ticked[0].hub._prepared  # the ticks did prepare steps
     _same(ticked, _run(False, outer=outer, mode=Mode.ASYNC))  # asserts every param, state and Result equal
 
 
@@ -129,7 +129,7 @@ def test_the_blocked_step_keeps_what_was_released():
     c.handle("w1", Submit("w1", 0, 2, grads(7, list(P0))), 10.0)
     out = c.handle("w2", Submit("w2", 0, 2, grads(8, list(P0))), 10.0)
     assert any(isinstance(m, Result) for _, m in out) and c.stats.rounds_applied == 3
-    assert not c._prepared
+    assert not c.hub._prepared
     for n, t in released.items():
         assert torch.equal(t, kept[n])  # the Results of the round before kept their values
         assert not torch.equal(c.store.params[n], kept[n])
@@ -141,7 +141,7 @@ def test_the_preparation_keeps_the_values_and_what_was_released():
     kept = {n: t.clone() for n, t in released.items()}
     values = {n: p.clone() for n, p in c.store.params.items()}
     c.tick(10.0)
-    assert 0 in c._prepared
+    assert 0 in c.hub._prepared
     for n, p in c.store.params.items():
         assert torch.equal(p, values[n])  # same values, on fresh memory
         assert p.data_ptr() != released[n].data_ptr()
@@ -156,13 +156,13 @@ def test_a_preparation_that_is_no_longer_current_is_not_used():
     c, _ = _run(True, rounds=2, outer=config)
     plain, _ = _run(False, rounds=2, outer=config)
     c.tick(10.0)
-    assert 0 in c._prepared
+    assert 0 in c.hub._prepared
     for coordinator in (c, plain):  # something changes the params after the preparation
         with torch.no_grad():
             coordinator.store.params["a"].add_(1.0)
     for coordinator in (c, plain):
         coordinator.handle("w1", Submit("w1", 0, 2, grads(7, list(P0))), 10.0)
         coordinator.handle("w2", Submit("w2", 0, 2, grads(8, list(P0))), 10.0)
-    assert 0 not in c._prepared
+    assert 0 not in c.hub._prepared
     for n in P0:
         assert torch.equal(c.store.params[n], plain.store.params[n]), n

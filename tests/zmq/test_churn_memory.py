@@ -235,7 +235,7 @@ def test_join_die_churn_leaves_no_per_worker_state_behind():
         assert not loop.is_alive() and loop.error is None, loop.error
         assert coordinator.fsm.live_workers == 1 and coordinator.fsm.is_member("anchor")
         assert coordinator._peers.keys() == {"anchor"}, len(coordinator._peers)
-        assert not coordinator._held and not coordinator._released and not coordinator.access.keys
+        assert not coordinator.hub._held and not coordinator.hub._released and not coordinator.access.keys
         (barrier,) = coordinator.fsm._barriers
         assert not barrier.contributed and barrier.live_contributed == 0
         # The transport remembers the peers it heard from until a probe finds them gone: the

@@ -227,7 +227,7 @@ def test_the_rounds_sum_starts_in_the_first_submits_receive_buffers_unless_a_jou
             pass
 
     if journal:
-        c.recorder = plain.recorder = Journal()
+        c.hub.recorder = plain.hub.recorder = Journal()
     g = torch.Generator().manual_seed(5)
     sent = {w: {n: torch.randn(t.shape, generator=g) for n, t in params.items()} for w in ("w1", "w2")}
     first, watch = _received_submit("w1", sent["w1"])
