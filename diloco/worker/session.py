@@ -12,8 +12,8 @@ what must follow any of them. The private methods sit in sections named by their
 rules: W1 joining and W2 the Welcome; the schedule (W2's placement, W19's DyLU);
 messages once welcomed; after every event (W4-W7) and the W9 resync; W11 outages;
 W12, every part of the stop rule; W14, the one failure path; overlap (W15-W18);
-plumbing, where ``_go`` is the one place the state moves (and a pause begins and
-ends, W6).
+plumbing, where ``_go`` is the one place the state moves, and so the one place
+the fields a state owns (``OWNED_FIELDS``) are reset.
 
 The coordinator has ``RoundFSM``; a worker has this. Events come in as data --
 a decoded coordinator message, a clock reading, "finished an inner step", a
@@ -127,7 +127,14 @@ HISTORY_LIMIT = 10_000
 #: Streaming DiLoCo (Douillard et al. 2025, arXiv:2501.18512, section 2.3).
 DEFAULT_OVERLAP_ALPHA = 0.5
 
-_WAITING = (S.WAITING, S.PAUSED)
+#: The fields each state owns, with the value each holds outside it: ``_go`` puts them back as it
+#: leaves the state (the one place they are reset), so every entry into the state finds them so.
+OWNED_FIELDS: Mapping[WorkerState, Mapping[str, object]] = {
+    S.JOINING: {"_join_resend_s": JOIN_RESEND_S, "_already_member_retries": 0},  # W1: the join's resends
+    S.WAITING: {"_waiting_since": None},  # W9: the wait's clock
+    S.PAUSED: {"_paused_since": None},  # W6: when the pause began
+    S.STOPPING: {"_ask_deadline": None, "_stopping_from_training": False},  # W12: the ask; W4: entered from TRAINING
+}
 
 
 def _valid_h(value: object) -> int | None:
@@ -210,7 +217,7 @@ class WorkerSession:
     ``__init__`` is the inventory of that state: every field the session keeps, grouped by
     the rule it serves, with its W-labels (SPEC.md section 14). Public fields are read by
     drivers, status and tests; underscored ones are the rules' own bookkeeping. No field is
-    added anywhere else.
+    added anywhere else, and the fields a state owns (``OWNED_FIELDS``) are reset only by ``_go``.
     """
 
     def __init__(self, worker_id: str, sync_every: int, spec: Sequence[TensorSpec], *,
@@ -486,7 +493,7 @@ class WorkerSession:
             self._heartbeat(now)
         if self._outage(now, silence):
             return self._flush()
-        if self.state in _WAITING:
+        if self.state is S.WAITING:
             self._maybe_resync(now, silence, sending or receiving)
         self._settle(now)
         return self._flush()
@@ -529,7 +536,6 @@ class WorkerSession:
             # once rather than let the heartbeat timeout find out.
             self._out.append(Send(Leave(self.worker_id)))
         self.stop_reason = self.stop_reason or "left"
-        self._ask_deadline = None
         self._go(S.STOPPED, now)
         return self._flush()
 
@@ -554,13 +560,11 @@ class WorkerSession:
         """W1: join (``start``), or join again (W9 resync, W10 rejoin): JOINING, a new ``Join``.
 
         Held Results are merged first (W17: a Welcome of the same params then keeps the local
-        model); a new join starts its resend delay at ``JOIN_RESEND_S`` and its
-        ``already_member`` retries at 0.
+        model); a new join finds its resend delay at ``JOIN_RESEND_S`` and its ``already_member``
+        retries at 0 (JOINING's own fields: ``OWNED_FIELDS``).
         """
         self._merge_all()
         self._go(S.JOINING, now)
-        self._join_resend_s = JOIN_RESEND_S
-        self._already_member_retries = 0
         self._send_join(now)
 
     def _send_join(self, now: float) -> None:
@@ -634,16 +638,15 @@ class WorkerSession:
         self.target_sync_every = _valid_h(msg.sync_every)
         self.units_per_epoch, self.unit = msg.data_units, msg.unit
         self._place_on_schedule(ids_same, same_layout)
+        # W2: the Welcome replaces what was in flight, which a join keeps until now (W10): no state's own.
         self.waiting = {int(f): int(r) for f, r in msg.parked}
         self.merge_at.clear()  # W18: a parked contribution has no overlap window (nothing is held: W17)
         self._unacked.clear()
         self.retry_at.clear()
-        self._rejoin_needed = False
         self._last_hb_sent = now
         self._hb_outstanding = 0
         self._stale_replies = 0
         self._quorum_fresh = True
-        self._waiting_since = None
         if not self.welcomed:
             self._resync_after_s = RESYNC_INTERVALS * self.heartbeat_interval_s
         self.welcomed = True
@@ -764,7 +767,7 @@ class WorkerSession:
                 fid, int(msg.next_round_id), self.next_close[fid], len(self.fragments), self.sync_every,
                 self.mode == Mode.SYNC)
             self.rounds_synced += 1
-            self._waiting_since = None
+            self._waiting_since = None  # W9: a release restarts the wait's clock (WAITING may go on)
             self._resync_after_s = RESYNC_INTERVALS * self.heartbeat_interval_s
             self.history.append((self.inner_step, fid, msg.round_id, outcome.value))
             if outcome is ReleaseOutcome.APPLIED_FINAL:
@@ -846,12 +849,7 @@ class WorkerSession:
         if not blocked:
             self._go(S.TRAINING, now)  # W7: nothing outstanding (a pause ends here too)
             return
-        paused = self.below_min_workers and self._quorum_fresh
-        if paused and self.state is S.WAITING:
-            self._waiting_since = None  # W9: a pause restarts the wait's clock
-            self._go(S.PAUSED, now)
-        elif not paused and self.state is S.PAUSED:
-            self._go(S.WAITING, now)
+        self._go(S.PAUSED if self.below_min_workers and self._quorum_fresh else S.WAITING, now)  # W6
 
     def _submit(self, fid: int, now: float) -> None:
         """W4: ``SubmitFragment`` then a ``Heartbeat``; wait for its Result (WAITING, or W15's window)."""
@@ -886,8 +884,8 @@ class WorkerSession:
         ``RESYNC_MAX_INTERVALS``. ``busy``: a message still going out or coming in part by
         part (the Submit, or the Result itself, crossing a slow link) restarts the wait too.
         """
-        if self.state is not S.WAITING or not self.waiting or busy or silence > 2 * self.heartbeat_interval_s:
-            # (A silent coordinator is an outage, not a lost Result: joining again would not help.)
+        if not self.waiting or busy or silence > 2 * self.heartbeat_interval_s:
+            # Still WAITING, but no Result is lost: a retry due, a message on its way, or an outage.
             self._waiting_since = None
             return False
         if self._waiting_since is None:
@@ -898,7 +896,6 @@ class WorkerSession:
         self._note("warning", f"no Result for {dict(self.waiting)} after {now - self._waiting_since:.1f} s at the "
                               f"sync point; leaving and joining again")
         self._resync_after_s = min(2 * self._resync_after_s, RESYNC_MAX_INTERVALS * self.heartbeat_interval_s)
-        self._waiting_since = None
         self._send(Leave(self.worker_id), now)
         self._join(now)
         return True
@@ -988,7 +985,7 @@ class WorkerSession:
 
     def _finish(self, reason: str, *, save: bool, now: float) -> None:
         """W12: emit the session's one ``Stop`` (its kind now settled), merging what is held first (W17)."""
-        self._ask_deadline = None
+        self._ask_deadline = None  # the Stop settles an open ask, though the state stays STOPPING
         self.stop_reason = self.stop_reason or reason
         if self.state is not S.STOPPING:
             self._go(S.STOPPING, now)
@@ -1005,7 +1002,6 @@ class WorkerSession:
         if tell_driver:
             self._out.append(Fail(code, f"worker {self.worker_id!r}: {detail}"))
         self.stop_reason = self.stop_reason or f"error: {code}"
-        self._ask_deadline = None
         self._drop_merges()
         self._go(S.STOPPED, now)
 
@@ -1038,16 +1034,19 @@ class WorkerSession:
         self._last_hb_sent = now
 
     def _go(self, state: WorkerState, now: float | None = None) -> None:
-        """Move to ``state`` (``StateChanged``): the one place the state moves, so the one place a
-        pause begins and ends (W6). ``now`` is required for a move into or out of PAUSED."""
+        """Move to ``state`` (``StateChanged``): the one place the state moves, so the one place a state's
+        fields are reset (``OWNED_FIELDS``) and a pause begins and ends (W6). ``now``: required for PAUSED."""
         if state is self.state:
             return
         previous, self.state = self.state, state
         if previous is S.PAUSED:
             self._end_pause(cast(float, now))  # required out of PAUSED (above)
-        elif state is S.PAUSED:
+        if previous is not None:
+            for name, value in OWNED_FIELDS.get(previous, {}).items():
+                setattr(self, name, value)
+        if state is S.PAUSED:
             self._paused_since = now
-        if state is S.STOPPING:
+        elif state is S.STOPPING:
             self._stopping_from_training = previous is S.TRAINING
         self._out.append(StateChanged(state, previous))
 

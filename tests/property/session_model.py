@@ -164,6 +164,8 @@ class SessionModel:
     def goto(self, state: str) -> None:
         if state != self.state:
             self.out.append(("state", state, self.state))
+            if self.state == WAITING:
+                self.wait_began = None                    # W9: leaving WAITING ends the wait
             if state == STOPPING:
                 self.stopping_from = self.state
             self.state = state

@@ -449,6 +449,24 @@ def test_w9_resync_not_while_paused_nor_while_the_coordinator_is_silent():
     assert all("Leave" not in sent(s.tick(t)) for t in range(41, 120))   # silent: an outage, not a lost Result
 
 
+def test_w9_a_wait_left_for_training_starts_its_clock_again():
+    """Leaving WAITING ends the wait: here a retry submitted with overlap (W8, W15) trains on, and
+    the wait at the end of its window is timed from its own first tick, not the earlier wait's."""
+    s = joined(H=2, layout=TWO, T=1)
+    s.step_done(0.0)                                 # fragment 0 submitted at step 1 (merged at 2) ...
+    s.step_done(0.0)                                 # ... fragment 1 at step 2, fragment 0's window ended
+    assert s.state is S.WAITING and s.waiting == {0: 0, 1: 0}
+    assert _wait_answered(s, 1.0, 2.0) is None       # the wait's clock starts at t=1
+    s.on_message(err("held_limit", "Submit"), 2.0)   # fragment 0's Submit: sent again an interval later
+    s.on_message(reply(), 3.0)
+    assert s.state is S.TRAINING and s.merge_at == {0: 3, 1: 3}
+    assert _wait_answered(s, 4.0, 29.0) is None      # a slow inner step: no resync while training
+    s.step_done(30.0)                                # both windows end: a new wait
+    assert s.state is S.WAITING
+    assert _wait_answered(s, 31.0, 46.0) is None     # 16 intervals from its first tick (t=31) ...
+    assert _wait_answered(s, 47.0, 47.0) == 47.0     # ... not from t=1
+
+
 # --------------------------------------------------------------------------- W10
 
 
