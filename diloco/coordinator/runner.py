@@ -5,8 +5,10 @@ message (or time out), read the clock, let the coordinator handle it, persist
 (with a checkpoint directory: when the step applied a round, or the run just
 stopped with save-and-stop; then the audit log's lines of the step), *then*
 send (SPEC.md section 5).
-After the run stops it lingers for a few heartbeat intervals so that every
-worker hears the stop from a heartbeat reply, then returns.
+After the run stops it stays until every connected worker has heard the stop (a
+Result, a heartbeat reply or a refusal that says so; ``stop_notice.py``) -- at once
+when none is connected -- and at most a few heartbeat intervals (a worker that went
+silent is not waited for longer), then returns.
 """
 
 from __future__ import annotations
@@ -25,6 +27,11 @@ from diloco.coordinator.service import Coordinator
 from diloco.wire.endpoints import CoordinatorEndpoint
 
 log = logging.getLogger("diloco.coordinator")
+
+#: Once every worker has been told of the stop, the loop runs this long more before it returns: the
+#: last replies leave the transport's queue (its socket closes with linger 0) and a late heartbeat
+#: still gets its answer.
+FLUSH_S = 0.25
 
 #: A gap longer than this between two turns of the loop means the process did not run (stopped,
 #: starved): ``RunningClock`` leaves it out of the coordinator's time.
@@ -95,6 +102,7 @@ def _loop(endpoint: CoordinatorEndpoint, coordinator: Coordinator, durability: D
         linger_s = 3 * coordinator.config.heartbeat_interval_s
     saved = False
     stopped_at: float | None = None
+    told_at: float | None = None
     # What happened before the loop (a resume, a --min-workers given at start) is on disk already
     # or was never to be: only the loop's own steps are made durable.
     coordinator.take_durable_change()
@@ -140,10 +148,14 @@ def _loop(endpoint: CoordinatorEndpoint, coordinator: Coordinator, durability: D
         if audit is not None:
             audit.flush()
         _forget_retired_groups(coordinator)
+        coordinator.stop_notice.sent(out)
         for peer, message in out:
             endpoint.send(peer, message)
-        if stopped_at is not None and now - stopped_at >= linger_s:
-            break
+        if stopped_at is not None:
+            if told_at is None and coordinator.stop_notice.everyone_told:
+                told_at = now
+            if now - stopped_at >= linger_s or (told_at is not None and now - told_at >= FLUSH_S):
+                break
     return coordinator
 
 

@@ -38,6 +38,7 @@ from diloco.coordinator.outliers import OutlierGuard
 from diloco.coordinator.params import ParamStore
 from diloco.coordinator.plane import DataPlaneRounds, Outgoing
 from diloco.coordinator.stats import CoordinatorStats
+from diloco.coordinator.stop_notice import StopNotice
 from diloco.coordinator.units import NO_UNIT, UnitLedger
 from diloco.core import (
     AbortReduce,
@@ -139,6 +140,8 @@ class Coordinator:
         self.trace_inputs = False
         #: The bound on contributions far out of line with the recent ones (``outliers.py``).
         self.outliers = OutlierGuard(config.fsm.num_fragments, config.outlier_factor)
+        #: Who has heard that the run stopped (the runner lets go once all have; ``stop_notice.py``).
+        self.stop_notice = StopNotice()
         #: The reason the run stopped on its own, for the log and ``diloco status``.
         self.stop_reason: str | None = None
         #: Steps made durable so far (``persist.py``); a checkpoint holds the steps up to it.
@@ -325,6 +328,7 @@ class Coordinator:
         for wid, p in list(self._peers.items()):
             if p == peer and not self.stopped and self.fsm.is_member(wid):
                 self.step(WorkerLeft(wid, LeaveCause.CRASHED), out)
+        self.stop_notice.gone(peer)
         return out
 
     def peer_arriving(self, peer: str, now_s: float) -> Outgoing:
@@ -452,7 +456,9 @@ class Coordinator:
         if isinstance(msg, Heartbeat):
             command = Command.SAVE_AND_STOP if self._stop_kind is ShutdownKind.SAVE_AND_STOP else Command.STOP
             out.append((peer, self.heartbeat_reply(command, phase=Phase.STOPPED)))
-        elif not isinstance(msg, Leave):
+        elif isinstance(msg, Leave):
+            self.stop_notice.gone(peer)
+        else:
             self.refuse(peer, out, ErrorCode.STOPPED,
                          f"the run has stopped ({self._stop_kind.value}); nothing more is accepted", msg)
 
@@ -518,6 +524,7 @@ class Coordinator:
                 self.plane.abort(effect, out, now)
             elif kind is StopRun:
                 self._stop_kind = effect.kind
+                self.stop_notice.stopped(self._peers)
                 self._quorum_changed(None, now)
                 self.notify("stop", now, kind=effect.kind.value)
         if type(event) is WorkerLeft:
