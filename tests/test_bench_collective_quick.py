@@ -32,10 +32,15 @@ def test_bench_transport_collective_quick_commits_rounds_across_processes_and_br
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     m = re.fullmatch(r"RESULT bench_transport_collective params=200000 collective_s=([\d.]+) gloo_s=([\d.]+) "
-                     r"hub_s=nan ratio_vs_gloo=([\d.]+) hub_ratio_vs_gloo=nan collective_vs_hub=nan", lines[-1])
+                     r"hub_s=nan floor_s=([\d.]+) ratio_vs_gloo=([\d.]+) ratio_vs_floor=([\d.]+) "
+                     r"hub_ratio_vs_gloo=nan collective_vs_hub=nan", lines[-1])
     assert m, lines[-1]
-    collective, gloo, ratio = (float(x) for x in m.groups())
-    assert collective > 0 and gloo > 0
+    collective, gloo, floor, ratio, ratio_floor = (float(x) for x in m.groups())
+    assert collective > 0 and gloo > 0 and floor > 0
+    # At 200k the times are noise; what is checked is that the ratio is the two printed times' own.
+    assert abs(ratio_floor - collective / floor) <= 0.01 + 0.0005 * (1 / floor + collective / floor ** 2)
+    assert "torchft: skipped" in proc.stdout
+    assert "the collective round against its floor" in proc.stdout
     # The ratio is computed before the times are rounded to 3 decimals and is itself
     # rounded to 2: at sub-0.1 s times that rounding alone moves it by a few hundredths.
     low = (collective - 0.0005) / (gloo + 0.0005) - 0.005
