@@ -43,7 +43,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_transport import _tune, free_port, make_params, parse_count, shapes_for  # noqa: E402
+from bench_transport import (  # noqa: E402
+    _tune,
+    collective_coordinator,
+    diloco_coordinator,
+    free_port,
+    make_params,
+    parse_count,
+    shapes_for,
+)
 
 N_MEMBERS = 3
 MIN_WORKERS = 2
@@ -53,33 +61,12 @@ COPY_FRAME_BYTES = 4 << 20
 
 
 def coordinator(plane: str, addr_q, stop_ev, timeout_s: float) -> None:
-    """``diloco server`` in miniature: a ``Coordinator`` served over ZeroMQ (and the store, collective)."""
-    _tune()
-    import torch
-    torch.set_num_threads(1)
-    from diloco.coordinator import Coordinator, CoordinatorConfig
-    from diloco.coordinator.runner import serve
-    from diloco.core import FSMConfig
-    from diloco.deploy.server import warm_up
-    from diloco.wire.zmq import ZmqCoordinatorEndpoint
-
-    fsm = FSMConfig(min_workers=MIN_WORKERS, heartbeat_timeout_s=3600.0, data_plane=plane,
-                    reduce_timeout_s=4 * timeout_s)
-    config = CoordinatorConfig(fsm=fsm, collective_timeout_s=timeout_s)
-    warm_up(config)
-    c = Coordinator(config, time.monotonic())
-    store = None
+    """``diloco server`` in miniature, as bench_transport runs it, with ``min_workers`` = ``MIN_WORKERS``."""
     if plane == "collective":
-        from diloco.collective.store import StoreHost
-        store = StoreHost("127.0.0.1")
-        c.collective.store_port = store.port
-        c.collective_store = store
-    endpoint = ZmqCoordinatorEndpoint("tcp://127.0.0.1:0")
-    addr_q.put(endpoint.address)
-    try:
-        serve(endpoint, c, stop_event=stop_ev, tick_interval_s=0.05)
-    finally:
-        endpoint.close()
+        collective_coordinator(addr_q, stop_ev, MIN_WORKERS, timeout_s)
+    else:
+        from diloco.wire.codec import CHUNK_BYTES
+        diloco_coordinator(addr_q, stop_ev, MIN_WORKERS, CHUNK_BYTES)
 
 
 def member(wid: str, plane: str, addr: str, shapes, step_s: float, marks, stop_ev, first: bool) -> None:
