@@ -1,6 +1,6 @@
 """bench_recovery: how long a run takes to get a replacement contributing after a member is killed.
 
-A coordinator process and 3 member processes on loopback (``--params``: 10M and 100M fp32 by default;
+A coordinator process and 4 member processes on loopback (``--params``: 10M and 100M fp32 by default;
 ``--plane``: the hub, the collective plane, or both), ``min_workers`` 2, sync rounds, each member
 "training" ``--step-s`` seconds between its contributions. After a few rounds one member gets
 ``kill -9``; the driver starts a replacement process at once (a new worker id, spec-only Join, as a
@@ -11,23 +11,26 @@ fresh ``diloco worker`` joins) and times, from the moment it started the process
 * **joined**: it sends its ``Join`` (torch imported, its model and optimizer built);
 * **welcome**: its ``Welcome`` arrived whole at its transport (hub: with the run's params in it;
   collective: without them, naming a member to heal from);
-* **params**: it holds the run's params (hub: the Welcome; collective: the heal from one source is
-  done and the endpoint hands the Welcome to the session);
+* **params**: it holds the run's params (hub: the Welcome; collective: the heal is done and the
+  endpoint hands the Welcome to the session);
 * **contributing**: its first contribution is in a committed round (the ``Result`` of its first
   ``Submit`` says ``applied``).
 
 Beside it, in the same run: **copy**, the time one copy of the model takes between two processes on
 the same link (a raw pyzmq PUSH/PULL of the params' bytes, as 4 MB frames). ``fetch_vs_copy`` holds
 the time from the Join to holding the params (the coordinator's answer and the params' transfer:
-the Welcome on the hub, the heal on the collective plane) against it. Goal: at most 1.5. The
-collective heal comes from one source (several at once is not built yet).
+the Welcome on the hub, the heal on the collective plane) against it. Goal: at most 1.5.
 
-Last line per plane and size::
+The collective plane runs once per ``--heal-sources`` K (default 1,2,3; the three live members are
+enough for three): the joiner heals from K members at once, each sending a part. ``heal_s`` is the
+heal itself: from the Welcome's arrival to holding the params.
 
-    RESULT bench_recovery plane=P params=N started_s=X joined_s=X welcome_s=X params_s=X contributing_s=X
-        copy_s=X fetch_vs_copy=R
+Last line per plane, size (and K)::
 
-``--quick``: 1M params, both planes (the CI variant, tests/test_bench_recovery_quick.py).
+    RESULT bench_recovery plane=P params=N [heal_sources=K] started_s=X joined_s=X welcome_s=X params_s=X
+        contributing_s=X heal_s=X copy_s=X fetch_vs_copy=R
+
+``--quick``: 1M params, both planes, three heal sources (the CI variant, tests/test_bench_recovery_quick.py).
 ``BENCH_RECOVERY_DEBUG=1`` in the environment: each member prints its rounds' outcomes to stderr.
 """
 
@@ -53,17 +56,17 @@ from bench_transport import (  # noqa: E402
     shapes_for,
 )
 
-N_MEMBERS = 3
+N_MEMBERS = 4
 MIN_WORKERS = 2
 #: Rounds every member contributes to before one is killed (the run is in its stride).
 ROUNDS_BEFORE_KILL = 3
 COPY_FRAME_BYTES = 4 << 20
 
 
-def coordinator(plane: str, addr_q, stop_ev, timeout_s: float) -> None:
+def coordinator(plane: str, addr_q, stop_ev, timeout_s: float, heal_sources: int) -> None:
     """``diloco server`` in miniature, as bench_transport runs it, with ``min_workers`` = ``MIN_WORKERS``."""
     if plane == "collective":
-        collective_coordinator(addr_q, stop_ev, MIN_WORKERS, timeout_s)
+        collective_coordinator(addr_q, stop_ev, MIN_WORKERS, timeout_s, heal_sources)
     else:
         from diloco.wire.codec import CHUNK_BYTES
         diloco_coordinator(addr_q, stop_ev, MIN_WORKERS, CHUNK_BYTES)
@@ -178,10 +181,12 @@ def copy_time(ctx, nbytes: int) -> float:
     return marks["copy"] - marks["sent0"]
 
 
-def run_once(ctx, plane: str, n_params: int, step_s: float, timeout_s: float) -> dict[str, float]:
+def run_once(ctx, plane: str, n_params: int, step_s: float, timeout_s: float,
+             heal_sources: int = 1) -> dict[str, float]:
     shapes = shapes_for(n_params)
     addr_q, stop_ev = ctx.Queue(), ctx.Event()
-    coord = ctx.Process(target=coordinator, args=(plane, addr_q, stop_ev, timeout_s), name="coordinator")
+    coord = ctx.Process(target=coordinator, args=(plane, addr_q, stop_ev, timeout_s, heal_sources),
+                        name="coordinator")
     coord.start()
     procs = [coord]
     try:
@@ -251,10 +256,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plane", choices=("hub", "collective", "both"), default="both")
     ap.add_argument("--step-s", type=float, default=0.5, help="seconds a member trains between contributions")
     ap.add_argument("--collective-timeout", type=float, default=60.0)
+    ap.add_argument("--heal-sources", default=None,
+                    help=f"comma list: the collective plane runs once per K, its joiner healing from K members "
+                         f"at once (1 to {N_MEMBERS - 1}: the live members; default 1,2,3; --quick 3)")
     ap.add_argument("--quick", action="store_true", help="1M params: the CI variant")
     args = ap.parse_args(argv)
     sizes = [parse_count(x) for x in (args.params or ("1M" if args.quick else "10M,100M")).split(",")]
     planes = ["hub", "collective"] if args.plane == "both" else [args.plane]
+    try:
+        ks = [int(k) for k in (args.heal_sources or ("3" if args.quick else "1,2,3")).split(",")]
+    except ValueError:
+        ap.error(f"--heal-sources {args.heal_sources!r}: a comma list of integers")
+    if not all(1 <= k < N_MEMBERS for k in ks):
+        ap.error(f"--heal-sources {args.heal_sources}: each from 1 to {N_MEMBERS - 1} (the live members)")
     ctx = mp.get_context("spawn")
     print(f"bench_recovery: {N_MEMBERS} members (min_workers {MIN_WORKERS}) on loopback, one killed with kill -9 "
           f"after {ROUNDS_BEFORE_KILL} rounds and replaced at once; planes {', '.join(planes)}; sizes "
@@ -263,15 +277,18 @@ def main(argv: list[str] | None = None) -> int:
     for n_params in sizes:
         copy_s = copy_time(ctx, n_params * 4)
         print(f"  {n_params:>11,} raw copy of the params on loopback: {copy_s * 1000:.0f} ms", flush=True)
-        for plane in planes:
-            t = run_once(ctx, plane, n_params, args.step_s, args.collective_timeout)
-            fetch = t["params"] - t["joined"]
-            print(f"  {n_params:>11,} {plane:10} started {t['started']:6.2f} s  joined {t['joined']:6.2f} s  "
+        for plane, k in [(p, k) for p in planes for k in (ks if p == "collective" else [0])]:
+            t = run_once(ctx, plane, n_params, args.step_s, args.collective_timeout, k or 1)
+            fetch, heal = t["params"] - t["joined"], t["params"] - t["welcome"]
+            label = f"{plane} ({k} source{'s' if k > 1 else ''})" if k else plane
+            print(f"  {n_params:>11,} {label:22} started {t['started']:6.2f} s  joined {t['joined']:6.2f} s  "
                   f"welcome {t['welcome']:6.2f} s  params {t['params']:6.2f} s  contributing {t['applied1']:6.2f} s  "
-                  f"(join to params {fetch * 1000:.0f} ms, {fetch / copy_s:.2f}x the copy)", flush=True)
-            results.append(f"RESULT bench_recovery plane={plane} params={n_params} started_s={t['started']:.3f} "
+                  f"(heal {heal * 1000:.0f} ms; join to params {fetch * 1000:.0f} ms, {fetch / copy_s:.2f}x the copy)",
+                  flush=True)
+            results.append(f"RESULT bench_recovery plane={plane} params={n_params}"
+                           f"{f' heal_sources={k}' if k else ''} started_s={t['started']:.3f} "
                            f"joined_s={t['joined']:.3f} welcome_s={t['welcome']:.3f} params_s={t['params']:.3f} "
-                           f"contributing_s={t['applied1']:.3f} copy_s={copy_s:.3f} "
+                           f"contributing_s={t['applied1']:.3f} heal_s={heal:.3f} copy_s={copy_s:.3f} "
                            f"fetch_vs_copy={fetch / copy_s:.2f}")
     print("\n".join(results))
     return 0

@@ -598,7 +598,7 @@ def floor_worker(rank: int, world: int, port: int, shapes, rounds: int, barrier,
 # ------------------------------------------------------------------ collective plane
 
 
-def collective_coordinator(addr_q, stop_ev, n_workers: int, timeout_s: float) -> None:
+def collective_coordinator(addr_q, stop_ev, n_workers: int, timeout_s: float, heal_sources: int = 1) -> None:
     """``diloco server --data-plane collective`` in miniature: the store, ``serve``, a real ``Coordinator``."""
     _tune()
     import torch
@@ -612,7 +612,7 @@ def collective_coordinator(addr_q, stop_ev, n_workers: int, timeout_s: float) ->
 
     config = CoordinatorConfig(fsm=FSMConfig(min_workers=n_workers, heartbeat_timeout_s=3600.0,
                                              data_plane="collective", reduce_timeout_s=4 * timeout_s),
-                               collective_timeout_s=timeout_s)
+                               collective_timeout_s=timeout_s, heal_sources=heal_sources)
     warm_up(config)
     coordinator = Coordinator(config, time.monotonic())
     store = StoreHost("127.0.0.1")  # as diloco/deploy/server.py's _start_store

@@ -94,6 +94,7 @@ def make_coordinator(
     collective_timeout_s: float = 0.0,
     outlier_factor: float = 10.0,
     max_failed_attempts: int | None = None,
+    heal_sources: int = 1,
     **fsm: Any,
 ) -> Coordinator:
     """``Coordinator(CoordinatorConfig(FSMConfig(**fsm), outer=..., max_update_norm=..., wire_dtype=...), now_s,
@@ -101,7 +102,7 @@ def make_coordinator(
 
     ``outer=None`` is the default outer optimizer (Nesterov, lr 0.7, momentum 0.8);
     ``outlier_factor`` the default bound on contributions out of line (0: off);
-    ``max_failed_attempts`` None the default (collective plane).
+    ``max_failed_attempts`` None the default, ``heal_sources`` one (collective plane).
     """
     from diloco.coordinator import Coordinator, CoordinatorConfig, OuterConfig
     from diloco.core import FSMConfig
@@ -109,7 +110,8 @@ def make_coordinator(
     extra = {} if max_failed_attempts is None else {"max_failed_attempts": max_failed_attempts}
     config = CoordinatorConfig(FSMConfig(**fsm), outer=outer if outer is not None else OuterConfig(),
                                max_update_norm=max_update_norm, wire_dtype=wire_dtype,
-                               collective_timeout_s=collective_timeout_s, outlier_factor=outlier_factor, **extra)
+                               collective_timeout_s=collective_timeout_s, outlier_factor=outlier_factor,
+                               heal_sources=heal_sources, **extra)
     return Coordinator(config, now_s, observer=observer)
 
 

@@ -323,8 +323,12 @@ class CollectiveEndpoint:
         welcome = job.welcome
         if self.replica is not None:
             self.replica.rollback_all()  # the healed state replaces whatever this member proposed
+        prefixes = [welcome.heal_prefix, *welcome.more_heal_prefixes]
+        if len(welcome.more_heal_prefixes) != len(welcome.more_heal_sources):
+            return HealFailed(f"the Welcome names {len(welcome.more_heal_sources)} more heal sources but "
+                              f"{len(welcome.more_heal_prefixes)} prefixes for them")
         try:
-            round_ids, params, states = heal.recv_state(self._group_cache().store, welcome.heal_prefix,
+            round_ids, params, states = heal.recv_state(self._group_cache().store, prefixes,
                                                         self._group_cache().interface,
                                                         HEAL_TIMEOUTS * self._timeout_s, self._stop_for(job),
                                                         rendezvous_s=self._timeout_s)
@@ -340,12 +344,12 @@ class CollectiveEndpoint:
         # applied in place until the next Welcome settles it (C6: a heal sends what was committed).
         round_ids, params, states = replica.committed_state()
         try:
-            heal.send_state(self._group_cache().store, job.order.prefix, self._group_cache().interface,
-                            HEAL_TIMEOUTS * self._timeout_s, round_ids, params, states, self._stop_for(job),
-                            rendezvous_s=self._timeout_s)
+            sent = heal.send_state(self._group_cache().store, job.order.prefix, self._group_cache().interface,
+                                   HEAL_TIMEOUTS * self._timeout_s, round_ids, params, states, self._stop_for(job),
+                                   rendezvous_s=self._timeout_s)
         except CollectiveError as exc:
             return HealServed(False, str(exc))
-        self._job_stats["bytes_sent"] += compression.tensor_nbytes(replica.params) * 2  # params and momentum
+        self._job_stats["bytes_sent"] += sent  # its part of the params and momentum (and any share asked)
         return HealServed(True)
 
     # ------------------------------------------------------------------ helpers
@@ -360,7 +364,7 @@ class CollectiveEndpoint:
             if isinstance(job, ServeHealJob):
                 what += f" to {job.order.joiner}"
             elif isinstance(job, HealJob):
-                what += f" from {job.welcome.heal_source}"
+                what += f" from {', '.join([job.welcome.heal_source, *job.welcome.more_heal_sources])}"
             detail = getattr(done, "detail", "")
             log.warning("worker %s: %s %s after %.1f s%s", self.worker_id, what, "failed" if failed else "ended",
                         seconds, f": {detail[:300]}" if detail else "")

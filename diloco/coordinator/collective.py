@@ -23,7 +23,7 @@ from diloco.wire.messages import REPLICATED_LAYOUT, ErrorCode, Join, TensorSpec
 
 
 class CollectivePlane:
-    def __init__(self, num_fragments: int, secret: str | None = None) -> None:
+    def __init__(self, num_fragments: int, secret: str | None = None, heal_sources: int = 1) -> None:
         #: Random per run; workers learn prefixes only from Welcomes and orders (SPEC.md C7).
         self.secret = secret or secrets.token_hex(16)
         #: New in every coordinator process, kept out of checkpoints: a resumed run's counters
@@ -39,8 +39,11 @@ class CollectivePlane:
         self._epoch = 0
         self._group: tuple[str, ...] | None = None
         self._heals = 0
-        #: joiner -> (prefix, source) of its heal, retired once it is ready for a round or gone.
-        self._healing: dict[str, tuple[str, str]] = {}
+        #: At most this many members serve one heal, each a part (``--heal-sources``; one when the
+        #: members are sharded: their heals go rank by rank).
+        self.heal_sources = heal_sources
+        #: joiner -> the (prefix, source) pairs of its heal, retired once it is ready for a round or gone.
+        self._healing: dict[str, list[tuple[str, str]]] = {}
         #: (source, joiner) of heals whose joiner left or re-joined elsewhere before it was ready:
         #: the service tells each source to stop serving it (a withdrawn ``HealOrder``, M12).
         self.withdrawn: collections.deque[tuple[str, str]] = collections.deque(maxlen=1024)
@@ -129,11 +132,12 @@ class CollectivePlane:
         committed = [(f, r, d) for f, (r, d) in enumerate(self.last_commit) if r >= 0]
         return bool(committed) and all(held_rounds[f] == r + 1 and held_digests[f] == d for f, r, d in committed)
 
-    def heal_source_for(self, joiner: str, held_rounds: tuple[int, ...] = (),
-                        held_digests: tuple[str, ...] = ()) -> tuple[str | None, str]:
-        """(source, prefix) for a joiner that holds the state of ``held_rounds`` (() for initial
-        params or nothing); (None, "") when nobody holds the state: the joiner starts the run from
-        its own (after a reseed, its state is the newer one)."""
+    def heal_sources_for(self, joiner: str, held_rounds: tuple[int, ...] = (),
+                         held_digests: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+        """The (source, prefix) pairs a joiner that holds the state of ``held_rounds`` (() for
+        initial params or nothing) heals from: up to ``heal_sources`` holders, taken round robin,
+        source ``i`` sending part ``i``; [] when nobody holds the state: the joiner starts the run
+        from its own (after a reseed, its state is the newer one)."""
         self._welcomed.add(joiner)
         holders = [w for w in self._holders if w != joiner]
         if not holders:
@@ -141,15 +145,17 @@ class CollectivePlane:
             self._start_rounds = tuple(held_rounds)
             self._start_current = self.is_current(held_rounds, held_digests)
             self._committed_since_start = False
-            return None, ""
-        source = holders[self._next_source % len(holders)]
+            return []
+        count = min(len(holders), self.heal_sources if self.layout is None else 1)
+        sources = [holders[(self._next_source + k) % len(holders)] for k in range(count)]
         self._next_source += 1
         self._heals += 1
         self.stats["heals"] += 1
-        prefix = self._prefix(f"heal{self._heals}")
+        pairs = [(source, self._prefix(f"heal{self._heals}" + (f"p{k}" if k else "")))
+                 for k, source in enumerate(sources)]
         self._retire_heal(joiner, withdraw=True)
-        self._healing[joiner] = (prefix, source)
-        return source, prefix
+        self._healing[joiner] = [(prefix, source) for source, prefix in pairs]
+        return pairs
 
     def _prefix(self, name: str) -> str:
         """A store prefix of this run and coordinator process (C7)."""
@@ -172,9 +178,7 @@ class CollectivePlane:
         self._retire_heal(worker_id, withdraw=True)
 
     def _retire_heal(self, worker_id: str, withdraw: bool) -> None:
-        heal = self._healing.pop(worker_id, None)
-        if heal is not None:
-            prefix, source = heal
+        for prefix, source in self._healing.pop(worker_id, ()):
             self.retired.append((prefix, 2))
             if withdraw and source in self._holders:
                 # M12: a source serves one heal at a time, blocking its reduces meanwhile; left to

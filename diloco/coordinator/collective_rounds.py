@@ -60,7 +60,7 @@ class CollectiveRounds:
         self.host = host
         config = host.config
         #: Who holds the committed state, group prefixes, heals, the last commits.
-        self.collective = CollectivePlane(config.fsm.num_fragments)
+        self.collective = CollectivePlane(config.fsm.num_fragments, heal_sources=config.heal_sources)
         #: Declared norms against the outlier bounds, blame, evictions, failures in a row (``blame.py``).
         self.checks = ContributionChecks(host.outliers, config.max_update_norm, config.max_failed_attempts)
         #: Why the run stops at the end of the current step (a round that cannot commit), if it must.
@@ -109,18 +109,20 @@ class CollectiveRounds:
     def welcome(self, worker_id: str, join: Join, out: Outgoing) -> WelcomeParts:
         """C6: no params; the joiner heals from a member that holds the committed state, or starts the run."""
         host, plane, config = self.host, self.collective, self.host.config
-        source, prefix = plane.heal_source_for(worker_id, *held_state(join))
-        self._withdraw_heals(out)  # an older heal of this joiner's: before the new order (M12)
-        if source is not None:
+        pairs = plane.heal_sources_for(worker_id, *held_state(join))
+        self._withdraw_heals(out)  # an older heal of this joiner's: before the new orders (M12)
+        for source, prefix in pairs:
             source_peer = host.peer_of(source)
             assert source_peer is not None  # a heal source is a live member
             out.append((source_peer, HealOrder(worker_id, prefix)))
+        (source, prefix), more = (pairs[0] if pairs else ("", "")), pairs[1:]
         return WelcomeParts(dict(
             fragments=plane.fragments, params={}, data_plane=DataPlane.COLLECTIVE.value,
-            store_port=plane.store_port, heal_source=source or "", heal_prefix=prefix,
+            store_port=plane.store_port, heal_source=source, heal_prefix=prefix,
+            more_heal_sources=tuple(s for s, _ in more), more_heal_prefixes=tuple(p for _, p in more),
             outer=config.outer.to_dict(), collective_timeout_s=config.collective_timeout_s,
             committed=tuple(plane.last_commit), layout=plane.layout,
-        ), note={"heal_source": source or ""})
+        ), note={"heal_source": source, "heal_sources": [s for s, _ in pairs]})
 
     def _withdraw_heals(self, out: Outgoing) -> None:
         """M12: tell each source whose joiner left or re-joined that the heal it serves is off (an

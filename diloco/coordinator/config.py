@@ -15,6 +15,8 @@ from diloco.outer import OuterConfig
 
 #: ``CoordinatorConfig.merge`` values (``diloco server --merge``).
 MERGES = ("auto", "uniform", "tokens")
+#: Most members one heal may draw on at once (``heal_sources``).
+MAX_HEAL_SOURCES = 8
 from diloco.wire.messages import MAX_SYNC_EVERY, WIRE_DTYPE_NAMES
 
 
@@ -54,6 +56,9 @@ class CoordinatorConfig:
     #: ``--data-units N``: hand out the data as N work units per epoch, each finished exactly once
     #: (``units.py``; SPEC.md section 12, "Data work units"); 0: off. The hub, one fragment.
     data_units: int = 0
+    #: Collective plane: a joiner copies the run's state from up to this many members at once, each
+    #: sending a part (``--heal-sources``; SPEC.md C6, "Heals from several sources").
+    heal_sources: int = 1
     #: Collective plane: failed attempts in a row of one round by one group after which the run stops
     #: with a checkpoint instead of retrying forever (``blame.py``; ``--max-failed-attempts``).
     max_failed_attempts: int = DEFAULT_MAX_FAILED_ATTEMPTS
@@ -92,6 +97,9 @@ class CoordinatorConfig:
         n = self.max_failed_attempts
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 1_000_000:
             raise ConfigError("max_failed_attempts", n, "an integer from 1 to 1,000,000")
+        k = self.heal_sources
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_HEAL_SOURCES:
+            raise ConfigError("heal_sources", k, f"an integer from 1 to {MAX_HEAL_SOURCES}")
         if self.merge not in MERGES:
             raise ConfigError("merge", self.merge, f"one of {list(MERGES)}")
         if self.merge == "tokens" and self.fsm.data_plane is DataPlane.COLLECTIVE:
@@ -132,7 +140,7 @@ class CoordinatorConfig:
                 "outlier_factor": self.outlier_factor, "wire_dtype": self.wire_dtype, "dylu": self.dylu, "sync_every": self.sync_every,
                 "collective_timeout_s": self.collective_timeout_s, "merge": self.merge,
                 "token_budget": self.token_budget, "data_units": self.data_units,
-                "max_failed_attempts": self.max_failed_attempts}
+                "max_failed_attempts": self.max_failed_attempts, "heal_sources": self.heal_sources}
 
     @property
     def token_weighted(self) -> bool:
@@ -151,4 +159,5 @@ class CoordinatorConfig:
                    sync_every=d.get("sync_every"), collective_timeout_s=d.get("collective_timeout_s", 0.0),
                    merge=d.get("merge", "uniform"), token_budget=d.get("token_budget"),
                    data_units=d.get("data_units", 0),
-                   max_failed_attempts=d.get("max_failed_attempts", DEFAULT_MAX_FAILED_ATTEMPTS))
+                   max_failed_attempts=d.get("max_failed_attempts", DEFAULT_MAX_FAILED_ATTEMPTS),
+                   heal_sources=d.get("heal_sources", 1))

@@ -18,7 +18,7 @@ import sys
 import time
 
 from diloco.argtypes import flag_value
-from diloco.deploy.options import DEFAULT_WIRE_DTYPE, WIRE_DTYPES, client_auth
+from diloco.deploy.options import DEFAULT_HEAL_SOURCES, DEFAULT_WIRE_DTYPE, WIRE_DTYPES, client_auth
 from diloco.exits import EXIT_AUTH_REFUSED, EXIT_OK, EXIT_PROBLEM, EXIT_UNREACHABLE, UsageError
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
@@ -228,6 +228,10 @@ def register(subparsers) -> None:
                         "worker (default: a third of the heartbeat timeout); must be below the heartbeat "
                         "timeout. An attempt whose members have not all reported within 4x this aborts and is "
                         "retried by the survivors")
+    p.add_argument("--heal-sources", type=int, default=None, metavar="K",
+                   help=f"collective plane: a joiner copies the run's state from up to K members at once, each "
+                        f"sending a part (default {DEFAULT_HEAL_SOURCES}; 1 to 8; fewer when fewer hold it; one for "
+                        f"sharded members). A source that dies mid-heal has its part sent by the others")
     p.add_argument("--trusted-data-network", action="store_true",
                    help="collective plane: allow a non-loopback --bind. gloo traffic and the rendezvous store "
                         "are neither authenticated nor encrypted (--auth covers only the control plane): say "
@@ -453,7 +457,7 @@ def cmd_server(args) -> int:
         dylu=args.dylu, sync_every=args.sync_every, merge=args.merge, token_budget=args.token_budget,
         data_units=args.data_units,
         auth_dir=args.auth, io_threads=args.io_threads, http=args.http, log_dir=args.log_dir,
-        data_plane=args.data_plane, collective_timeout_s=args.collective_timeout,
+        data_plane=args.data_plane, collective_timeout_s=args.collective_timeout, heal_sources=args.heal_sources,
         trusted_data_network=args.trusted_data_network,
     )
     if args.http is not None and args.auth is None and not args.insecure and not _is_loopback_bind(f"tcp://{args.http}"):

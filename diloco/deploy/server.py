@@ -28,7 +28,7 @@ from diloco.coordinator.checkpoint import DEFAULT_KEEP, find_newest, list_checkp
 from diloco.coordinator.runner import serve
 from diloco.deploy.events import EventPrinter
 from diloco.core import ConfigError, Mode
-from diloco.deploy.options import DEFAULT_WIRE_DTYPE
+from diloco.deploy.options import DEFAULT_HEAL_SOURCES, DEFAULT_WIRE_DTYPE
 from diloco.deploy.startup import startup_lines
 from diloco.ckptio import CheckpointError
 from diloco.wire.endpoints import CoordinatorEndpoint
@@ -101,12 +101,15 @@ class ServerSettings:
     #: ``--data-plane hub|collective`` (None: hub, or on resume the saved plane) and its options.
     data_plane: str | None = None
     collective_timeout_s: float | None = None
+    #: ``--heal-sources K`` (None: not given, so ``DEFAULT_HEAL_SOURCES``, or on resume the saved value).
+    heal_sources: int | None = None
     trusted_data_network: bool = False
 
 
 def build_config(s: ServerSettings, base: CoordinatorConfig | None = None) -> CoordinatorConfig:
     """Settings -> config; on resume, ``base`` is the saved config and only given settings override it."""
     wire_dtype = s.wire_dtype or (base.wire_dtype if base is not None else DEFAULT_WIRE_DTYPE)
+    heal_sources = s.heal_sources or (base.heal_sources if base is not None else DEFAULT_HEAL_SOURCES)
     base = base or CoordinatorConfig()
     fsm = base.fsm
     changes = {}
@@ -158,7 +161,7 @@ def build_config(s: ServerSettings, base: CoordinatorConfig | None = None) -> Co
                                  outlier_factor=outlier_factor, max_failed_attempts=max_failed,
                                  wire_dtype=wire_dtype, dylu=dylu, sync_every=sync_every, merge=merge,
                                  token_budget=token_budget, data_units=data_units,
-                                 collective_timeout_s=collective_timeout)
+                                 collective_timeout_s=collective_timeout, heal_sources=heal_sources)
     except (ConfigError, ValueError) as exc:
         raise ServerError(str(exc)) from None
 

@@ -305,6 +305,10 @@ class Welcome:
     unit: int | None = None
     #: Collective: the run's layout (``Join.layout`` of the members holding its state; None: not sharded).
     layout: str | None = None
+    #: Collective: the sources after ``heal_source`` and their prefixes (``--heal-sources``): the
+    #: joiner asks source i for part i of the state, all at once (SPEC.md C6, "Heals").
+    more_heal_sources: tuple[str, ...] = ()
+    more_heal_prefixes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
