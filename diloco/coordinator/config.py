@@ -12,6 +12,7 @@ from diloco.coordinator.blame import DEFAULT_MAX_FAILED_ATTEMPTS
 from diloco.coordinator.budget import check_budget
 from diloco.coordinator.units import check_units
 from diloco.outer import OuterConfig
+from diloco.wire.sparse import DEFAULT_BETA, DEFAULT_CHUNK, DEFAULT_DENSITY, SparseFormat, SparseWire
 
 #: ``CoordinatorConfig.merge`` values (``diloco server --merge``).
 MERGES = ("auto", "uniform", "tokens")
@@ -56,6 +57,12 @@ class CoordinatorConfig:
     #: ``--data-units N``: hand out the data as N work units per epoch, each finished exactly once
     #: (``units.py``; SPEC.md section 12, "Data work units"); 0: off. The hub, one fragment.
     data_units: int = 0
+    #: ``--wire-dtype sparse`` (SPEC.md section 11, "The sparse wire"): kept entries over a chunk's
+    #: size (``--sparsity``), elements a chunk (``--sparse-chunk``) and the workers' accumulator decay
+    #: (``--sparse-beta``). The outer step is the method's: plain SGD, momentum 0, ``outer.lr``.
+    sparsity: float = DEFAULT_DENSITY
+    sparse_chunk: int = DEFAULT_CHUNK
+    sparse_beta: float = DEFAULT_BETA
     #: Collective plane: a joiner copies the run's state from up to this many members at once, each
     #: sending a part (``--heal-sources``; SPEC.md C6, "Heals from several sources").
     heal_sources: int = 1
@@ -131,8 +138,37 @@ class CoordinatorConfig:
             if self.wire_dtype == "int4":
                 raise ConfigError("wire_dtype", self.wire_dtype, "fp32, bf16 or int8 on the collective plane "
                                   "(its all-gather of encoded pseudo-gradients knows no int4 yet: use the hub)")
+        if self.wire_dtype == "sparse":
+            self._check_sparse()
         if self.fsm.mode is Mode.ASYNC and self.outer.name == "nesterov":
             object.__setattr__(self, "outer", dataclasses.replace(self.outer, name="delayed_nesterov"))
+
+    def _check_sparse(self) -> None:
+        """What the sparse wire composes with (SPEC.md section 11, "The sparse wire"), refused at startup."""
+        try:
+            self.sparse_wire
+        except ValueError as exc:
+            raise ConfigError("wire_dtype", self.wire_dtype, f"valid sparse settings ({exc})") from None
+        if self.fsm.data_plane is DataPlane.COLLECTIVE:
+            raise ConfigError("wire_dtype", self.wire_dtype, "fp32, bf16 or int8 on the collective plane (its "
+                              "all-gather of sparse payloads is not built yet: use the hub for sparse)")
+        if self.fsm.mode is not Mode.SYNC:
+            raise ConfigError("wire_dtype", self.wire_dtype, "a sync run's wire (sparse rounds average every "
+                              "member's payload once; in async mode each contribution is its own outer step)")
+        if self.outer.name != "sgd" or self.outer.momentum != 0:
+            raise ConfigError("outer", f"{self.outer.name} momentum {self.outer.momentum:g}",
+                              "sgd with momentum 0 with --wire-dtype sparse: the method has no global momentum "
+                              "(each worker's accumulator takes its place; leave --outer-optimizer out)")
+        if self.token_weighted:
+            raise ConfigError("merge", self.merge, "uniform with --wire-dtype sparse (the method averages its "
+                              "payloads; --merge auto is uniform without --dylu)")
+
+    @property
+    def sparse_wire(self) -> SparseWire | None:
+        """The sparse wire's settings, as every Welcome carries them; None for another wire dtype."""
+        if self.wire_dtype != "sparse":
+            return None
+        return SparseWire(SparseFormat.of(self.sparsity, self.sparse_chunk), self.sparse_beta, self.outer.lr)
 
     def to_dict(self) -> dict:
         return {"fsm": self.fsm.to_dict(), "outer": self.outer.to_dict(),
@@ -140,7 +176,8 @@ class CoordinatorConfig:
                 "outlier_factor": self.outlier_factor, "wire_dtype": self.wire_dtype, "dylu": self.dylu, "sync_every": self.sync_every,
                 "collective_timeout_s": self.collective_timeout_s, "merge": self.merge,
                 "token_budget": self.token_budget, "data_units": self.data_units,
-                "max_failed_attempts": self.max_failed_attempts, "heal_sources": self.heal_sources}
+                "max_failed_attempts": self.max_failed_attempts, "heal_sources": self.heal_sources,
+                "sparsity": self.sparsity, "sparse_chunk": self.sparse_chunk, "sparse_beta": self.sparse_beta}
 
     @property
     def token_weighted(self) -> bool:
@@ -160,4 +197,5 @@ class CoordinatorConfig:
                    merge=d.get("merge", "uniform"), token_budget=d.get("token_budget"),
                    data_units=d.get("data_units", 0),
                    max_failed_attempts=d.get("max_failed_attempts", DEFAULT_MAX_FAILED_ATTEMPTS),
-                   heal_sources=d.get("heal_sources", 1))
+                   heal_sources=d.get("heal_sources", 1), sparsity=d.get("sparsity", DEFAULT_DENSITY),
+                   sparse_chunk=d.get("sparse_chunk", DEFAULT_CHUNK), sparse_beta=d.get("sparse_beta", DEFAULT_BETA))

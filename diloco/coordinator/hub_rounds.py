@@ -46,6 +46,7 @@ from diloco.core import (
     ReleaseWorker,
 )
 from diloco.outer import OptimizerBackup, build_outer_optimizer
+from diloco.coordinator.sparse_rounds import SparseRounds
 from diloco.wire import compression
 from diloco.wire.messages import ErrorCode, Join, ReduceReport, Result, Submit, Tensors
 
@@ -119,6 +120,9 @@ class HubRounds:
         #: (``idle``): the params moved to fresh memory (``begin_step``'s undo values) with the
         #: optimizer's state backed up, and what proves both still current.
         self._prepared: dict[int, tuple[Tensors, tuple]] = {}
+        #: ``--wire-dtype sparse``: its sums, steps and Results (``sparse_rounds.py``); None for another.
+        wire = self.config.sparse_wire
+        self._sparse = SparseRounds(wire) if wire is not None else None
 
     # ------------------------------------------------------------------ state
 
@@ -225,6 +229,9 @@ class HubRounds:
             host.step(ContributionSubmitted(msg.worker_id, fid, msg.round_id), out, peer=peer, submit=msg,
                       tensors=None)
             return
+        if self._sparse is not None:
+            self._on_sparse_submit(peer, msg, out)
+            return
         # Decoded to fp32 first (SPEC.md section 11, "Wire dtypes"); then the checks of any submission.
         tensors = self._decode_submission(peer, msg, out)
         if tensors is None:
@@ -261,6 +268,45 @@ class HubRounds:
                             tensors=tensors, norm=checked_norm if checked_norm is not None else norm,
                             owned=receive_buffers(tensors, measured))
         if norm is not None and any(type(e) is AcceptContribution for e in effects):
+            host.outliers.accepted(fid, norm)
+
+    def _on_sparse_submit(self, peer: str, msg: Submit, out: Outgoing) -> None:
+        """A sparse run's Submit: each payload checked (sizes, places, scales) and decoded to entries,
+        never to a dense tensor; the norm and outlier bounds on the entries (SPEC.md section 11)."""
+        host, fid = self.host, msg.fragment_id
+        assert self.store is not None and self._sparse is not None
+        what = f"fragment {fid} submission"
+        if msg.wire_dtype != "sparse":
+            host.refuse(peer, out, ErrorCode.BAD_MESSAGE, f"{what} is encoded as {msg.wire_dtype}; this run's wire "
+                        f"dtype is sparse (the Welcome says so: join again)", msg)
+            return
+        spec = [(s.name, s.shape) for s in self.store.fragment_spec(fid)]
+        try:
+            payloads, norm = self._sparse.decode(msg, spec, what)
+        except compression.EncodedMismatch as exc:
+            host.refuse(peer, out, ErrorCode.TENSOR_MISMATCH, str(exc), msg)
+            return
+        except compression.NonFiniteScale as exc:
+            host.refuse(peer, out, ErrorCode.NON_FINITE, str(exc), msg)
+            return
+        except compression.EncodingError as exc:
+            host.refuse(peer, out, ErrorCode.BAD_MESSAGE, str(exc), msg)
+            return
+        limit = self.config.max_update_norm
+        if limit is not None and norm > limit:
+            host.refuse(peer, out, ErrorCode.UPDATE_TOO_LARGE, f"{what}: L2 norm {norm:.6g} exceeds the "
+                        f"coordinator's --max-update-norm {limit:g}", msg)
+            return
+        if host.outliers.factor > 0:
+            why = host.outliers.check(fid, norm, self.store.fragment_params(fid))
+            if why is not None:
+                host.refuse(peer, out, ErrorCode.UPDATE_TOO_LARGE, f"{what}: {why}", msg)
+                host.notify("outlier", host.fsm.now_s, worker_id=msg.worker_id, fragment_id=fid, norm=norm,
+                            detail=why)
+                return
+        effects = host.step(ContributionSubmitted(msg.worker_id, fid, msg.round_id), out, peer=peer, submit=msg,
+                            tensors=payloads, norm=norm, owned=False)
+        if host.outliers.factor > 0 and any(type(e) is AcceptContribution for e in effects):
             host.outliers.accepted(fid, norm)
 
     def _decode_submission(self, peer: str, msg: Submit, out: Outgoing) -> Tensors | None:
@@ -304,7 +350,10 @@ class HubRounds:
         nbytes = compression.tensor_nbytes
         host.stats.bytes_received += nbytes(submit.tensors) + nbytes(submit.scales)
         fid = effect.fragment_id
-        if self._sync:
+        if self._sparse is not None:
+            self._sparse.add(fid, store.fragment_params(fid), tensors, submit)  # type: ignore[arg-type]
+            self._summed.setdefault(fid, []).append((effect.round_id, effect.worker_id))
+        elif self._sync:
             # ``closes``: this round's outer step follows, whose mean makes the addition in its own pass.
             # ``owned``: the tensors are the receiver's buffers, which nothing else reads (a journal
             # writes the Submit as it came: then they are not), so the round's sum may start in them.
@@ -328,6 +377,12 @@ class HubRounds:
         fid = effect.fragment_id
         grad_bound = None
         mean = None
+        if self._sparse is not None:
+            inputs = self._summed.pop(fid, [])
+            bad, released = self._sparse.step(fid, store.fragment_params(fid), len(inputs))
+            self._stepped(effect, bad, 0, now)
+            self._released[fid] = (effect.round_id + 1, released)
+            return {}
         if self._sync:
             # The mean is made in the outer step's own pass when it can be (``outer.step_in_blocks``).
             mean = store.open_mean(fid, len(effect.contributors))
@@ -355,14 +410,7 @@ class HubRounds:
             self.recorder.step(fid, inputs, grad)
             mean = None
         bad, delta = self.outer_step(fid, grad, grad_bound, mean)
-        if bad is not None:
-            host.stats.steps_refused += 1
-            host.notify("step_refused", now, fragment_id=fid, round_id=effect.round_id,
-                        contributors=list(effect.contributors), tensor=bad)
-        else:
-            host.budget.add(tokens, now)
-        if host.units.enabled:
-            self._units_of_step(fid, effect.round_id, effect.contributors, bad is None, now)
+        self._stepped(effect, bad, tokens, now)
         # What the Results of this apply carry (SPEC.md section 5, rule 1: they follow it),
         # shared by all its contributors: views of the params, which no later step writes
         # (each moves them to fresh memory first, ``ParamStore.begin_step``), so a Result still
@@ -378,6 +426,19 @@ class HubRounds:
             released = delta
         self._released[fid] = (effect.round_id + 1, released)
         return {}
+
+    def _stepped(self, effect: ApplyRound, bad: str | None, tokens: int, now: float) -> None:
+        """What follows an outer step, whatever made it: a refused one is told; an applied one counts its
+        tokens; units finish or go back."""
+        host, fid = self.host, effect.fragment_id
+        if bad is not None:
+            host.stats.steps_refused += 1
+            host.notify("step_refused", now, fragment_id=fid, round_id=effect.round_id,
+                        contributors=list(effect.contributors), tensor=bad)
+        else:
+            host.budget.add(tokens, now)
+        if host.units.enabled:
+            self._units_of_step(fid, effect.round_id, effect.contributors, bad is None, now)
 
     def _units_of_step(self, fid: int, round_id: int, contributors, applied: bool, now: float) -> None:
         """An outer step's contributions: their units finish when it applied; else they go back."""
@@ -401,8 +462,8 @@ class HubRounds:
         params or the optimizer's state since (``_step_key``); else it makes them itself, as a journal
         replay does. One fragment per call, so that an idle tick stays short."""
         store = self.store
-        if store is None:
-            return
+        if store is None or self._sparse is not None:
+            return  # a sparse step has no optimizer state and writes fresh memory anyway
         for fid in range(len(self._optimizers)):
             if fid in self._prepared or (blocked_step_applies(self._optimizers[fid]) and not self.delta_results):
                 continue  # a blocked step into fresh memory or in place needs nothing made ahead
@@ -505,6 +566,8 @@ class HubRounds:
 
     def discard(self, effect: DiscardContribution) -> None:
         self.host.units.not_applied(effect.fragment_id, effect.worker_id)
+        if self._sparse is not None:
+            self._sparse.discard(effect.fragment_id)
         if self._sync:
             # Discards happen only at a stop (P1), which discards the whole round.
             if self.store is not None:

@@ -127,6 +127,11 @@ class Durability:
         c = self._coordinator
         if self._io is not None or self.full_every == 1 or c is None or c.store is None or c.collective is not None:
             return
+        if c.config.wire_dtype == "sparse":
+            # The journal replays a round through the dense outer step; a sparse run writes a full
+            # checkpoint every round instead (its params alone: no outer momentum to save).
+            self.full_every = 1
+            return
         if self.full_every == AUTO:
             size = state_bytes(c)
             if size < AUTO_JOURNAL_BYTES:

@@ -109,6 +109,9 @@ class Coordinator:
                  fsm: RoundFSM | None = None, observer: Observer | None = None) -> None:
         self.config = config
         self.fsm = fsm if fsm is not None else RoundFSM(config.fsm, now_s)
+        #: What every Welcome tells of the wire dtype's settings (the sparse wire's; else nothing).
+        sparse_wire = config.sparse_wire
+        self._wire_options = sparse_wire.to_dict() if sparse_wire is not None else {}
         self._peers: dict[str, str] = {}
         #: worker id -> when its arriving bytes last counted as a heartbeat (``peer_arriving``).
         self._arriving_seen: dict[str, float] = {}
@@ -554,7 +557,7 @@ class Coordinator:
             worker_id=wid, round_ids=effect.round_ids, parked=effect.parked, mode=self.config.fsm.mode.value,
             min_workers=self.fsm.min_workers, below_min_workers=self.fsm.below_min_workers,
             heartbeat_interval_s=self.config.heartbeat_interval_s, wire_dtype=self.config.wire_dtype,
-            sync_every=self.sync_every_of(wid), **parts.fields)))
+            wire_options=self._wire_options, sync_every=self.sync_every_of(wid), **parts.fields)))
         self.stats.bytes_sent += parts.nbytes
         self.notify("join", now, worker_id=wid, parked=list(effect.parked), **parts.note)
 

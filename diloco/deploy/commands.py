@@ -169,10 +169,22 @@ def register(subparsers) -> None:
     p.add_argument("--wire-dtype", choices=WIRE_DTYPES, default=None,
                    help=f"how workers upload pseudo-gradients and the coordinator broadcasts each sync round's "
                         f"update: fp32 (4 bytes per parameter), bf16 (2), int8 (1, plus one fp32 scale per "
-                        f"256 values) or int4 (0.5, plus one fp32 scale per 64; the hub plane only; use it with "
-                        f"the workers' default error feedback); the outer step is fp32 whatever it is, and "
+                        f"256 values), int4 (0.5, plus one fp32 scale per 64; the hub plane only; use it with "
+                        f"the workers' default error feedback) or sparse (SparseLoCo: the top --sparsity of each "
+                        f"chunk of every worker's error-feedback accumulator, 2 bits a value: about 1/120 of fp32 "
+                        f"at the default; the hub plane, sync mode; its outer step is plain SGD, --outer-lr "
+                        f"default 1); the outer step is fp32 whatever it is, and "
                         f"coordinator and workers hold bit-identical params. Workers adopt it from the coordinator (default "
                         f"{DEFAULT_WIRE_DTYPE}; on --resume: the saved one)")
+    p.add_argument("--sparsity", type=_positive_float, default=None, metavar="D",
+                   help="--wire-dtype sparse: the share of each chunk sent (default 1/64 = 0.0156; 0.01 to 0.03 "
+                        "is the method's range; on --resume: the saved one)")
+    p.add_argument("--sparse-chunk", type=int, default=None, metavar="N",
+                   help="--wire-dtype sparse: elements per chunk, 2 to 8192 (default 4096): each chunk sends its "
+                        "top --sparsity entries, so every worker's payload has the same size")
+    p.add_argument("--sparse-beta", type=float, default=None, metavar="B",
+                   help="--wire-dtype sparse: each worker's accumulator decay, e <- B*e + delta before a Submit "
+                        "(0 to 1; default 0.95)")
     p.add_argument("--merge", choices=("auto", "uniform", "tokens"), default=None,
                    help="how a round's contributions merge: uniform (their mean), tokens (weighted by the tokens "
                         "each worker trained on: diloco.Worker.step(tokens=N), else its inner steps), auto "
@@ -458,6 +470,7 @@ def cmd_server(args) -> int:
         data_units=args.data_units,
         auth_dir=args.auth, io_threads=args.io_threads, http=args.http, log_dir=args.log_dir,
         data_plane=args.data_plane, collective_timeout_s=args.collective_timeout, heal_sources=args.heal_sources,
+        sparsity=args.sparsity, sparse_chunk=args.sparse_chunk, sparse_beta=args.sparse_beta,
         trusted_data_network=args.trusted_data_network,
     )
     if args.http is not None and args.auth is None and not args.insecure and not _is_loopback_bind(f"tcp://{args.http}"):

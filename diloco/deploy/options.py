@@ -16,7 +16,7 @@ DEFAULT_WIRE_DTYPE = "int8"
 DEFAULT_HEAL_SOURCES = 3
 #: The ``--wire-dtype`` choices: ``diloco.wire.messages.WIRE_DTYPE_NAMES`` (a test checks they agree),
 #: spelled out so that parsing the command line imports no torch.
-WIRE_DTYPES = ("fp32", "bf16", "int8", "int4")
+WIRE_DTYPES = ("fp32", "bf16", "int8", "int4", "sparse")
 
 
 def client_auth(args):

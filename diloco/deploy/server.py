@@ -103,6 +103,10 @@ class ServerSettings:
     collective_timeout_s: float | None = None
     #: ``--heal-sources K`` (None: not given, so ``DEFAULT_HEAL_SOURCES``, or on resume the saved value).
     heal_sources: int | None = None
+    #: ``--sparsity``, ``--sparse-chunk``, ``--sparse-beta`` (None: the defaults, or on resume the saved ones).
+    sparsity: float | None = None
+    sparse_chunk: int | None = None
+    sparse_beta: float | None = None
     trusted_data_network: bool = False
 
 
@@ -139,6 +143,13 @@ def build_config(s: ServerSettings, base: CoordinatorConfig | None = None) -> Co
         hb_interval = base.heartbeat_interval_s if s.heartbeat_timeout_s is None else 0.0
         if fsm.mode is Mode.SYNC and outer.name == "delayed_nesterov" and "name" not in outer_changes:
             outer = dataclasses.replace(outer, name="nesterov")
+        if wire_dtype == "sparse" and "name" not in outer_changes and outer.name != "sgd":
+            # SparseLoCo's outer step: theta - lr * mean(sent), no global momentum (lr 1 unless given).
+            outer = dataclasses.replace(outer, name="sgd", momentum=outer_changes.get("momentum", 0.0),
+                                        lr=outer_changes.get("lr", 1.0))
+        if wire_dtype != "sparse" and any(v is not None for v in (s.sparsity, s.sparse_chunk, s.sparse_beta)):
+            raise ServerError("--sparsity, --sparse-chunk and --sparse-beta set the sparse wire: they need "
+                              "--wire-dtype sparse")
         max_norm = base.max_update_norm if s.max_update_norm is None else (s.max_update_norm or None)
         outlier_factor = base.outlier_factor if s.outlier_factor is None else s.outlier_factor
         dylu = base.dylu if s.dylu is None else s.dylu
@@ -161,7 +172,10 @@ def build_config(s: ServerSettings, base: CoordinatorConfig | None = None) -> Co
                                  outlier_factor=outlier_factor, max_failed_attempts=max_failed,
                                  wire_dtype=wire_dtype, dylu=dylu, sync_every=sync_every, merge=merge,
                                  token_budget=token_budget, data_units=data_units,
-                                 collective_timeout_s=collective_timeout, heal_sources=heal_sources)
+                                 collective_timeout_s=collective_timeout, heal_sources=heal_sources,
+                                 sparsity=base.sparsity if s.sparsity is None else s.sparsity,
+                                 sparse_chunk=base.sparse_chunk if s.sparse_chunk is None else s.sparse_chunk,
+                                 sparse_beta=base.sparse_beta if s.sparse_beta is None else s.sparse_beta)
     except (ConfigError, ValueError) as exc:
         raise ServerError(str(exc)) from None
 

@@ -84,6 +84,13 @@ def momentum_schedule(outer) -> str:
 def wire_line(cfg: CoordinatorConfig) -> str:
     """What travels in which dtype, for the start-up lines."""
     dt = cfg.wire_dtype
+    wire = cfg.sparse_wire
+    if wire is not None:
+        fmt = wire.fmt
+        return (f"wire dtype sparse: each worker sends the top {fmt.k} of every {fmt.chunk} entries of its "
+                f"accumulator (beta {wire.beta:g}), 2 bits a value and an fp32 scale per chunk "
+                f"({fmt.nbytes(1 << 20) / (4 << 20):.2%} of fp32); each Result carries the round's payloads; "
+                f"outer step theta - {wire.lr:g} * mean(sent)")
     size = {"fp32": "4 bytes per parameter", "bf16": "2 bytes per parameter",
             "int8": "1 byte per parameter plus an fp32 scale per 256",
             "int4": "half a byte per parameter plus an fp32 scale per 64"}[dt]

@@ -62,8 +62,9 @@ QMAX = 127
 BLOCK4 = 64
 QMAX4 = 7
 
-#: Wire dtypes that quantize (a scale per block): error feedback is on by default there.
-LOSSY = frozenset({"int8", "int4"})
+#: Wire dtypes that lose part of what they send: error feedback is on by default there (sparse
+#: needs it: its accumulator is the method).
+LOSSY = frozenset({"int8", "int4", "sparse"})
 _VALUE_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}
 #: Elements per scale, by quantized wire dtype.
 _BLOCKS = {"int8": BLOCK, "int4": BLOCK4}
@@ -154,9 +155,16 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, shape: tuple[int
     return (_blocks(q, BLOCK4) * scales[:, None]).reshape(-1)[:n].reshape(shape)
 
 
-def encode(tensors: Mapping[str, torch.Tensor], wire_dtype: str) -> Encoded:
-    """``tensors`` (fp32) in ``wire_dtype``. fp32 sends the tensors themselves (no copy)."""
+def encode(tensors: Mapping[str, torch.Tensor], wire_dtype: str, options: Any = None) -> Encoded:
+    """``tensors`` (fp32) in ``wire_dtype``. fp32 sends the tensors themselves (no copy).
+    ``options``: the sparse wire's settings (``sparse.SparseWire``), which it needs."""
     check_wire_dtype(wire_dtype)
+    if wire_dtype == "sparse":
+        from diloco.wire import sparse  # it builds on this module's errors
+
+        if options is None:
+            raise ValueError("the sparse wire needs its settings (chunk, k) to encode")
+        return Encoded(*sparse.encode(tensors, options.fmt))
     if wire_dtype == "fp32":
         return Encoded(dict(tensors), {})
     if wire_dtype == "bf16":
@@ -189,6 +197,8 @@ def decode(values: Mapping[str, torch.Tensor], scales: Mapping[str, torch.Tensor
     """
     if wire_dtype not in WIRE_DTYPES:
         raise EncodingError(f"{what}: wire dtype {wire_dtype!r} is unknown: expected one of {list(WIRE_DTYPES)}")
+    if wire_dtype == "sparse":
+        raise EncodingError(f"{what}: sparse payloads decode to entries, not tensors (``diloco.wire.sparse``)")
     expected = [(name, tuple(shape)) for name, shape in expected]
     _check_names(list(values), [n for n, _ in expected], what, "tensors")
     if wire_dtype not in LOSSY and scales:
@@ -270,9 +280,15 @@ def quantized_update(before: Tensors, after: Tensors, wire_dtype: str) -> tuple[
     return enc, new
 
 
-def decoded(enc: Encoded, wire_dtype: str, like: Mapping[str, torch.Tensor]) -> Tensors:
+def decoded(enc: Encoded, wire_dtype: str, like: Mapping[str, torch.Tensor], options: Any = None) -> Tensors:
     """What the receiver of ``enc`` decodes (fp32, shaped as ``like``'s tensors), with no checks: the
     sender's own view of what it sent (error feedback)."""
+    if wire_dtype == "sparse":
+        from diloco.wire import sparse
+
+        return {n: sparse.densify(sparse.decode_tensor(enc.values[n], enc.scales[n], like[n].numel(), options.fmt,
+                                                       n, "own payload"), tuple(like[n].shape))
+                for n in enc.values}
     return {n: _decode_trusted(enc, n, wire_dtype, tuple(like[n].shape)) for n in enc.values}
 
 
@@ -293,10 +309,12 @@ class DeltaParams(dict):
     """
 
     def __init__(self, values: Mapping[str, torch.Tensor], scales: Mapping[str, torch.Tensor],
-                 wire_dtype: str) -> None:
+                 wire_dtype: str, options: Any = None) -> None:
         super().__init__(values)
         self.scales = dict(scales)
         self.wire_dtype = wire_dtype
+        #: The sparse wire's settings (``sparse.SparseWire``): its Results carry the round's payloads.
+        self.options = options
 
     @property
     def nbytes(self) -> int:
@@ -307,18 +325,28 @@ class DeltaParams(dict):
         missing = [n for n in names if n not in base]
         if missing:
             raise EncodingError(f"{what}: a delta for {missing[:5]}, which this worker holds no global params of")
-        delta = decode(dict(self), self.scales, self.wire_dtype, [(n, tuple(base[n].shape)) for n in names], what)
-        new = {n: apply_delta(base[n], delta[n]) for n in names}
+        if self.wire_dtype == "sparse":
+            from diloco.wire import sparse
+
+            if self.options is None:
+                raise EncodingError(f"{what}: a sparse Result, and this worker was told no sparse settings")
+            new = sparse.apply_result(dict(self), self.scales, {n: base[n] for n in names}, self.options, what)
+        else:
+            delta = decode(dict(self), self.scales, self.wire_dtype, [(n, tuple(base[n].shape)) for n in names],
+                           what)
+            new = {n: apply_delta(base[n], delta[n]) for n in names}
         bad = next((n for n, t in new.items() if not bool(torch.isfinite(t).all())), None)
         if bad is not None:
             raise EncodingError(f"{what}: the delta makes parameter {bad!r} non-finite")
         return new
 
 
-def mark_delta(message: Any) -> Any:
-    """A ``Result`` whose params are a delta, with them wrapped in ``DeltaParams``; anything else as it is."""
+def mark_delta(message: Any, options: Any = None) -> Any:
+    """A ``Result`` whose params are a delta, with them wrapped in ``DeltaParams`` (with the sparse
+    wire's ``options`` for a sparse one); anything else as it is."""
     if isinstance(message, Result) and message.delta and not isinstance(message.params, DeltaParams):
-        return dataclasses.replace(message, params=DeltaParams(message.params, message.scales, message.wire_dtype))
+        return dataclasses.replace(message, params=DeltaParams(message.params, message.scales, message.wire_dtype,
+                                                               options))
     return message
 
 

@@ -34,7 +34,7 @@ PROTOCOL_VERSION = 7
 
 #: How tensors of ``Submit`` and ``Result`` travel (``diloco.wire.compression``, SPEC.md
 #: section 11, "Wire dtypes"). Plain names here so that decoding a header needs no torch.
-WIRE_DTYPE_NAMES = ("fp32", "bf16", "int8", "int4")
+WIRE_DTYPE_NAMES = ("fp32", "bf16", "int8", "int4", "sparse")
 
 Tensors = dict[str, "torch.Tensor"]
 
@@ -309,6 +309,9 @@ class Welcome:
     #: joiner asks source i for part i of the state, all at once (SPEC.md C6, "Heals").
     more_heal_sources: tuple[str, ...] = ()
     more_heal_prefixes: tuple[str, ...] = ()
+    #: The wire dtype's settings, when it has any: ``sparse`` -- ``chunk``, ``k`` (kept per chunk),
+    #: ``beta`` (the accumulator's decay) and ``lr`` (the outer step's; ``diloco.wire.sparse.SparseWire``).
+    wire_options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

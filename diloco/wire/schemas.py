@@ -258,7 +258,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                 "sync_every": _sync_every, "data_plane": _data_plane, "store_port": _port, "heal_source": _str,
                 "heal_prefix": _str, "outer": _plain_map, "collective_timeout_s": _float,
                 "committed": _commits, "data_units": _unit, "unit": _unit, "layout": _str,
-                "more_heal_sources": _str_tuple, "more_heal_prefixes": _str_tuple},
+                "more_heal_sources": _str_tuple, "more_heal_prefixes": _str_tuple, "wire_options": _plain_map},
     "HeartbeatReply": {"below_min_workers": _bool, "min_workers": _int, "phase": _str,
                        "command": _enum(Command), "sync_every": _sync_every},
     "Accepted": {"fragment_id": _int, "round_id": _int},

@@ -16,6 +16,7 @@ operations do to the params is here.
 
 from __future__ import annotations
 
+import logging
 import pathlib
 from typing import Mapping
 
@@ -25,10 +26,13 @@ from diloco.collective.endpoint import CollectiveEndpoint
 from diloco.collective.reduce import tensors_norm
 from diloco.collective.sharded_endpoint import ShardedCollectiveEndpoint
 from diloco.wire import compression
+from diloco.wire.sparse import SparseWire
 from diloco.worker import checkpoint, sharded_checkpoint
 from diloco.worker.device import DeviceGlobal
+from diloco.worker.errors import DilocoWorkerError
 from diloco.worker.shards import ShardedParams, is_sharded
 
+log = logging.getLogger("diloco.worker")
 Tensors = dict[str, torch.Tensor]
 
 
@@ -45,6 +49,27 @@ class ReplicaKeeper:
         self._on_device = DeviceGlobal(self.params)
         #: What quantization left out of the pseudo-gradients sent so far, added to the next (per param).
         self.residual: Tensors = {}
+        #: fragment -> the round its residual's next Submit is for (the round after the one it was made in).
+        self.residual_round: dict[int, int] = {}
+
+    def settle_residual(self, round_ids, fragments, worker_id: str = "") -> list[str]:
+        """A Welcome: keep each fragment's residual only when the run has not moved on since it was made
+        (the Welcome's round for it is the one the residual was for); else drop it, so no stale mass
+        reaches a later round, and say so (SPEC.md section 14, "Error feedback"). The names dropped."""
+        dropped: list[str] = []
+        for fid, names in enumerate(fragments):
+            want = self.residual_round.get(fid)
+            if want is None or fid >= len(round_ids) or round_ids[fid] == want:
+                continue
+            for n in names:
+                if self.residual.pop(n, None) is not None:
+                    dropped.append(n)
+            del self.residual_round[fid]
+        if dropped:
+            log.warning("worker %s: the run moved on while this worker was away: its error-feedback residual "
+                        "(%d parameters, e.g. %r) is dropped, not sent into a later round", worker_id,
+                        len(dropped), dropped[0])
+        return dropped
 
     def join_params(self, starts_collective: bool) -> Tensors:
         """The params a Join that brings the run its first params carries: the model's, fp32 on the CPU."""
@@ -99,6 +124,7 @@ class ReplicaKeeper:
         for n, t in ckpt.global_params.items():
             self.set_global(n, t)
         self.residual = {n: t.to(torch.float32).clone() for n, t in ckpt.residual.items()}
+        self.residual_round = {fid: int(r) for fid, r in enumerate(ckpt.round_ids)} if self.residual else {}
         if ckpt.outer_states is not None:  # a collective run's checkpoint: it holds a committed state
             # If this worker starts the run again, it does so from this state and continues its
             # outer momentum (C6).
@@ -122,26 +148,29 @@ class ReplicaKeeper:
         checkpoint.save_worker_checkpoint(path, snapshot)
 
     def pseudo_gradient(self, fid: int, round_id: int, names, wire_dtype: str, feedback: bool,
-                        collective: bool) -> tuple[compression.Encoded, float | None, float]:
-        """The fragment's pseudo-gradient (global - local, plus the residual with error feedback),
-        encoded in the run's wire dtype; the norm it declares (the collective plane: as the group
-        decodes it, SPEC.md M9; None on the hub, or where the data plane measures it); its own norm."""
+                        collective: bool, sparse_wire=None) -> tuple[compression.Encoded, float | None, float]:
+        """The fragment's pseudo-gradient (global - local, plus the residual with error feedback: the
+        sparse wire's accumulator ``beta * e + delta``), encoded in the run's wire dtype; the norm it
+        declares (the collective plane: as the group decodes it, SPEC.md M9; None on the hub, or where
+        the data plane measures it); its own norm."""
         # global - local, on the model's device when it has one, copied to the CPU for the wire.
         tensors = self._on_device.pseudo_gradients(names, self.params, self.global_)
+        decay = sparse_wire.beta if sparse_wire is not None else 1.0
         if feedback:
             for n, t in tensors.items():
                 r = self.residual.get(n)
                 if r is not None:
-                    t.add_(r)
+                    t.add_(r, alpha=decay)
         raw = tensors_norm(tensors)  # exact at any size (fp32's own norm drifts by percents)
         declared = raw if collective and wire_dtype == "fp32" else None
-        enc = compression.encode(tensors, wire_dtype)
+        enc = compression.encode(tensors, wire_dtype, sparse_wire)
         if feedback:
-            sent = compression.decoded(enc, wire_dtype, tensors)
+            sent = compression.decoded(enc, wire_dtype, tensors, sparse_wire)
             if collective:
                 declared = tensors_norm(sent)
             for n, t in tensors.items():
                 self.residual[n] = t.sub_(sent[n])  # t is this Submit's own buffer, encoded already
+            self.residual_round[fid] = round_id + 1
         return enc, declared, raw
 
 
@@ -203,8 +232,13 @@ class ShardedKeeper:
     def write(self, path: pathlib.Path, snapshot: dict) -> None:
         sharded_checkpoint.save_sharded(path, self.shards, snapshot)
 
+    def settle_residual(self, round_ids, fragments, worker_id: str = "") -> list[str]:
+        return []  # a sharded member's residual lives per shard on its ranks, saved and restored with them
+
     def pseudo_gradient(self, fid: int, round_id: int, names, wire_dtype: str, feedback: bool,
-                        collective: bool) -> tuple[compression.Encoded, float | None, float]:
+                        collective: bool, sparse_wire=None) -> tuple[compression.Encoded, float | None, float]:
+        if sparse_wire is not None:  # the Welcome refused it already (``DilocoWorker._adopt_wire``)
+            raise ValueError("a sharded member does not send on the sparse wire")
         if collective:
             # Every rank keeps its encoded shard for its own reduce; this one is rank 0's, and the
             # norm declared is the whole contribution's (M9).
@@ -217,6 +251,20 @@ class ShardedKeeper:
             sent = compression.decoded(enc, wire_dtype, tensors)
             self.shards.set_residual(list(tensors), {n: t.sub_(sent[n]) for n, t in tensors.items()})
         return enc, None, raw
+
+
+def sparse_wire_of(welcome, sharded: bool) -> SparseWire | None:
+    """The sparse wire's settings a Welcome tells (None for another wire dtype); a Welcome whose
+    settings are wrong, or a sparse run for a sharded member, is refused with why."""
+    if welcome.wire_dtype != "sparse":
+        return None
+    if sharded:
+        raise DilocoWorkerError("this run's wire dtype is sparse, and a sharded member does not send on it yet: "
+                                "run the server with another --wire-dtype", "bad_message")
+    try:
+        return SparseWire.from_dict(welcome.wire_options)
+    except ValueError as exc:
+        raise DilocoWorkerError(f"the Welcome's sparse wire settings: {exc}", "bad_message") from None
 
 
 def keeper_and_plane(model: torch.nn.Module, optimizer, worker_id: str,

@@ -95,6 +95,7 @@ from diloco.collective.sharded_endpoint import MemberBroken
 from diloco.wire import compression
 from diloco.wire.endpoints import WorkerEndpoint
 from diloco.wire.messages import PROTOCOL_VERSION, Join, Result, Submit, TensorSpec, Tensors, Welcome
+from diloco.wire.sparse import SparseWire
 from diloco.worker.actions import (
     MODEL_ACTIONS,
     Action,
@@ -112,7 +113,7 @@ from diloco.worker.actions import (
 from diloco.worker.errors import DilocoWorkerError
 from diloco.worker.link import Link
 from diloco.worker.metrics import TrainingMetrics
-from diloco.worker.keeper import keeper_and_plane
+from diloco.worker.keeper import keeper_and_plane, sparse_wire_of
 from diloco.worker.view import SessionView
 from diloco.worker.session import DEFAULT_COORDINATOR_TIMEOUT_S, DEFAULT_OVERLAP_ALPHA, WorkerSession
 from diloco.worker.states import WorkerState
@@ -194,8 +195,12 @@ class DilocoWorker(SessionView):
         #: Times the driver wrote global params into the model (a Welcome, a Result, a restore):
         #: a multi-rank worker's leader broadcasts the model to its other ranks when this moves.
         self.params_written = 0
-        #: The run's wire dtype, from the Welcome the session took last (SPEC.md section 11).
+        #: The run's wire dtype, from the Welcome the session took last (SPEC.md section 11), and the
+        #: sparse wire's settings when it is ``sparse``.
         self.wire_dtype = "fp32"
+        self.sparse_wire: SparseWire | None = None
+        #: Residual entries (parameters) dropped at a Welcome because the run had moved on since.
+        self.residuals_dropped = 0
 
         self._lock = threading.RLock()                # guards the session and the model queue
         self._wake = threading.Condition(self._lock)
@@ -432,11 +437,12 @@ class DilocoWorker(SessionView):
         if not only_if_expected or self.session.awaiting_replies:
             msg = self._recv(timeout_s)
             while msg is not None:
-                msg = compression.mark_delta(msg)  # a delta Result is decoded at install, in order
+                # A delta Result is decoded at install, in order.
+                msg = compression.mark_delta(msg, self.sparse_wire)
                 with self._lock:
                     actions = self._took(self.session.on_message(msg, self._clock()))
                     if isinstance(msg, Welcome) and any(isinstance(a, InstallParams) for a in actions):
-                        self.wire_dtype = msg.wire_dtype  # adopted with the Welcome the session took
+                        self._adopt_wire(msg)  # with the Welcome the session took
                     actions = self._queue_model_actions(actions)
                 self._run(actions)
                 msg = self._recv(0.0)
@@ -593,12 +599,18 @@ class DilocoWorker(SessionView):
         fid = action.fragment_id
         enc, declared, self.last_update_norm = self._keeper.pseudo_gradient(
             fid, action.round_id, self.session.fragments[fid], self.wire_dtype, self.error_feedback_on,
-            self.data_plane.collective)
+            self.data_plane.collective, self.sparse_wire)
         tokens = self._tokens_since - self._tokens_at_submit.get(fid, 0)
         self._tokens_at_submit[fid] = self._tokens_since
         self.link.post(Submit(self.worker_id, fid, action.round_id, enc.values, self.wire_dtype, enc.scales,
                               tokens if tokens > 0 else None, unit=self.session.unit, norm=declared))
         self.bytes_sent += enc.nbytes
+
+    def _adopt_wire(self, welcome: Welcome) -> None:
+        """The Welcome's wire dtype and settings; the residuals the run has moved past dropped."""
+        self.wire_dtype, self.sparse_wire = welcome.wire_dtype, sparse_wire_of(welcome, self._keeper.sharded)
+        dropped = self._keeper.settle_residual(welcome.round_ids, welcome.fragments, self.worker_id)
+        self.residuals_dropped += len(dropped)
 
     @property
     def error_feedback_on(self) -> bool:

@@ -220,4 +220,4 @@ def test_server_wire_dtype_bogus_is_a_usage_error_and_help_explains_the_flag(cap
         cli.main(["server", "--help"])
     assert info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert "--wire-dtype {fp32,bf16,int8,int4}" in text and f"(default {commands.DEFAULT_WIRE_DTYPE};" in text
+    assert "--wire-dtype {fp32,bf16,int8,int4,sparse}" in text and f"(default {commands.DEFAULT_WIRE_DTYPE};" in text

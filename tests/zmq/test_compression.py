@@ -177,7 +177,7 @@ def test_int8_submit_bf16_result_and_welcome_round_trip_through_the_codec():
     assert res.scales == {}
     wel = decode(encode(Welcome("w", (0,), (), "sync", (("a",),), 1, False, 0.25, {}, "int8")))
     assert wel.wire_dtype == "int8"
-    assert set(WIRE_DTYPE_NAMES) == {"fp32", "bf16", "int8", "int4"}
+    assert set(WIRE_DTYPE_NAMES) == {"fp32", "bf16", "int8", "int4", "sparse"}
     # int4: packed bytes (uint8, half the elements) and a scale per 64 travel as they are.
     four = compression.encode({"w": torch.randn(5, 3)}, "int4")
     sub = decode(encode(Submit("w1", 0, 5, four.values, "int4", four.scales)))
@@ -221,3 +221,18 @@ def test_a_newer_peer_is_answered_in_ours_and_only_errors_may_take_another_versi
     assert info.value.reply_version == PROTOCOL_VERSION
     with pytest.raises(ValueError, match="only an Error"):
         encode(Submit("w", 0, 0, {}), version=PROTOCOL_VERSION - 1)
+
+
+def test_a_sparse_submit_result_and_welcome_round_trip_through_the_codec():
+    from diloco.wire import sparse
+
+    wire = sparse.SparseWire(sparse.SparseFormat(16, 4), 0.9, 1.0)
+    values, scales = sparse.encode({"w": torch.randn(5, 7)}, wire.fmt)
+    sub = decode(encode(Submit("w1", 0, 5, values, "sparse", scales)))
+    assert sub.wire_dtype == "sparse" and sub.tensors["w"].dtype == torch.int16
+    assert torch.equal(sub.tensors["w"], values["w"]) and torch.equal(sub.scales["w"], scales["w"])
+    res = decode(encode(Result(0, 5, "applied", 6, values, True, "sparse", scales)))
+    assert res.wire_dtype == "sparse" and torch.equal(res.params["w"], values["w"])
+    wel = decode(encode(Welcome("w", (0,), (), "sync", (("w",),), 1, False, 0.25, {}, "sparse",
+                                wire_options=wire.to_dict())))
+    assert sparse.SparseWire.from_dict(wel.wire_options) == wire
