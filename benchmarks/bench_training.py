@@ -153,8 +153,15 @@ DEFAULT_OUTER_LR = {10: 0.7, 50: 0.7}
 OUTER_MOMENTUM = 0.9
 
 METHODS = ("sync", "h10", "h50", "single")
-#: ``--wire`` rows: a wire dtype, with its default error feedback (on for int8), or ``-noef``: without.
-WIRE_ROWS = ("fp32", "bf16", "int8", "int8-noef", "int4", "int4-noef", "fp32-muon", "int4-muon")
+#: ``--wire`` rows: a wire dtype, with its default error feedback (on for int8), or ``-noef``: without;
+#: ``-muon``: Muon inside. ``sparse-d32`` / ``sparse-d64``: the sparse wire keeping 1/32 (3.1%) or 1/64
+#: (1.6%) of each chunk, its outer step plain SGD at ``SPARSE_OUTER_LR`` (SPEC.md section 11).
+WIRE_ROWS = ("fp32", "bf16", "int8", "int8-noef", "int4", "int4-noef", "fp32-muon", "int4-muon",
+             "sparse-d32", "sparse-d64", "sparse-d64-muon")
+#: The sparse wire's densities by row flag; its outer lr (the method's step: theta - lr * mean(sent)) and
+#: accumulator decay (``--sparse-outer-lr``, ``--sparse-beta``).
+SPARSE_DENSITY = {"d32": 1 / 32, "d64": 1 / 64}
+SPARSE_SETTINGS = {"lr": 1.0, "beta": 0.95}
 
 #: Data planes of the real system (README "Scaling out: the collective data plane"); ``both`` compares them.
 PLANES = ("hub", "collective")
@@ -312,7 +319,7 @@ def muon_inner_optimizer(model, s: TrainSettings, steps: int):
 class _RealDiloco:
     def __init__(self, k: int, H: int, steps: int, outer_lr: float, s: TrainSettings, corpus: Corpus,
                  seed: int, wire_dtype: str = "fp32", overlap_steps: int = 0, data_plane: str = "hub",
-                 error_feedback: bool | None = None, inner: str = "adamw") -> None:
+                 error_feedback: bool | None = None, inner: str = "adamw", sparsity: float | None = None) -> None:
         if steps % H:
             raise SystemExit(f"--steps {steps} is not a multiple of H={H}")
         if data_plane not in PLANES:
@@ -330,16 +337,20 @@ class _RealDiloco:
         self.probe = CoordinatorProbe()
         self.net = InprocNetwork()
         outer = OuterConfig("nesterov", outer_lr, OUTER_MOMENTUM)
+        wire = {"wire_dtype": wire_dtype}
+        if wire_dtype == "sparse":  # the method's outer step: plain SGD, no global momentum
+            outer = OuterConfig("sgd", SPARSE_SETTINGS["lr"], 0.0)
+            wire.update(sparsity=sparsity or 1 / 64, sparse_beta=SPARSE_SETTINGS["beta"])
         #: Collective plane: the rendezvous store every group meets on (the coordinator's process hosts it).
         self.store_host = None
         if data_plane == "hub":
-            config = CoordinatorConfig(FSMConfig(min_workers=k), outer, wire_dtype=wire_dtype)
+            config = CoordinatorConfig(FSMConfig(min_workers=k), outer, **wire)
         else:
             # The README's / SPEC.md 7b's bounds: heartbeat 30 s (the default, as on the hub), every
             # group creation, all-reduce and heal within 10 s, an attempt's reports within 40 s.
             config = CoordinatorConfig(
                 FSMConfig(min_workers=k, data_plane="collective", reduce_timeout_s=COLLECTIVE_REDUCE_TIMEOUT_S),
-                outer, wire_dtype=wire_dtype, collective_timeout_s=COLLECTIVE_TIMEOUT_S)
+                outer, collective_timeout_s=COLLECTIVE_TIMEOUT_S, **wire)
         #: Contributors of each applied outer step (``_observe``).
         self.apply_sizes: list[int] = []
         self.coordinator = Coordinator(config, now_s=time.monotonic(), observer=self._observe)
@@ -838,15 +849,16 @@ def fmt_ratio(x: float | None) -> str:
 
 
 def wire_comparison(dtypes: list[str], k: int, steps: int, outer_lr: float, s: TrainSettings, corpus: Corpus,
-                    seed: int, pbytes: int) -> int:
-    """``--wire``: DiLoCo H = 10 once per wire dtype; bytes per round and final held-out loss."""
+                    seed: int, pbytes: int, H: int = 10) -> int:
+    """``--wire``: DiLoCo at H (``--wire-h``) once per wire dtype; bytes per round and final held-out loss."""
     rows = {}
     for dt in dtypes:
-        note(f"phase DiLoCo H=10 wire dtype {dt}, {steps // 10} rounds")
+        note(f"phase DiLoCo H={H} wire dtype {dt}, {steps // H} rounds")
         wire, *flags = dt.split("-")  # "int8-noef": int8 without error feedback; "-muon": Muon inside
-        run = _RealDiloco(k, 10, steps, outer_lr, s, corpus, seed, wire_dtype=wire,
+        density = next((SPARSE_DENSITY[f] for f in flags if f in SPARSE_DENSITY), None)
+        run = _RealDiloco(k, H, steps, outer_lr, s, corpus, seed, wire_dtype=wire,
                           error_feedback=False if "noef" in flags else None,
-                          inner="muon" if "muon" in flags else "adamw").run()
+                          inner="muon" if "muon" in flags else "adamw", sparsity=density).run()
         st = run.status
         up = st["bytes_received"] / run.rounds
         down = (st["bytes_sent"] - run.probe.joins * pbytes) / run.rounds
@@ -857,7 +869,7 @@ def wire_comparison(dtypes: list[str], k: int, steps: int, outer_lr: float, s: T
                         oddities=odd)
         note(f"phase {dt} done: final eval loss {rows[dt]['loss']:.4f}, {run.result.wall_s:.0f} s")
     base = rows.get("fp32")
-    print(f"DiLoCo k={k} H=10, {steps} steps ({steps // 10} rounds), seed {seed}; bytes are payload per round "
+    print(f"DiLoCo k={k} H={H}, {steps} steps ({steps // H} rounds), seed {seed}; bytes are payload per round "
           f"(all k Submits in, all k Results out; the Welcomes, fp32, left out)")
     hdr = f"{'wire dtype':10} {'upload B/round':>15} {'broadcast B/round':>18} {'total vs fp32':>13} " \
           f"{'final loss':>10} {'vs fp32':>8} {'wall s':>7}"
@@ -875,7 +887,10 @@ def wire_comparison(dtypes: list[str], k: int, steps: int, outer_lr: float, s: T
     if base:
         fields += [f"{dt}_vs_fp32={fmt_ratio(r['loss'] / base['loss'])}" for dt, r in rows.items() if dt != "fp32"]
     fields += [f"{dt}_bytes_per_round={r['up'] + r['down']:.0f}" for dt, r in rows.items()]
-    print("RESULT bench_training_wire " + " ".join(fields))
+    if base:  # per worker and round, against fp32: its Submit up, its Result down
+        fields += [f"{dt}_bytes_vs_fp32={(r['up'] + r['down']) / (base['up'] + base['down']):.4f}"
+                   for dt, r in rows.items() if dt != "fp32"]
+    print(f"RESULT bench_training_wire h={H} " + " ".join(fields))
     return 0
 
 
@@ -1049,6 +1064,12 @@ def main(argv: list[str] | None = None) -> int:
                              "int4-noef,fp32-muon,int4-muon; int8 and int4 have error feedback, -noef rows not; "
                              "-muon rows train with torch.optim.Muon for the matrices, AdamW for the rest): DiLoCo H=10 per row, bytes per round and "
                              "final loss (defaults then: --k 2, --steps 300)")
+    parser.add_argument("--sparse-outer-lr", type=float, default=SPARSE_SETTINGS["lr"], metavar="LR",
+                        help="--wire sparse rows: the outer step's lr (default %(default)s)")
+    parser.add_argument("--sparse-beta", type=float, default=SPARSE_SETTINGS["beta"], metavar="B",
+                        help="--wire sparse rows: the workers' accumulator decay (default %(default)s)")
+    parser.add_argument("--wire-h", type=int, default=10, metavar="H",
+                        help="--wire: inner steps per round (default 10; 50 for the long-round comparison)")
     parser.add_argument("--overlap", action="store_true",
                         help="measure overlap_steps T = 0, 1, 2 instead (idle share, final loss; about 5 minutes)")
     parser.add_argument("--dylu", action="store_true",
@@ -1102,6 +1123,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dylu:
         return dylu_main(args)
     if args.wire is not None:
+        SPARSE_SETTINGS.update(lr=args.sparse_outer_lr, beta=args.sparse_beta)
         dtypes = [d.strip() for d in args.wire.split(",") if d.strip()]
         if not dtypes or any(d not in WIRE_ROWS for d in dtypes):
             parser.error(f"--wire {args.wire!r}: expected a comma-separated subset of {','.join(WIRE_ROWS)}")
@@ -1109,9 +1131,10 @@ def main(argv: list[str] | None = None) -> int:
         k = args.k if "--k" in (argv if argv is not None else sys.argv) else 2
         s = TrainSettings(batch_size=args.batch_size, lr=args.lr, eval_every=steps)  # the final loss only
         print(f"bench_training --wire: torch {torch.__version__}, {k} workers, {steps} steps, batch "
-              f"{s.batch_size} x {s.model.seq_len}, outer Nesterov lr {args.outer_lr_h10:g}", flush=True)
-        return wire_comparison(dtypes, k, steps, args.outer_lr_h10, s, default_corpus(), args.seed,
-                               param_bytes(build_model(s.model, 0)))
+              f"{s.batch_size} x {s.model.seq_len}, outer Nesterov lr {args.outer_lr_h10:g} (sparse rows: the method's "
+              f"SGD, lr {SPARSE_SETTINGS['lr']:g}, momentum 0, beta {SPARSE_SETTINGS['beta']:g})", flush=True)
+        return wire_comparison(dtypes, k, steps, args.outer_lr_h10 if args.wire_h == 10 else args.outer_lr_h50, s,
+                               default_corpus(), args.seed, param_bytes(build_model(s.model, 0)), args.wire_h)
     steps = args.steps or (200 if args.quick else 1000)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS]

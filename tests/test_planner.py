@@ -360,3 +360,25 @@ def test_plan_help_starts_without_numpy_or_torch():
     assert "24 buckets" in proc.stdout
     assert "--data-plane {collective,hub}" in proc.stdout
     assert "each worker's link" in proc.stdout and "coordinator's link" in proc.stdout
+
+
+def test_a_sparse_wire_gathers_every_payload_whole_on_both_planes():
+    bpp, gathered = model.parse_wire_format("sparse")
+    assert gathered and bpp == 2 * 64 / 4096 + 4 / 4096  # 64 two-byte entries and a scale per 4096
+    assert model.parse_wire_format("int4") == (0.5, False)
+    # Hub: M payloads in, then M Results of M payloads each; collective: an all-gather, M - 1 each way.
+    assert model.link_copies(4, "hub", gathered=True) == 20
+    assert model.link_copies(4, "collective", gathered=True) == 3
+    assert model.sync_bits(1e6, bpp, 4, "hub", True) == 1e6 * bpp * 8 * 20
+    dense, sparse = model.methods(100, 1, 0, 4.0)[1], model.methods(100, 1, 0, bpp, gathered=True)[1]
+    common = dict(params=1e9, step_time_s=0.1, workers=4, data_plane="collective")
+    assert model.bandwidth_for(sparse, 0.9, **common) < model.bandwidth_for(dense, 0.9, **common) / 40
+
+
+def test_plan_wire_sparse_says_it_gathers(capsys):
+    from diloco.cli import main
+
+    assert main(["plan", "--wire", "sparse", "--bandwidth", "0.1", "--workers", "4", "--data-plane", "hub"]) == 0
+    out = capsys.readouterr().out
+    assert "a sparse sync gathers every worker's payload instead: 20 copies of one" in out
+    assert "0.0322266" in out

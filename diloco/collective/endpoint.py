@@ -164,7 +164,7 @@ class CollectiveEndpoint:
         shapes = {n: replica.params[n].shape for n in replica.fragments[submit.fragment_id]}
         try:
             return contribution_norm(compression.Encoded(dict(submit.tensors), dict(submit.scales)),
-                                     submit.wire_dtype, shapes)
+                                     submit.wire_dtype, shapes, replica.sparse_fmt)
         except (compression.EncodingError, KeyError):
             return math.nan  # the coordinator refuses it (non_finite); the group never sees it
 
@@ -278,7 +278,7 @@ class CollectiveEndpoint:
             shapes = {n: replica.params[n].shape for n in replica.fragments[fid]}
             mean, norms, mean_norm = mean_pseudo_gradient(group, encoded, replica.wire_dtype, shapes, self._timeout_s,
                                                reduce_buffer(self._reduce_buffers, fid, shapes), cache.device,
-                                               order.gather)
+                                               order.gather, replica.sparse_fmt)
             self._job_stats["bytes_sent"] += bytes_on_link(encoded, replica.wire_dtype, len(order.group),
                                                            order.gather)
             refused = judge_reduce(order, norms, lambda: tensors_norm(mean) if mean_norm is None else mean_norm)

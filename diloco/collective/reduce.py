@@ -7,6 +7,9 @@ NCCL on the worker's CUDA device, the result copied back to the CPU replica).
   int8 blocks plus their fp32 scales, the hub's codec exactly) and a local fp32 sum in rank
   order: what the hub computes from the same Submits (it decodes each to fp32 and sums), and
   identical on every member. k x the encoded size in memory, for a short while.
+* sparse: an all-gather of every member's fixed-size payload (int16 entries and fp32 chunk
+  scales, ``diloco.wire.sparse``), each checked and its entries added into zeros in rank order
+  (``sparse.add_into``): no contribution is made dense.
 
 Everything travels as one flat buffer per dtype, so a fragment of many tensors costs one
 collective, not one per tensor.
@@ -21,13 +24,14 @@ is the member machine's to judge (``member.judge_contributions``, ``member.judge
 from __future__ import annotations
 
 import datetime
+import math
 from typing import Mapping
 
 import torch
 import torch.distributed as dist
 
 from diloco.collective.groups import CollectiveError
-from diloco.wire import compression
+from diloco.wire import compression, sparse
 from diloco.wire.measure import square_sum
 
 Tensors = dict[str, torch.Tensor]
@@ -60,9 +64,15 @@ def tensors_norm(tensors: Mapping[str, torch.Tensor]) -> float:
     return total ** 0.5
 
 
-def contribution_norm(encoded: compression.Encoded, wire_dtype: str, shapes: Mapping[str, torch.Size]) -> float:
+def contribution_norm(encoded: compression.Encoded, wire_dtype: str, shapes: Mapping[str, torch.Size],
+                      fmt: sparse.SparseFormat | None = None) -> float:
     """The norm of this member's pseudo-gradient as the group will decode it: what it declares."""
     names = list(shapes)
+    if wire_dtype == "sparse":
+        assert fmt is not None
+        payloads = sparse.decode({n: encoded.values[n] for n in names}, {n: encoded.scales[n] for n in names},
+                                 [(n, tuple(shapes[n])) for n in names], fmt, "this worker's pseudo-gradient")
+        return tensors_norm({n: p.value for n, p in payloads.items()})
     if wire_dtype == "fp32":
         return tensors_norm({n: encoded.values[n] for n in names})
     decoded = compression.decode({n: encoded.values[n] for n in names},
@@ -154,7 +164,8 @@ def _divide_and_measure(flat: torch.Tensor, size: int) -> float:
 def mean_pseudo_gradient(group: dist.ProcessGroup, encoded: compression.Encoded, wire_dtype: str,
                          shapes: Mapping[str, torch.Size], timeout_s: float,
                          buffer: torch.Tensor | None = None, device=None,
-                         gather: bool = False) -> tuple[Tensors, tuple[float, ...], float | None]:
+                         gather: bool = False,
+                         fmt: sparse.SparseFormat | None = None) -> tuple[Tensors, tuple[float, ...], float | None]:
     """The group's mean pseudo-gradient (fp32, on the CPU) from this member's ``encoded`` one, each
     rank's contribution norm in rank order (empty for an fp32 all-reduce, which shows no
     contribution but the sum: ``gather`` all-gathers fp32 contributions too, to see them), and the
@@ -172,6 +183,9 @@ def mean_pseudo_gradient(group: dist.ProcessGroup, encoded: compression.Encoded,
         _allreduce(group, flat, timeout_s, device)
         mean_norm = _divide_and_measure(flat, size)
         return _unflat(flat, shapes, names), (), mean_norm
+    if wire_dtype == "sparse":
+        assert fmt is not None
+        return _sparse_mean(group, encoded, shapes, timeout_s, device, fmt)
     values = _flat(encoded.values, names, encoded.values[names[0]].dtype if names else torch.float32)
     gathered_values = _allgather(group, values, timeout_s, device, "the all-gather of values")
     gathered_scales: list[torch.Tensor] = []
@@ -191,4 +205,39 @@ def mean_pseudo_gradient(group: dist.ProcessGroup, encoded: compression.Encoded,
             total[n] += decoded[n]
     for t in total.values():
         t /= size
+    return total, tuple(norms), None
+
+
+def _sparse_mean(group: dist.ProcessGroup, encoded: compression.Encoded, shapes: Mapping[str, torch.Size],
+                 timeout_s: float, device, fmt: sparse.SparseFormat) -> tuple[Tensors, tuple[float, ...], None]:
+    """The sparse wire's reduce: every rank's payload (one int16 and one fp32 buffer, the same size on
+    every rank), each checked and added into zeros in rank order; each rank's contribution norm."""
+    names = list(shapes)
+    numel = {n: shapes[n].numel() for n in names}
+    entry_shapes = {n: torch.Size([fmt.kept(numel[n])]) for n in names}
+    scale_shapes = {n: torch.Size([fmt.chunks(numel[n])]) for n in names}
+    # One collective of bytes (gloo gathers no int16): the scales' bytes (4-aligned), then the entries'.
+    scales = _flat(encoded.scales, names, torch.float32)
+    payload = torch.cat([scales.view(torch.uint8), _flat(encoded.values, names, torch.int16).view(torch.uint8)])
+    gathered = _allgather(group, payload, timeout_s, device, "the all-gather of sparse payloads")
+    cut = scales.numel() * 4
+    gathered_scales = [g[:cut].view(torch.float32) for g in gathered]
+    gathered_entries = [g[cut:].view(torch.int16) for g in gathered]
+    total = {n: torch.zeros(shapes[n], dtype=torch.float32) for n in names}
+    norms = []
+    for rank in range(group.size()):  # rank order: the same sum on every member
+        try:
+            payloads = sparse.decode(_unflat(gathered_entries[rank], entry_shapes, names),
+                                     _unflat(gathered_scales[rank], scale_shapes, names),
+                                     [(n, tuple(shapes[n])) for n in names], fmt, f"rank {rank}'s pseudo-gradient")
+        except compression.EncodingError:
+            # A malformed payload (repeated or wild places, bad scales) is not what any member declares:
+            # its NaN norm gets its sender blamed by every member alike (``member.judge_contributions``).
+            norms.append(math.nan)
+            continue
+        norms.append(tensors_norm({n: p.value for n, p in payloads.items()}))
+        for n, payload in payloads.items():
+            sparse.add_into(total[n], payload)
+    for t in total.values():
+        t /= group.size()
     return total, tuple(norms), None

@@ -42,6 +42,7 @@ from diloco.collective.reduce import tensors_norm
 from diloco.outer import OptimizerBackup, OuterConfig, build_outer_optimizer, params_of
 from diloco.step_bound import state_keys, step_bound
 from diloco.wire import compression
+from diloco.wire.sparse import SparseFormat, SparseWire
 
 Tensors = dict[str, torch.Tensor]
 
@@ -84,6 +85,11 @@ class Replica:
         self.round_ids = list(round_ids)
         self.outer = outer
         self.wire_dtype = wire_dtype
+        #: bf16 and int8 round each step's delta to the wire (as the hub's Results do); fp32 and sparse
+        #: step on the group's exact mean (sparse: the decoded payloads' sum, the same on every member).
+        self.requantizes = wire_dtype in ("bf16", "int8")
+        #: The sparse wire's format (``Welcome.wire_options``), which the reduce decodes payloads with.
+        self.sparse_fmt: SparseFormat | None = None
         self.params: Tensors = {n: params[n].detach().to("cpu", torch.float32).clone()
                                 for f in fragments for n in f}
         self.optimizers = [build_outer_optimizer([self.params[n] for n in f], outer, min_workers)
@@ -106,8 +112,11 @@ class Replica:
         """The replica a collective ``Welcome`` describes (its fragments, outer optimizer, wire dtype and
         quorum), holding ``params`` at ``round_ids`` with outer-optimizer ``states`` (None: fresh)."""
         outer = OuterConfig(**welcome.outer) if welcome.outer else OuterConfig()
-        return cls(params, tuple(tuple(f) for f in welcome.fragments), list(round_ids), outer, welcome.wire_dtype,
-                   welcome.min_workers, states)
+        replica = cls(params, tuple(tuple(f) for f in welcome.fragments), list(round_ids), outer,
+                      welcome.wire_dtype, welcome.min_workers, states)
+        if welcome.wire_dtype == "sparse":
+            replica.sparse_fmt = SparseWire.from_dict(welcome.wire_options).fmt
+        return replica
 
     def params_copy(self) -> Tensors:
         """Every param, copied: what a session is handed with a start's or heal's Welcome."""
@@ -184,7 +193,7 @@ class Replica:
             for n, p in params.items():
                 p.grad = mean[n]
             opt.step()
-            if self.wire_dtype != "fp32":
+            if self.requantizes:
                 # As the hub: params = old + decode(encode(new - old)).
                 _, new = compression.quantized_update(before, params, self.wire_dtype)
                 with torch.no_grad():
@@ -211,7 +220,7 @@ class Replica:
         opt, carried = self.optimizers[fid], self._bounds[fid]
         assert carried is not None
         bound = step_bound(self.outer.name, opt.param_groups[0], mean_bound, carried.state, _steps_taken(opt),
-                           sum(p.numel() for p in params.values()), self.wire_dtype != "fp32", carried.params)
+                           sum(p.numel() for p in params.values()), self.requantizes, carried.params)
         if norm > bound.step:
             return (f"fragment {fid}: the outer step's norm {norm:.4g} is beyond its bound {bound.step:.4g} "
                     f"(mean pseudo-gradient within {mean_bound:.4g}; the optimizer state is not what its "

@@ -136,7 +136,7 @@ class CoordinatorConfig:
                 raise ConfigError("collective_timeout_s", ct, f"less than the core's reduce timeout "
                                   f"({self.fsm.reduce_timeout_s} s)")
             if self.wire_dtype == "int4":
-                raise ConfigError("wire_dtype", self.wire_dtype, "fp32, bf16 or int8 on the collective plane "
+                raise ConfigError("wire_dtype", self.wire_dtype, "fp32, bf16, int8 or sparse on the collective plane "
                                   "(its all-gather of encoded pseudo-gradients knows no int4 yet: use the hub)")
         if self.wire_dtype == "sparse":
             self._check_sparse()
@@ -149,9 +149,6 @@ class CoordinatorConfig:
             self.sparse_wire
         except ValueError as exc:
             raise ConfigError("wire_dtype", self.wire_dtype, f"valid sparse settings ({exc})") from None
-        if self.fsm.data_plane is DataPlane.COLLECTIVE:
-            raise ConfigError("wire_dtype", self.wire_dtype, "fp32, bf16 or int8 on the collective plane (its "
-                              "all-gather of sparse payloads is not built yet: use the hub for sparse)")
         if self.fsm.mode is not Mode.SYNC:
             raise ConfigError("wire_dtype", self.wire_dtype, "a sync run's wire (sparse rounds average every "
                               "member's payload once; in async mode each contribution is its own outer step)")

@@ -16,7 +16,7 @@ from diloco.argtypes import flag_value
 EXIT_OK = 0
 
 #: The dtype names of diloco.planner.model.WIRE_DTYPES (tests/test_planner.py keeps them equal).
-WIRE_NAMES = "fp32=4, fp16=2, bf16=2, fp8=1, int8=1, fp4=0.5, int4=0.5"
+WIRE_NAMES = "fp32=4, fp16=2, bf16=2, fp8=1, int8=1, fp4=0.5, int4=0.5, sparse=0.0322265625"
 #: diloco.planner.model.DEFAULT_BUCKETS, without importing numpy for --help (the tests keep them equal).
 DEFAULT_BUCKETS = 24
 #: diloco.planner.model.DATA_PLANES and the link each one's figures are of (the tests keep them equal).
@@ -78,11 +78,11 @@ def _int_at_least(flag: str, low: int):
 
 
 def _wire():
-    def parse(text: str) -> float:
-        from diloco.planner.model import PlanError, parse_wire
+    def parse(text: str) -> tuple[float, bool]:
+        from diloco.planner.model import PlanError, parse_wire_format
 
         try:
-            return parse_wire(text)
+            return parse_wire_format(text)
         except PlanError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
     return parse
@@ -105,8 +105,10 @@ def register(subparsers) -> None:
                      help="Streaming DiLoCo fragments, at most H; one is sent every H/P steps (default 8)")
     run.add_argument("--overlap", type=_int_at_least("--overlap", 0), default=1, metavar="TAU",
                      help="Streaming DiLoCo overlap: steps a fragment may take to arrive (default 1)")
-    run.add_argument("--wire", type=_wire(), default=2.0, metavar="DTYPE|BYTES",
-                     help=f"bytes per parameter on the wire, or a dtype ({WIRE_NAMES}); default bf16")
+    run.add_argument("--wire", type=_wire(), default=(2.0, False), metavar="DTYPE|BYTES",
+                     help=f"bytes per parameter on the wire, or a dtype ({WIRE_NAMES}); default bf16. sparse: "
+                          f"diloco's sparse wire at its defaults (1/64 of each chunk, 2 bits a value), whose "
+                          f"payloads reach every worker whole (an all-gather; a hub's Results carry all M)")
     run.add_argument("--streaming-wire", type=_wire(), metavar="DTYPE|BYTES",
                      help="Streaming DiLoCo's own wire format, e.g. int4 for quantised outer gradients "
                           "(default: --wire)")
@@ -152,7 +154,9 @@ def handle(args) -> int:
             raise _usage(f"--plot {args.plot!r}: directory {parent!r} does not exist")
     from diloco.planner import model
 
-    ms = model.methods(args.inner_steps, args.fragments, args.overlap, args.wire, args.streaming_wire)
+    streaming = args.streaming_wire or args.wire
+    ms = model.methods(args.inner_steps, args.fragments, args.overlap, args.wire[0], streaming[0],
+                       gathered=args.wire[1], streaming_gathered=streaming[1])
     common = dict(params=args.params, step_time_s=args.step_time, workers=args.workers, buckets=args.buckets,
                   data_plane=args.data_plane)
     if args.plane_table:
@@ -220,8 +224,12 @@ def describe(args, ms) -> list[str]:
              f"M={args.workers} workers, {args.buckets} buckets per step over one FIFO link",
              plane,
              f"  {'method':<18} {'bytes/param':>11} {'Gbit per sync':>13} {'sync every':>12} {'deadline':>19}"]
+    if any(m.gathered for m in ms):
+        lines[1] += (f"; a sparse sync gathers every worker's payload instead: "
+                     f"{_copies(args.workers * (args.workers + 1)) if args.data_plane == 'hub' else _copies(args.workers - 1)}"
+                     f" of one")
     for m in ms:
-        gbit = sync_bits(args.params, m.bytes_per_param, args.workers, args.data_plane) / m.fragments / 1e9
+        gbit = sync_bits(args.params, m.bytes_per_param, args.workers, args.data_plane, m.gathered) / m.fragments / 1e9
         every = m.steps_between_syncs
         deadline = "end of its step" if m.overlap == 0 else f"end of its step +{m.overlap}"
         lines.append(f"  {m.name:<18} {m.bytes_per_param:>11g} {gbit:>13.4g} "

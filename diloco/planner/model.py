@@ -46,6 +46,14 @@ sends and receives at the bandwidth at the same time):
   0.96 of that. A parameter server that streams its replies bucket by bucket
   behind the uploads would overlap them and need half (``M``).
 
+Gathered wires (``--wire sparse``, SPEC.md section 11 "The sparse wire"): a worker's payload
+cannot be summed on the way (each is top-k of its own accumulator), so every payload reaches
+every worker whole. On the hub each Result carries all ``M`` payloads: ``M`` in, then ``M * M``
+out, ``c = M + M^2`` payloads on the coordinator's link; on the collective plane an all-gather
+sends a worker's payload to the ``M - 1`` others and receives theirs at the same time,
+``c = M - 1``. A sparse payload is ``2 / 64 + 4 / 4096`` bytes per parameter at the defaults
+(64 kept 2-byte entries and one 4-byte scale per chunk of 4096).
+
 A half-duplex link carries a ring's in and out one after the other:
 ``4(1 - 1/M)`` copies per worker, so it needs twice the bandwidth the model
 gives for the same utilisation (a hub's in and out are sequential already).
@@ -58,8 +66,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-#: Bytes per parameter on the wire for the dtype names ``--wire`` accepts.
-WIRE_DTYPES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "fp4": 0.5, "int4": 0.5}
+#: Bytes per parameter on the wire for the dtype names ``--wire`` accepts (``sparse``: one worker's
+#: payload at diloco's defaults, 64 of every 4096 entries at 2 bytes and a 4-byte scale per chunk).
+WIRE_DTYPES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "fp4": 0.5, "int4": 0.5,
+               "sparse": 2 * 64 / 4096 + 4 / 4096}
+#: Wire formats whose payloads reach every worker whole (module docstring, "Gathered wires").
+GATHERED_WIRES = frozenset({"sparse"})
 #: The bandwidths ``--sweep`` tries (Gbit/s), as in the paper's simulator.
 BANDWIDTH_GRID_GBIT_S = np.logspace(-1, 3, 50)
 #: ``data_plane`` values: where a sync's bits go (module docstring).
@@ -99,20 +111,24 @@ def parse_wire(text: str) -> float:
     return value
 
 
-def link_copies(workers: int, data_plane: str = "collective") -> float:
+def link_copies(workers: int, data_plane: str = "collective", gathered: bool = False) -> float:
     """Copies' worth of time a sync takes on the data plane's busiest link: 2(1 - 1/M) for ``collective``
     (each worker's link, a ring all-reduce, as many each way at once), 2M for ``hub`` (the coordinator's
-    link: M in, then M out; the replies need every upload)."""
+    link: M in, then M out; the replies need every upload). ``gathered`` (a sparse wire): M - 1 and
+    M + M^2 (module docstring)."""
     _int_at_least("workers", workers, 1)
     _check_plane(data_plane)
+    if gathered:
+        return float(workers + workers * workers) if data_plane == "hub" else float(workers - 1)
     return 2.0 * workers if data_plane == "hub" else 2.0 * (1.0 - 1.0 / workers)
 
 
-def sync_bits(params: float, bytes_per_param: float, workers: int, data_plane: str = "collective") -> float:
+def sync_bits(params: float, bytes_per_param: float, workers: int, data_plane: str = "collective",
+              gathered: bool = False) -> float:
     """Bits a sync of ``params`` parameters puts on the data plane's busiest link (see :func:`link_copies`)."""
     _positive("params", params)
     _positive("bytes_per_param", bytes_per_param)
-    return params * bytes_per_param * 8.0 * link_copies(workers, data_plane)
+    return params * bytes_per_param * 8.0 * link_copies(workers, data_plane, gathered)
 
 
 @dataclass(frozen=True)
@@ -124,6 +140,8 @@ class Method:
     fragments: int
     overlap: int
     bytes_per_param: float
+    #: Its payloads reach every worker whole (a sparse wire: :func:`link_copies`).
+    gathered: bool = False
 
     @property
     def steps_between_syncs(self) -> float:
@@ -131,12 +149,19 @@ class Method:
 
 
 def methods(inner_steps: int, fragments: int, overlap: int, bytes_per_param: float,
-            streaming_bytes_per_param: float | None = None) -> tuple[Method, Method, Method]:
+            streaming_bytes_per_param: float | None = None, gathered: bool = False,
+            streaming_gathered: bool | None = None) -> tuple[Method, Method, Method]:
     """Data parallel, DiLoCo and Streaming DiLoCo for one setting (Streaming may use its own wire format)."""
     streaming = bytes_per_param if streaming_bytes_per_param is None else streaming_bytes_per_param
-    return (Method("data parallel", 1, 1, 0, bytes_per_param),
-            Method("DiLoCo", inner_steps, 1, 0, bytes_per_param),
-            Method("Streaming DiLoCo", inner_steps, fragments, overlap, streaming))
+    s_gathered = gathered if streaming_gathered is None else streaming_gathered
+    return (Method("data parallel", 1, 1, 0, bytes_per_param, gathered),
+            Method("DiLoCo", inner_steps, 1, 0, bytes_per_param, gathered),
+            Method("Streaming DiLoCo", inner_steps, fragments, overlap, streaming, s_gathered))
+
+
+def parse_wire_format(text: str) -> tuple[float, bool]:
+    """``(bytes per parameter, gathered)`` of a ``--wire`` value: a dtype name or a number of bytes."""
+    return parse_wire(text), str(text).strip().lower() in GATHERED_WIRES
 
 
 def release_steps(inner_steps: int, fragments: int) -> list[int]:
@@ -147,14 +172,14 @@ def release_steps(inner_steps: int, fragments: int) -> list[int]:
 
 def utilisation(*, params: float, step_time_s: float, workers: int, bandwidth_gbit_s: float,
                 bytes_per_param: float, inner_steps: int = 1, fragments: int = 1, overlap: int = 0,
-                buckets: int = DEFAULT_BUCKETS, data_plane: str = "collective") -> float:
+                buckets: int = DEFAULT_BUCKETS, data_plane: str = "collective", gathered: bool = False) -> float:
     """Compute utilisation in (0, 1] of one method with ``bandwidth_gbit_s`` on the data plane's busiest link
     (each worker's for ``collective``, the coordinator's for ``hub``; see the module docstring)."""
     _positive("step_time_s", step_time_s)
     _positive("bandwidth_gbit_s", bandwidth_gbit_s)
     _int_at_least("buckets", buckets, 1)
     _check_schedule(inner_steps, fragments, overlap)
-    bits = sync_bits(params, bytes_per_param, workers, data_plane) / fragments
+    bits = sync_bits(params, bytes_per_param, workers, data_plane, gathered) / fragments
     transfer = bits / (bandwidth_gbit_s * 1e9)
     if transfer == 0.0:
         return 1.0
@@ -192,7 +217,8 @@ def method_utilisation(method: Method, *, params: float, step_time_s: float, wor
                        data_plane: str = "collective") -> float:
     return utilisation(params=params, step_time_s=step_time_s, workers=workers, bandwidth_gbit_s=bandwidth_gbit_s,
                        bytes_per_param=method.bytes_per_param, inner_steps=method.inner_steps,
-                       fragments=method.fragments, overlap=method.overlap, buckets=buckets, data_plane=data_plane)
+                       fragments=method.fragments, overlap=method.overlap, buckets=buckets, data_plane=data_plane,
+                       gathered=method.gathered)
 
 
 def utilisation_curve(method: Method, *, params: float, step_time_s: float, workers: int,
@@ -228,7 +254,7 @@ def bandwidth_for(method: Method, target: float, *, params: float, step_time_s: 
     if not 0.0 < target < 1.0:
         raise PlanError(f"utilisation target must be in (0, 1), got {target}")
     common = dict(params=params, step_time_s=step_time_s, workers=workers, buckets=buckets, data_plane=data_plane)
-    if sync_bits(params, method.bytes_per_param, workers, data_plane) == 0.0:
+    if sync_bits(params, method.bytes_per_param, workers, data_plane, method.gathered) == 0.0:
         return 0.0
 
     def reaches(b: float) -> bool:

@@ -185,7 +185,6 @@ def test_the_norm_bound_holds_a_sparse_contribution_by_its_entries():
 # ---------------------------------------------------------------- what it composes with
 
 @pytest.mark.parametrize("change, words", [
-    ({"fsm": FSMConfig(min_workers=1, data_plane="collective"), "collective_timeout_s": 1.0}, "collective plane"),
     ({"fsm": FSMConfig(min_workers=1, mode="async")}, "sync run"),
     ({"outer": OuterConfig()}, "no global momentum"),
     ({"merge": "tokens"}, "uniform"),
@@ -279,3 +278,85 @@ def test_the_accumulator_decays_by_beta_and_a_welcome_past_it_drops_it():
     assert keeper.residual_round == {0: 9}
     assert keeper.settle_residual([9], [["weight"]]) == [] and "weight" in keeper.residual
     assert keeper.settle_residual([12], [["weight"]]) == ["weight"] and keeper.residual == {}
+
+
+# ---------------------------------------------------------------- both planes
+
+def _run_plane(plane: str):
+    """Two workers (the same init, their own data) for 24 steps at H = 4 on ``plane``: the final params
+    of every member (hub: the coordinator's too) and the held-out loss of the first's."""
+    from diloco.collective.store import StoreHost
+
+    fsm = {"min_workers": 2, "heartbeat_timeout_s": 3.0}
+    extra = {}
+    store = None
+    if plane == "collective":
+        store = StoreHost()
+        fsm.update(data_plane="collective", reduce_timeout_s=4.0)
+        extra["collective_timeout_s"] = 1.0
+    config = CoordinatorConfig(FSMConfig(**fsm), outer=SGD1, wire_dtype="sparse", sparsity=0.25, sparse_chunk=16,
+                               **extra)
+    coordinator = Coordinator(config, time.monotonic())
+    if store is not None:
+        coordinator.collective.store_port = store.port
+    from training_harness import batches
+
+    with Run(coordinator=coordinator, linger_s=2.0) as run:
+        workers = [run.worker(f"w{i}", mlp(0), sync_every=4) for i in range(2)]
+        for i, w in enumerate(workers):
+            run.start(w, batches(i), max_steps=24)
+        reports = run.join_workers(60)
+        assert all(r.rounds_synced == 6 for r in reports.values()), reports
+        finals = [{n: t.clone() for n, t in w.global_params.items()} for w in workers]
+    model = mlp(0)
+    model.load_state_dict(finals[0])
+    with torch.no_grad():
+        loss = float(mse_loss(model, batch_at(99, 0)))
+    return finals, loss, workers
+
+
+def test_a_collective_sparse_run_holds_one_state_and_ends_where_the_hubs_run_does():
+    hub_finals, hub_loss, _ = _run_plane("hub")
+    coll_finals, coll_loss, workers = _run_plane("collective")
+    for finals in (hub_finals, coll_finals):
+        assert all(torch.equal(finals[0][n], finals[1][n]) for n in finals[0])
+    # The same sums, the same outer step (SGD, lr 1, momentum 0): the planes differ by the last bits
+    # of the step's arithmetic at most.
+    assert abs(coll_loss - hub_loss) <= 1e-4 * max(1.0, abs(hub_loss)), (hub_loss, coll_loss)
+    assert all(w.data_plane.replica.sparse_fmt == sp.SparseFormat(16, 4) for w in workers)
+
+
+def test_a_malformed_payload_in_the_groups_gather_gets_its_sender_blamed_by_every_member():
+    from diloco.collective.groups import build_group, connect_store
+    from diloco.collective.member import judge_reduce
+    from diloco.collective.reduce import mean_pseudo_gradient
+    from diloco.collective.store import StoreHost
+    from diloco.wire.messages import ReduceOrder
+
+    host = StoreHost()
+    shapes = {"w": torch.Size([40])}
+    good = grads(5)["w"].reshape(-1)[:40]
+    values, scales = sp.encode({"w": good}, FMT)
+    bad = values["w"].clone()
+    bad[1] = bad[0]  # a repeated place
+    payloads = [compression.Encoded(values, scales), compression.Encoded({"w": bad}, scales)]
+    got: dict = {}
+
+    def member(rank: int) -> None:
+        group = build_group(connect_store("127.0.0.1", host.port, 10), "run/sparse", rank, 2, "127.0.0.1", 10)
+        got[rank] = mean_pseudo_gradient(group, payloads[rank], "sparse", shapes, 10, fmt=FMT)
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    order = ReduceOrder(0, 0, 0, ("w0", "w1"), "run/sparse", norms=(100.0, 100.0))
+    for rank in range(2):
+        mean, norms, _ = got[rank]
+        assert math.isfinite(norms[0]) and math.isnan(norms[1]), norms
+        refused = judge_reduce(order, norms, lambda: 0.0)
+        assert refused is not None and refused.blame == ("w1",), refused
+        # The rest of the sum is rank 0's alone: never a dense copy of the bad one.
+        want = sp.densify(sp.decode_tensor(values["w"], scales["w"], 40, FMT, "w", "t"), (40,)) / 2
+        assert torch.equal(mean["w"], want)
