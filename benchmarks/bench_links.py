@@ -487,22 +487,30 @@ def measure(net: Net, plane: str, params: int, wire: str, sync_every: int, step_
 # Predictions.
 # ---------------------------------------------------------------------------------------------
 
+#: The server's wire dtypes this benchmark runs (``--wire-dtype``, a comma list).
+WIRES = ("fp32", "bf16", "int8", "int4", "sparse")
+
+
 def wire_bytes_exact(wire: str) -> float:
-    """Bytes per parameter the codec really sends: int8 adds one fp32 scale per 256 values."""
-    return {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 256}[wire]
+    """Bytes per parameter the codec really sends: int8 adds one fp32 scale per 256 values, int4 one per
+    64; sparse sends 64 two-byte entries and a 4-byte scale per chunk of 4096 (its defaults)."""
+    return {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 256, "int4": 0.5 + 4.0 / 64,
+            "sparse": (2 * 64 + 4) / 4096}[wire]
 
 
 def predicted_s(plane: str, params: int, workers: int, wire: str, rate_mbit: float) -> float:
     """The planner's figure: ``sync_bits`` (diloco plan's payload formula) over the link's rate."""
-    from diloco.planner.model import WIRE_DTYPES, sync_bits
+    from diloco.planner.model import GATHERED_WIRES, WIRE_DTYPES, sync_bits
 
-    return sync_bits(params, WIRE_DTYPES[wire], workers, plane) / (rate_mbit * 1e6)
+    return sync_bits(params, WIRE_DTYPES[wire], workers, plane, wire in GATHERED_WIRES) / (rate_mbit * 1e6)
 
 
 def impl_s(plane: str, params: int, workers: int, wire: str, rate_mbit: float) -> float:
     """What this implementation puts on the busiest link, at the raw rate (module docstring)."""
     payload = params * wire_bytes_exact(wire)
-    if plane == "hub":
+    if wire == "sparse":  # every payload reaches every worker whole (the hub's Results carry all k)
+        copies = float(workers + workers * workers) if plane == "hub" else float(workers - 1)
+    elif plane == "hub":
         copies = 2.0 * workers
     else:
         copies = 2.0 * (workers - 1) / workers if wire == "fp32" else float(workers - 1)
@@ -537,8 +545,10 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--workers", type=int, default=4, help="k workers (default 4)")
     p.add_argument("--rate-mbit", type=float, default=None, help="every host link's rate, each way (default 100; "
                                                                  "quick 50)")
-    p.add_argument("--wire-dtype", default="fp32", choices=("fp32", "bf16", "int8"),
-                   help="the server's --wire-dtype (default fp32: 4 bytes per param, simple arithmetic)")
+    p.add_argument("--wire-dtype", default="fp32", metavar="DTYPES",
+                   help=f"the server's --wire-dtype, or a comma list of them measured in turn ({', '.join(WIRES)}; "
+                        f"default fp32: 4 bytes per param, simple arithmetic; int4 and sparse: the hub and, for "
+                        f"sparse, the collective plane)")
     p.add_argument("--sync-every", type=int, default=5, help="inner steps per round (default 5)")
     p.add_argument("--step-s", type=float, default=0.02, help="sleep per inner step (default 0.02)")
     p.add_argument("--rounds", type=int, default=None, help="round intervals measured (default 3; quick 2)")
@@ -554,6 +564,9 @@ def main(argv: Optional[list] = None) -> int:
     rate = args.rate_mbit or (50.0 if args.quick else 100.0)
     rounds = args.rounds or (2 if args.quick else 3)
     planes = [s.strip() for s in args.planes.split(",") if s.strip()]
+    wires = [w.strip() for w in args.wire_dtype.split(",") if w.strip()]
+    if not wires or any(w not in WIRES for w in wires):
+        p.error(f"--wire-dtype {args.wire_dtype!r}: a comma list of {', '.join(WIRES)}")
     why = preflight()
     if why:
         print(f"bench_links: cannot run: {why}", file=sys.stderr)
@@ -567,25 +580,26 @@ def main(argv: Optional[list] = None) -> int:
         print(f"network: namespaces {', '.join(net.made)}; bridge br0 in {net.switch}; coordinator {COORD_IP}, "
               f"workers {worker_ip(0)}..{worker_ip(args.workers - 1)}; every link tbf {rate:g} Mbit/s each way",
               flush=True)
-        for n in sizes:
+        runs = [(n, plane, wire) for n in sizes for wire in wires for plane in planes
+                if not (wire == "int4" and plane == "collective")]  # the collective plane knows no int4
+        for n, plane, wire in runs:
             actual = model_params(n)
-            for plane in planes:
-                pred = predicted_s(plane, actual, args.workers, args.wire_dtype, rate)
-                imp = impl_s(plane, actual, args.workers, args.wire_dtype, rate)
-                print(f"-- {plane}: {actual:,} params ({LAYERS} x Linear({layer_width(n)})), k={args.workers}, "
-                      f"{rate:g} Mbit/s, wire {args.wire_dtype}, H={args.sync_every}, step {args.step_s:g} s"
-                      f"{f', --link-timeout {args.link_timeout:g}' if args.link_timeout else ''} ...",
+            pred = predicted_s(plane, actual, args.workers, wire, rate)
+            imp = impl_s(plane, actual, args.workers, wire, rate)
+            print(f"-- {plane}: {actual:,} params ({LAYERS} x Linear({layer_width(n)})), k={args.workers}, "
+                  f"{rate:g} Mbit/s, wire {wire}, H={args.sync_every}, step {args.step_s:g} s"
+                  f"{f', --link-timeout {args.link_timeout:g}' if args.link_timeout else ''} ...",
+                  flush=True)
+            m = measure(net, plane, actual, wire, args.sync_every, args.step_s, rounds, args.warmup,
+                        workdir, args.stall_s or 60 + 4 * imp, max(60.0, 10 * imp), args.link_timeout)
+            results.append(m)
+            if not m.stalled:
+                print(f"   round {m.round_s:.2f} s (median of {m.rounds}), compute {m.compute_s:.2f} s, "
+                      f"comm {m.comm_s:.2f} s (a worker's own view: {m.worker_gap_s:.2f} s between its rounds); "
+                      f"sent per round: coordinator {m.coord_tx_mb:.1f} MB, each worker {m.worker_tx_mb:.1f} MB",
                       flush=True)
-                m = measure(net, plane, actual, args.wire_dtype, args.sync_every, args.step_s, rounds, args.warmup,
-                            workdir, args.stall_s or 60 + 4 * imp, max(60.0, 10 * imp), args.link_timeout)
-                results.append(m)
-                if not m.stalled:
-                    print(f"   round {m.round_s:.2f} s (median of {m.rounds}), compute {m.compute_s:.2f} s, "
-                          f"comm {m.comm_s:.2f} s (a worker's own view: {m.worker_gap_s:.2f} s between its rounds); "
-                          f"sent per round: coordinator {m.coord_tx_mb:.1f} MB, each worker {m.worker_tx_mb:.1f} MB",
-                          flush=True)
-                    print(f"   planner {pred:.2f} s (ratio {m.comm_s / pred:.2f}); "
-                          f"implementation-aware {imp:.2f} s (ratio {m.comm_s / imp:.2f})", flush=True)
+                print(f"   planner {pred:.2f} s (ratio {m.comm_s / pred:.2f}); "
+                      f"implementation-aware {imp:.2f} s (ratio {m.comm_s / imp:.2f})", flush=True)
     except KeyboardInterrupt:
         interrupted = True
         print("interrupted", file=sys.stderr)

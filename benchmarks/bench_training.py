@@ -161,7 +161,7 @@ WIRE_ROWS = ("fp32", "bf16", "int8", "int8-noef", "int4", "int4-noef", "fp32-muo
 #: The sparse wire's densities by row flag; its outer lr (the method's step: theta - lr * mean(sent)) and
 #: accumulator decay (``--sparse-outer-lr``, ``--sparse-beta``).
 SPARSE_DENSITY = {"d32": 1 / 32, "d64": 1 / 64}
-SPARSE_SETTINGS = {"lr": 1.0, "beta": 0.95}
+SPARSE_SETTINGS = {"lr": 3.0, "beta": 0.95}  # diloco server's defaults (diloco.wire.sparse)
 
 #: Data planes of the real system (README "Scaling out: the collective data plane"); ``both`` compares them.
 PLANES = ("hub", "collective")

@@ -172,8 +172,8 @@ def register(subparsers) -> None:
                         f"256 values), int4 (0.5, plus one fp32 scale per 64; the hub plane only; use it with "
                         f"the workers' default error feedback) or sparse (SparseLoCo: the top --sparsity of each "
                         f"chunk of every worker's error-feedback accumulator, 2 bits a value: about 1/120 of fp32 "
-                        f"at the default; the hub plane, sync mode; its outer step is plain SGD, --outer-lr "
-                        f"default 1); the outer step is fp32 whatever it is, and "
+                        f"at the default; sync mode; its outer step is plain SGD, --outer-lr default 3); the "
+                        f"outer step is fp32 whatever it is, and "
                         f"coordinator and workers hold bit-identical params. Workers adopt it from the coordinator (default "
                         f"{DEFAULT_WIRE_DTYPE}; on --resume: the saved one)")
     p.add_argument("--sparsity", type=_positive_float, default=None, metavar="D",

@@ -29,6 +29,7 @@ from diloco.coordinator.runner import serve
 from diloco.deploy.events import EventPrinter
 from diloco.core import ConfigError, Mode
 from diloco.deploy.options import DEFAULT_HEAL_SOURCES, DEFAULT_WIRE_DTYPE
+from diloco.wire.sparse import DEFAULT_OUTER_LR as SPARSE_OUTER_LR
 from diloco.deploy.startup import startup_lines
 from diloco.ckptio import CheckpointError
 from diloco.wire.endpoints import CoordinatorEndpoint
@@ -144,9 +145,9 @@ def build_config(s: ServerSettings, base: CoordinatorConfig | None = None) -> Co
         if fsm.mode is Mode.SYNC and outer.name == "delayed_nesterov" and "name" not in outer_changes:
             outer = dataclasses.replace(outer, name="nesterov")
         if wire_dtype == "sparse" and "name" not in outer_changes and outer.name != "sgd":
-            # SparseLoCo's outer step: theta - lr * mean(sent), no global momentum (lr 1 unless given).
+            # SparseLoCo's outer step: theta - lr * mean(sent), no global momentum.
             outer = dataclasses.replace(outer, name="sgd", momentum=outer_changes.get("momentum", 0.0),
-                                        lr=outer_changes.get("lr", 1.0))
+                                        lr=outer_changes.get("lr", SPARSE_OUTER_LR))
         if wire_dtype != "sparse" and any(v is not None for v in (s.sparsity, s.sparse_chunk, s.sparse_beta)):
             raise ServerError("--sparsity, --sparse-chunk and --sparse-beta set the sparse wire: they need "
                               "--wire-dtype sparse")

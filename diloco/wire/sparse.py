@@ -39,6 +39,10 @@ DEFAULT_CHUNK = 4096
 DEFAULT_DENSITY = 1 / 64
 #: The accumulator's decay (``e <- beta * e + delta``).
 DEFAULT_BETA = 0.95
+#: ``diloco server``'s outer lr on the sparse wire when none is given: the best of 1, 2, 3 and 4 at
+#: both densities in ``bench_training.py --wire`` (benchmarks/README.md, "The sparse wire"). Each round
+#: sends a sliver of the accumulator, so the step that serves it is larger than dense DiLoCo's 0.7.
+DEFAULT_OUTER_LR = 3.0
 #: The four levels of a code, in units of the chunk's scale.
 _LEVELS = (-1.0, -1 / 3, 1 / 3, 1.0)
 
@@ -141,12 +145,13 @@ def encode_tensor(t: torch.Tensor, fmt: SparseFormat) -> tuple[torch.Tensor, tor
     places, values = [], []
     if full:
         rows = x[: full * fmt.chunk].view(full, fmt.chunk)
-        top = rows.abs().topk(fmt.k, dim=1, sorted=False).indices.sort(dim=1).values
+        # (A sorted top-k is faster than an unsorted one on the CPU; the places are sorted after.)
+        top = rows.abs().topk(fmt.k, dim=1).indices.sort(dim=1).values
         places.append(top)
         values.append(rows.gather(1, top))
     if rest:
         last = x[full * fmt.chunk:]
-        top = last.abs().topk(min(fmt.k, rest), sorted=False).indices.sort().values
+        top = last.abs().topk(min(fmt.k, rest)).indices.sort().values
         places.append(top.view(1, -1))
         values.append(last[top].view(1, -1))
     entries, scales = [], []
@@ -234,6 +239,12 @@ def decode(values: Mapping[str, torch.Tensor], scales: Mapping[str, torch.Tensor
     if list(scales) != want:
         raise EncodingError(f"{what}: scales: expected one vector per tensor {want[:5]}, got {list(scales)[:5]}")
     return {n: decode_tensor(values[n], scales[n], math.prod(shape), fmt, n, what) for n, shape in expected}
+
+
+def subtract_from(total: torch.Tensor, payload: Payload) -> None:
+    """``total -= payload`` in place, touching only its entries: the same bits as subtracting the dense
+    tensor it stands for (``x - 0`` is ``x``), without making it."""
+    total.view(-1).index_add_(0, payload.index, payload.value, alpha=-1)
 
 
 def densify(payload: Payload, shape: tuple[int, ...]) -> torch.Tensor:

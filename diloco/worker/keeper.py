@@ -25,7 +25,7 @@ import torch
 from diloco.collective.endpoint import CollectiveEndpoint
 from diloco.collective.reduce import tensors_norm
 from diloco.collective.sharded_endpoint import ShardedCollectiveEndpoint
-from diloco.wire import compression
+from diloco.wire import compression, sparse
 from diloco.wire.sparse import SparseWire
 from diloco.worker import checkpoint, sharded_checkpoint
 from diloco.worker.device import DeviceGlobal
@@ -164,8 +164,18 @@ class ReplicaKeeper:
         raw = tensors_norm(tensors)  # exact at any size (fp32's own norm drifts by percents)
         declared = raw if collective and wire_dtype == "fp32" else None
         enc = compression.encode(tensors, wire_dtype, sparse_wire)
-        if feedback:
-            sent = compression.decoded(enc, wire_dtype, tensors, sparse_wire)
+        if feedback and sparse_wire is not None:
+            # What it sent leaves the accumulator entry by entry: no dense copy of the payload.
+            sent_entries = {n: sparse.decode_tensor(enc.values[n], enc.scales[n], t.numel(), sparse_wire.fmt, n,
+                                                    "this worker's own payload") for n, t in tensors.items()}
+            if collective:
+                declared = tensors_norm({n: p.value for n, p in sent_entries.items()})
+            for n, t in tensors.items():
+                sparse.subtract_from(t, sent_entries[n])
+                self.residual[n] = t
+            self.residual_round[fid] = round_id + 1
+        elif feedback:
+            sent = compression.decoded(enc, wire_dtype, tensors)
             if collective:
                 declared = tensors_norm(sent)
             for n, t in tensors.items():

@@ -202,7 +202,7 @@ def test_the_server_makes_a_sparse_runs_outer_step_plain_sgd_and_keeps_its_setti
     from diloco.deploy.startup import wire_line
 
     cfg = build_config(ServerSettings(wire_dtype="sparse", sparsity=1 / 32))
-    assert (cfg.outer.name, cfg.outer.momentum, cfg.outer.lr) == ("sgd", 0.0, 1.0)
+    assert (cfg.outer.name, cfg.outer.momentum, cfg.outer.lr) == ("sgd", 0.0, sp.DEFAULT_OUTER_LR)
     assert cfg.sparse_wire.fmt == sp.SparseFormat(4096, 128)
     assert CoordinatorConfig.from_dict(cfg.to_dict()).sparse_wire == cfg.sparse_wire
     assert "top 128 of every 4096" in wire_line(cfg)
