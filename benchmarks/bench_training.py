@@ -639,22 +639,36 @@ class _GraceBench(_RealDiloco):
     times after each step), each training ``steps`` inner steps, with a grace window (SPEC.md P5)."""
 
     def __init__(self, k: int, H: int, steps: int, outer_lr: float, s: TrainSettings, corpus: Corpus, seed: int,
-                 *, window_s: float, delay: int, step_s: float, slow_factors: tuple[float, ...]) -> None:
+                 *, window_s: float | str, delay: int, step_s: float, slow_factors: tuple[float, ...],
+                 wall_s: float | None = None) -> None:
         super().__init__(k, H, steps, outer_lr, s, corpus, seed)
         self.rounds = k * steps // H  # contributions (the progress lines count outer steps against it)
         self.sleeps = [f * step_s for f in slow_factors]
-        # Quorum 1: a worker that finished its steps leaves; the others go on (async).
+        #: ``--grace-wall``: every worker trains this long instead of ``steps`` steps (equal wall time).
+        self.wall_s = wall_s
+        self._deadline: float | None = None
+        # Quorum 1: a worker that finished its steps leaves; the others go on (async). "auto": the
+        # window set from the arrivals (--grace-window auto), at most GRACE_AUTO_CEILING_S.
+        auto = window_s == "auto"
+        fsm = FSMConfig(min_workers=1, mode="async", grace_window_s=GRACE_AUTO_CEILING_S if auto else window_s)
         self.coordinator = Coordinator(
-            CoordinatorConfig(FSMConfig(min_workers=1, mode="async", grace_window_s=window_s),
-                              OuterConfig("delayed_nesterov", outer_lr, OUTER_MOMENTUM, delay)),
+            CoordinatorConfig(fsm, OuterConfig("delayed_nesterov", outer_lr, OUTER_MOMENTUM, delay), grace_auto=auto),
             now_s=time.monotonic(), observer=self._observe)
 
     def _train(self, index: int, worker_id: str) -> None:
-        self._paced(index, worker_id, self.sleeps[index], lambda w, done: done < self.steps)
+        if self.wall_s is None:
+            self._paced(index, worker_id, self.sleeps[index], lambda w, done: done < self.steps)
+            return
+        if self._deadline is None:
+            self._deadline = time.perf_counter() + self.wall_s
+        deadline = self._deadline
+        self._paced(index, worker_id, self.sleeps[index], lambda w, done: time.perf_counter() < deadline)
 
 
 #: ``--grace-sweep``: relative slowness of the 4 workers (extra sleep per inner step, in step times).
 GRACE_SLOW_FACTORS = (0.0, 0.5, 1.0, 2.0)
+#: ``--grace-windows auto``: the ceiling (``diloco server``'s default ``--grace-window-max``).
+GRACE_AUTO_CEILING_S = 5.0
 
 
 def grace_sweep_main(args) -> int:
@@ -662,7 +676,7 @@ def grace_sweep_main(args) -> int:
     k, H = len(GRACE_SLOW_FACTORS), args.overlap_h
     steps = args.steps or (100 if args.quick else 300)
     steps -= steps % H
-    windows = [float(x) for x in args.grace_windows.split(",")]
+    windows: list[float | str] = [x.strip() if x.strip() == "auto" else float(x) for x in args.grace_windows.split(",")]
     s = TrainSettings(batch_size=args.overlap_batch_size, lr=args.lr, eval_every=steps)
     corpus = default_corpus()
     step_s = calibrate_step_s(s, corpus, args.seed)
@@ -675,34 +689,36 @@ def grace_sweep_main(args) -> int:
     t_all = time.perf_counter()
     plan = [(w, d) for w in windows for d in (k, 1)]
     for window, delay in plan:
-        note(f"grace window {window:g} s (delay {delay}): k={k} H={H}, {steps} steps per worker")
+        note(f"grace window {window} (delay {delay}): k={k} H={H}, {steps} steps per worker")
         bench = _GraceBench(k, H, steps, args.outer_lr_h10, s, corpus, args.seed, window_s=window, delay=delay,
-                            step_s=step_s, slow_factors=GRACE_SLOW_FACTORS)
+                            step_s=step_s, slow_factors=GRACE_SLOW_FACTORS, wall_s=args.grace_wall)
         run = bench.run()
         sizes = bench.apply_sizes
         contributions = sum(sizes)
         rows.append(dict(window=window, delay=delay, loss=run.result.final_eval_loss, steps=len(sizes),
                          contributions=contributions, merged=contributions / max(1, len(sizes)),
-                         idle=bench.idle_shares(), wall=run.result.wall_s, done=dict(bench.steps_done)))
-        note(f"window {window:g} s done: final eval loss {run.result.final_eval_loss:.4f}, {len(sizes)} outer steps "
-             f"from {contributions} contributions, {run.result.wall_s:.0f} s")
+                         idle=bench.idle_shares(), wall=run.result.wall_s, done=dict(bench.steps_done),
+                         last_window=bench.coordinator.fsm.grace_window_s))
+        note(f"window {window} done: final eval loss {run.result.final_eval_loss:.4f}, {len(sizes)} outer steps "
+             f"from {contributions} contributions, {run.result.wall_s:.0f} s, last window "
+             f"{bench.coordinator.fsm.grace_window_s:.2f} s")
     print()
     header = (f"{'window s':>8} {'delay':>5} {'outer steps':>11} {'contribs':>8} {'per step':>8} "
-              f"{'fast idle':>9} {'final loss':>10} {'wall s':>7}")
+              f"{'fast idle':>9} {'final loss':>10} {'wall s':>7} {'last window':>11}")
     print(header)
     print("-" * len(header))
     for r in rows:
         fast_idle = r["idle"].get("worker-1", float("nan"))
-        print(f"{r['window']:>8g} {r['delay']:>5} {r['steps']:>11} {r['contributions']:>8} {r['merged']:>8.2f} "
-              f"{fast_idle:>9.3f} {r['loss']:>10.4f} {r['wall']:>7.0f}")
-        if any(d != steps for d in r["done"].values()):
-            print(f"  odd (window {r['window']:g}): steps done {r['done']}")
+        print(f"{str(r['window']):>8} {r['delay']:>5} {r['steps']:>11} {r['contributions']:>8} {r['merged']:>8.2f} "
+              f"{fast_idle:>9.3f} {r['loss']:>10.4f} {r['wall']:>7.0f} {r['last_window']:>11.2f}")
+        if args.grace_wall is None and any(d != steps for d in r["done"].values()):
+            print(f"  odd (window {r['window']}): steps done {r['done']}")
     print(f"outer steps: ApplyRounds; per step: contributions merged per outer step; fast idle: worker-1's time "
           f"WAITING at its sync point / its span; final loss: held-out loss of the coordinator's params after "
           f"every worker's {steps} steps. total wall {time.perf_counter() - t_all:.0f} s")
     fields = []
     for r in rows:
-        name = f"w{r['window']:g}_d{r['delay']}"
+        name = f"w{r['window'] if r['window'] == 'auto' else format(r['window'], 'g')}_d{r['delay']}"
         fields += [f"{name}_loss={r['loss']:.4f}", f"{name}_steps={r['steps']}"]
     print("RESULT bench_training_grace " + " ".join(fields))
     return 0
@@ -1100,7 +1116,9 @@ def main(argv: list[str] | None = None) -> int:
                              "steps (default 300; quick 100), H --overlap-h, batch --overlap-batch-size: the "
                              "grace window (SPEC.md P5) 0 vs --grace-windows; final loss and outer steps "
                              "each with outer Delayed Nesterov delay 4 and 1 (~10 min on 2 cores; --quick ~3 min)")
-    parser.add_argument("--grace-windows", default="0,0.5,2", help="--grace-sweep: windows in seconds "
+    parser.add_argument("--grace-wall", type=float, default=None, metavar="S",
+                        help="--grace-sweep: every worker trains S seconds (equal wall time) instead of --steps")
+    parser.add_argument("--grace-windows", default="0,0.5,2", help="--grace-sweep: windows in seconds or auto "
                                                                      "(default %(default)s)")
     args = parser.parse_args(argv)
     if args.data_plane == "both":

@@ -57,6 +57,9 @@ class CoordinatorConfig:
     #: ``--data-units N``: hand out the data as N work units per epoch, each finished exactly once
     #: (``units.py``; SPEC.md section 12, "Data work units"); 0: off. The hub, one fragment.
     data_units: int = 0
+    #: ``--grace-window auto`` (SPEC.md P5): each window's length set from the recent arrivals
+    #: (``grace_auto.py``), at most ``fsm.grace_window_s`` (``--grace-window-max``), where it starts.
+    grace_auto: bool = False
     #: ``--wire-dtype sparse`` (SPEC.md section 11, "The sparse wire"): kept entries over a chunk's
     #: size (``--sparsity``), elements a chunk (``--sparse-chunk``) and the workers' accumulator decay
     #: (``--sparse-beta``). The outer step is the method's: plain SGD, momentum 0, ``outer.lr``.
@@ -140,6 +143,12 @@ class CoordinatorConfig:
                                   "(its all-gather of encoded pseudo-gradients knows no int4 yet: use the hub)")
         if self.wire_dtype == "sparse":
             self._check_sparse()
+        if not isinstance(self.grace_auto, bool):
+            raise ConfigError("grace_auto", self.grace_auto, "true or false")
+        if self.grace_auto and not self.fsm.grace_window_s:
+            raise ConfigError("grace_auto", self.grace_auto, "false without a grace window: auto sets each "
+                              "window's length within grace_window_s (the ceiling), which is 0 (--mode async "
+                              "with --grace-window auto sets one)")
         if self.fsm.mode is Mode.ASYNC and self.outer.name == "nesterov":
             object.__setattr__(self, "outer", dataclasses.replace(self.outer, name="delayed_nesterov"))
 
@@ -174,7 +183,8 @@ class CoordinatorConfig:
                 "collective_timeout_s": self.collective_timeout_s, "merge": self.merge,
                 "token_budget": self.token_budget, "data_units": self.data_units,
                 "max_failed_attempts": self.max_failed_attempts, "heal_sources": self.heal_sources,
-                "sparsity": self.sparsity, "sparse_chunk": self.sparse_chunk, "sparse_beta": self.sparse_beta}
+                "sparsity": self.sparsity, "sparse_chunk": self.sparse_chunk, "sparse_beta": self.sparse_beta,
+                "grace_auto": self.grace_auto}
 
     @property
     def token_weighted(self) -> bool:
@@ -195,4 +205,5 @@ class CoordinatorConfig:
                    data_units=d.get("data_units", 0),
                    max_failed_attempts=d.get("max_failed_attempts", DEFAULT_MAX_FAILED_ATTEMPTS),
                    heal_sources=d.get("heal_sources", 1), sparsity=d.get("sparsity", DEFAULT_DENSITY),
-                   sparse_chunk=d.get("sparse_chunk", DEFAULT_CHUNK), sparse_beta=d.get("sparse_beta", DEFAULT_BETA))
+                   sparse_chunk=d.get("sparse_chunk", DEFAULT_CHUNK), sparse_beta=d.get("sparse_beta", DEFAULT_BETA),
+                   grace_auto=d.get("grace_auto", False))

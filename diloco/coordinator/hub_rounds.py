@@ -40,12 +40,14 @@ from diloco.core import (
     ApplyRound,
     ContributionSubmitted,
     DiscardContribution,
+    GraceWindowChanged,
     Mode,
     OrderReduce,
     ReleaseOutcome,
     ReleaseWorker,
 )
 from diloco.outer import OptimizerBackup, build_outer_optimizer
+from diloco.coordinator.grace_auto import AutoGraceWindow
 from diloco.coordinator.sparse_rounds import SparseRounds
 from diloco.wire import compression
 from diloco.wire.messages import ErrorCode, Join, ReduceReport, Result, Submit, Tensors
@@ -123,6 +125,10 @@ class HubRounds:
         #: ``--wire-dtype sparse``: its sums, steps and Results (``sparse_rounds.py``); None for another.
         wire = self.config.sparse_wire
         self._sparse = SparseRounds(wire) if wire is not None else None
+        #: ``--grace-window auto`` (async): the windows' length from the arrivals, and a change of it
+        #: the core is told of at the end of the step (``end_step``).
+        self.grace_auto = AutoGraceWindow(self.config.fsm.grace_window_s) if self.config.grace_auto else None
+        self._next_window: float | None = None
 
     # ------------------------------------------------------------------ state
 
@@ -363,6 +369,8 @@ class HubRounds:
             self._round_tokens[fid] = self._round_tokens.get(fid, 0) + (submit.tokens or 0)
         else:
             self._held[(fid, effect.worker_id)] = _Held(held_tensors(tensors), effect.round_id, submit.tokens)
+            if self.grace_auto is not None:
+                self.grace_auto.accepted(fid, host.fsm.now_s)
         if host.units.enabled:
             why = host.units.submitted(effect.worker_id, fid, NO_UNIT if submit.unit is None else submit.unit)
             if why is not None:  # the contribution counts; its data is not marked trained
@@ -411,6 +419,9 @@ class HubRounds:
             mean = None
         bad, delta = self.outer_step(fid, grad, grad_bound, mean)
         self._stepped(effect, bad, tokens, now)
+        if self.grace_auto is not None:
+            everyone = len(effect.contributors) >= host.fsm.live_workers
+            self._next_window = self.grace_auto.closed(fid, everyone) or self._next_window
         # What the Results of this apply carry (SPEC.md section 5, rule 1: they follow it),
         # shared by all its contributors: views of the params, which no later step writes
         # (each moves them to fresh memory first, ``ParamStore.begin_step``), so a Result still
@@ -588,4 +599,9 @@ class HubRounds:
 
     def end_step(self) -> None:
         self._released.clear()
+        if self._next_window is not None:
+            # P5: the windows opened from now on last as long as the arrivals say (``grace_auto.py``).
+            window, self._next_window = self._next_window, None
+            self.host.step(GraceWindowChanged(window), [])
+            self.host.notify("grace_window", self.host.fsm.now_s, seconds=window)
         return None

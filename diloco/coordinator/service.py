@@ -239,6 +239,7 @@ class Coordinator:
             collective=self.plane.status(),
             outer_optimizer=self.config.outer.name,
             wire_dtype=self.config.wire_dtype,
+            grace_window_s=self.fsm.grace_window_s, grace_auto=self.config.grace_auto,
             banned_workers=sorted(self.access.banned_ids),
             banned_keys=self.access.banned_key_names(),
             keys=self.access.key_summary(self.fsm.is_member),

@@ -79,6 +79,13 @@ class MinWorkersChanged:
 
 
 @dataclass(frozen=True, slots=True)
+class GraceWindowChanged:
+    """P5: windows opened from now on last ``seconds`` (``--grace-window auto``; the open ones keep theirs)."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class ShutdownRequested:
     """An operator asked the run to end in the given way."""
 
@@ -94,6 +101,7 @@ Event = (
     | MinWorkersChanged
     | ShutdownRequested
     | ReduceReported
+    | GraceWindowChanged
 )
 
 #: Every event type, in the order SPEC.md lists them (tests iterate this).
@@ -106,4 +114,5 @@ EVENT_TYPES: tuple[type, ...] = (
     MinWorkersChanged,
     ShutdownRequested,
     ReduceReported,
+    GraceWindowChanged,
 )

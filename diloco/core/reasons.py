@@ -34,6 +34,8 @@ class RejectReason(str, enum.Enum):
     HELD_LIMIT = "held_limit"
     #: ``min_workers`` change to a value outside ``1..max_workers``.
     INVALID_MIN_WORKERS = "invalid_min_workers"
+    #: A grace window change in a run without a window, or to a length outside (0, its ceiling].
+    INVALID_GRACE_WINDOW = "invalid_grace_window"
     #: A live member with this id exists; the driver must report the old one gone first (R6).
     ALREADY_MEMBER = "already_member"
     #: Collective plane: no reduce attempt (fragment, round, attempt) is open with the sender in

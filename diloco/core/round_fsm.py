@@ -81,6 +81,7 @@ from diloco.core.events import (
     ContributionSubmitted,
     HeartbeatSeen,
     MinWorkersChanged,
+    GraceWindowChanged,
     ReduceReported,
     ShutdownRequested,
     Ticked,
@@ -136,6 +137,7 @@ class RoundFSM:
             WorkerJoined: self._on_join,
             WorkerLeft: self._on_leave,
             MinWorkersChanged: self._on_min_workers,
+            GraceWindowChanged: self._on_grace_window,
             ShutdownRequested: self._on_shutdown,
             ReduceReported: self._on_report,
         }
@@ -243,6 +245,7 @@ class RoundFSM:
             members=self._members,
             barriers=self._barriers,
             lanes=self._lanes,
+            window_s=self._window_s,
         )
 
     @classmethod
@@ -256,6 +259,7 @@ class RoundFSM:
             fsm._barriers = parsed.barriers
         else:
             fsm._lanes = parsed.lanes
+        fsm._window_s = parsed.window_s
         fsm._phase = PhaseModel(parsed.phase)
         fsm._set_quorum(quorum_decision(len(fsm._members), fsm._min_workers))
         return fsm
@@ -513,6 +517,21 @@ class RoundFSM:
             return
         self._min_workers = value
         self._after_membership_change(effects, announce=True)
+
+    def _on_grace_window(self, event: GraceWindowChanged, effects: list[Effect]) -> None:
+        """P5: the length of the windows opened from now on, within (0, the configured window]."""
+        ceiling, s = self.config.grace_window_s, event.seconds
+        if not ceiling or isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s <= ceiling:
+            effects.append(Reject("", RejectReason.INVALID_GRACE_WINDOW,
+                                  f"grace window {s!r}: expected seconds in (0, {ceiling:g}]" if ceiling else
+                                  "this run has no grace window to change (grace_window_s=0)"))
+            return
+        self._window_s = float(s)
+
+    @property
+    def grace_window_s(self) -> float:
+        """The length of the next window opened (P5; 0: no window)."""
+        return self._window_s
 
     def _on_shutdown(self, event: ShutdownRequested, effects: list[Effect]) -> None:
         try:

@@ -23,7 +23,7 @@ VERSION = 1
 
 def dump(*, config: dict, phase: Phase, min_workers: int, now_s: float,
          members: "OrderedDict[str, float]", barriers: list[SyncBarrier],
-         lanes: list[AsyncLane]) -> dict:
+         lanes: list[AsyncLane], window_s: float = 0.0) -> dict:
     if barriers:
         fragments = [{"round_id": b.round_id, "contributed": list(b.contributed)} for b in barriers]
         if config.get("data_plane") == DataPlane.COLLECTIVE.value:
@@ -40,7 +40,7 @@ def dump(*, config: dict, phase: Phase, min_workers: int, now_s: float,
             # P5: the open window's deadline (None while nothing is held).
             for f, lane in zip(fragments, lanes):
                 f["deadline_s"] = lane.deadline_s
-    return {
+    out = {
         "format": FORMAT,
         "version": VERSION,
         "config": config,
@@ -51,6 +51,9 @@ def dump(*, config: dict, phase: Phase, min_workers: int, now_s: float,
         "members": [[w, last] for w, last in members.items()],
         "fragments": fragments,
     }
+    if config.get("grace_window_s") and window_s != config["grace_window_s"]:
+        out["window_s"] = window_s  # P5: the next window's length, as ``GraceWindowChanged`` set it
+    return out
 
 
 def _dump_attempt(attempt: ReduceAttempt | None) -> dict | None:
@@ -69,6 +72,8 @@ class Parsed:
     members: "OrderedDict[str, float]"
     barriers: list[SyncBarrier]
     lanes: list[AsyncLane]
+    #: P5: the next window's length (the configured one unless ``GraceWindowChanged`` set another).
+    window_s: float = 0.0
 
 
 def load(snap: object) -> Parsed:
@@ -206,7 +211,13 @@ def load(snap: object) -> Parsed:
         if lane.held and (phase is Phase.STOPPED or not (below or window_open)):
             raise SnapshotError(f"snapshot.fragments[{fid}]: contributions held in a stopped run or "
                                 f"although quorum holds (I5, I7)")
-    return Parsed(config, phase, min_workers, now_s, members, barriers, lanes)
+    window_s = config.grace_window_s
+    if "window_s" in d:
+        window_s = _num(d["window_s"], "snapshot.window_s")
+        if not 0 < window_s <= config.grace_window_s:
+            raise SnapshotError(f"snapshot.window_s={window_s!r}: expected seconds in (0, "
+                                f"grace_window_s={config.grace_window_s:g}]")
+    return Parsed(config, phase, min_workers, now_s, members, barriers, lanes, window_s)
 
 
 def _load_attempt(raw: object, path: str, config: FSMConfig, members, contributed: dict,

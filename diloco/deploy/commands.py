@@ -18,14 +18,21 @@ import sys
 import time
 
 from diloco.argtypes import flag_value
-from diloco.deploy.options import DEFAULT_HEAL_SOURCES, DEFAULT_WIRE_DTYPE, WIRE_DTYPES, client_auth
+from diloco.deploy.options import DEFAULT_GRACE_CEILING_S, DEFAULT_HEAL_SOURCES, DEFAULT_WIRE_DTYPE, WIRE_DTYPES, client_auth
 from diloco.exits import EXIT_AUTH_REFUSED, EXIT_OK, EXIT_PROBLEM, EXIT_UNREACHABLE, UsageError
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 
 
 _positive_int = flag_value(int, lambda v: v >= 1, ">= 1")
-_grace_window = flag_value(float, lambda v: 0 <= v < float("inf"), "a finite number of seconds >= 0", "--grace-window")
+_grace_seconds = flag_value(float, lambda v: 0 <= v < float("inf"), "a finite number of seconds >= 0 or auto",
+                            "--grace-window")
+_grace_max = flag_value(float, lambda v: 0 < v < float("inf"), "a finite number of seconds > 0", "--grace-window-max")
+
+
+def _grace_window(text: str):
+    """``--grace-window``: seconds, or ``auto`` (each window's length from the arrivals)."""
+    return "auto" if text.strip().lower() == "auto" else _grace_seconds(text)
 
 
 def momentum_decay(text: str) -> tuple[int, int, float]:
@@ -141,7 +148,12 @@ def register(subparsers) -> None:
                         "every live worker has submitted, and at once when a worker leaves or dies. The quorum "
                         "(--min-workers) holds for the merged step. Fast workers wait up to S at their sync point. "
                         "At most the heartbeat timeout. 0: one outer step per contribution (default 0; on "
-                        "--resume: the saved value)")
+                        "--resume: the saved value). auto: each window as long as the recent arrivals say (their "
+                        "median offset after a window opens plus 3 median absolute deviations, recomputed at "
+                        "every close), starting at and never above --grace-window-max")
+    p.add_argument("--grace-window-max", type=_grace_max, default=None, metavar="S",
+                   help=f"--grace-window auto: the longest window, where it starts (default "
+                        f"{DEFAULT_GRACE_CEILING_S:g} s, at most the heartbeat timeout)")
     p.add_argument("--fragments", type=_positive_int, default=None, metavar="F",
                    help="Streaming DiLoCo: split the params into F fragments that sync separately (default 1)")
     p.add_argument("--outer-optimizer", choices=("nesterov", "sgd", "adam", "delayed_nesterov"), default=None,
@@ -459,7 +471,7 @@ def cmd_server(args) -> int:
     settings = ServerSettings(
         bind=args.bind, min_workers=args.min_workers, heartbeat_timeout_s=args.heartbeat_timeout,
         checkpoint_dir=args.checkpoint_dir, mode=args.mode, fragments=args.fragments,
-        grace_window_s=args.grace_window,
+        grace_window_s=args.grace_window, grace_window_max_s=args.grace_window_max,
         outer_optimizer=args.outer_optimizer, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
         outer_momentum_warmup=args.outer_momentum_warmup, outer_momentum_decay=args.outer_momentum_decay,
         resume=args.resume, keep=args.keep, full_checkpoint_every=args.full_checkpoint_every,

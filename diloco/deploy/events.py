@@ -86,6 +86,8 @@ class EventPrinter:
                     f"(--token-budget): stopping as shutdown --save does")
         elif kind == "stop":
             line = f"stopped  {info['kind']}"
+        elif kind == "grace_window":
+            line = f"window   the next grace windows last {info['seconds']:.2f} s (--grace-window auto)"
         elif kind == "unit_back":
             line = f"unit     {info['unit']} back from {info['worker_id']}: handed out again"
         elif kind == "unit_mismatch":

@@ -12,6 +12,8 @@ from diloco.exits import UsageError
 #: ``diloco server --wire-dtype``: how pseudo-gradients and Results travel in a fresh run.
 #: Chosen from benchmarks/bench_training.py --wire (benchmarks/README.md).
 DEFAULT_WIRE_DTYPE = "int8"
+#: ``diloco server --grace-window auto``: the longest window, where it starts (``--grace-window-max``).
+DEFAULT_GRACE_CEILING_S = 5.0
 #: ``diloco server --heal-sources``: members a joiner copies the state from at once (collective plane).
 DEFAULT_HEAL_SOURCES = 3
 #: The ``--wire-dtype`` choices: ``diloco.wire.messages.WIRE_DTYPE_NAMES`` (a test checks they agree),

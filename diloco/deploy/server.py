@@ -28,7 +28,7 @@ from diloco.coordinator.checkpoint import DEFAULT_KEEP, find_newest, list_checkp
 from diloco.coordinator.runner import serve
 from diloco.deploy.events import EventPrinter
 from diloco.core import ConfigError, Mode
-from diloco.deploy.options import DEFAULT_HEAL_SOURCES, DEFAULT_WIRE_DTYPE
+from diloco.deploy.options import DEFAULT_GRACE_CEILING_S, DEFAULT_HEAL_SOURCES, DEFAULT_WIRE_DTYPE
 from diloco.wire.sparse import DEFAULT_OUTER_LR as SPARSE_OUTER_LR
 from diloco.deploy.startup import startup_lines
 from diloco.ckptio import CheckpointError
@@ -54,8 +54,10 @@ class ServerSettings:
     full_checkpoint_every: int = 0
     mode: str | None = None
     #: ``--grace-window S``: async contributions within S seconds merge into one outer step (SPEC.md P5);
-    #: None: not given, so 0, or on resume the checkpoint's.
-    grace_window_s: float | None = None
+    #: None: not given, so 0, or on resume the checkpoint's. "auto": the window set from the arrivals, at
+    #: most ``grace_window_max_s`` (``--grace-window-max``; None: ``DEFAULT_GRACE_CEILING_S``).
+    grace_window_s: float | str | None = None
+    grace_window_max_s: float | None = None
     fragments: int | None = None
     outer_optimizer: str | None = None
     outer_lr: float | None = None
@@ -118,13 +120,23 @@ def build_config(s: ServerSettings, base: CoordinatorConfig | None = None) -> Co
     base = base or CoordinatorConfig()
     fsm = base.fsm
     changes = {}
+    auto = s.grace_window_s == "auto" or (s.grace_window_s is None and base.grace_auto)
+    if s.grace_window_max_s is not None and not auto:
+        raise ServerError("--grace-window-max bounds --grace-window auto: give --grace-window auto with it")
+    window = s.grace_window_s
+    if s.grace_window_s == "auto":
+        window = s.grace_window_max_s or min(DEFAULT_GRACE_CEILING_S,
+                                             s.heartbeat_timeout_s or fsm.heartbeat_timeout_s)
+    elif auto and s.grace_window_max_s is not None:
+        window = s.grace_window_max_s  # a resumed auto run's new ceiling
     for field, value in (("min_workers", s.min_workers), ("heartbeat_timeout_s", s.heartbeat_timeout_s),
                          ("mode", s.mode), ("num_fragments", s.fragments), ("data_plane", s.data_plane),
-                         ("grace_window_s", s.grace_window_s)):
+                         ("grace_window_s", window)):
         if value is not None:
             changes[field] = value
-    if s.grace_window_s and (s.mode or fsm.mode.value) != "async":
-        raise ServerError(f"--grace-window {s.grace_window_s:g} needs --mode async: a sync round already merges "
+    if window and (s.mode or fsm.mode.value) != "async":
+        given = "auto" if auto else f"{window:g}"
+        raise ServerError(f"--grace-window {given} needs --mode async: a sync round already merges "
                           f"every worker's contribution")
     if s.data_plane == "collective" and (s.mode or fsm.mode.value) == "async":
         raise ServerError("--data-plane collective runs in sync mode only: an async contribution is its own "
@@ -176,7 +188,8 @@ def build_config(s: ServerSettings, base: CoordinatorConfig | None = None) -> Co
                                  collective_timeout_s=collective_timeout, heal_sources=heal_sources,
                                  sparsity=base.sparsity if s.sparsity is None else s.sparsity,
                                  sparse_chunk=base.sparse_chunk if s.sparse_chunk is None else s.sparse_chunk,
-                                 sparse_beta=base.sparse_beta if s.sparse_beta is None else s.sparse_beta)
+                                 sparse_beta=base.sparse_beta if s.sparse_beta is None else s.sparse_beta,
+                                 grace_auto=auto)
     except (ConfigError, ValueError) as exc:
         raise ServerError(str(exc)) from None
 

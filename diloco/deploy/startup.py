@@ -27,7 +27,9 @@ def startup_lines(coordinator: Coordinator, s, address: str, store_host, auth) -
              f"{momentum_schedule(cfg.outer)}",
              f"  {wire_line(cfg)}"]
     if cfg.fsm.grace_window_s:
-        lines.append(f"  grace window {cfg.fsm.grace_window_s:g} s: contributions within it merge into one outer "
+        length = (f"auto (set from the arrivals at every close, at most {cfg.fsm.grace_window_s:g} s)"
+                  if cfg.grace_auto else f"{cfg.fsm.grace_window_s:g} s")
+        lines.append(f"  grace window {length}: contributions within it merge into one outer "
                      f"step (their mean); it closes early once every live worker is in, at once on a departure")
     if store_host is not None:
         lines.append(f"  data plane collective: workers all-reduce among themselves (gloo) on the store at "

@@ -52,6 +52,9 @@ class RunCollector:
                        s.get("paused_s", 0.0))
         yield _gauge("diloco_rounds_applied", "rounds applied over the whole run (all incarnations)",
                      s.get("rounds_applied", 0))
+        if s.get("grace_window_s"):
+            yield _gauge("diloco_grace_window_seconds", "async mode: the length of the next grace window (with "
+                         "--grace-window auto, as the recent arrivals set it)", s["grace_window_s"])
         by_frag = CounterMetricFamily("diloco_fragment_rounds_applied",
                                       "rounds applied by this server process, per fragment", labels=["fragment"])
         for fid, n in s.get("rounds_by_fragment", {}).items():

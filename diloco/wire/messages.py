@@ -97,6 +97,7 @@ if TYPE_CHECKING:
         TOO_MANY_WORKERS = "too_many_workers"
         HELD_LIMIT = "held_limit"
         INVALID_MIN_WORKERS = "invalid_min_workers"
+        INVALID_GRACE_WINDOW = "invalid_grace_window"
         ALREADY_MEMBER = "already_member"
         STALE_ATTEMPT = "stale_attempt"
         INVALID_REPORT = "invalid_report"

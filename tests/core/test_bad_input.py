@@ -27,6 +27,7 @@ from diloco.core import (
     InvalidEventError,
     LeaveCause,
     MachineStoppedError,
+    GraceWindowChanged,
     MinWorkersChanged,
     Mode,
     Phase,
@@ -100,6 +101,7 @@ SYNC_CASES = [
     (S("B", 0, 2), R.FUTURE_ROUND, "B"),
     (S("B", 1, 1), R.FUTURE_ROUND, "B"),
     (S("A", 0, 1), R.DUPLICATE, "A"),
+    (GraceWindowChanged(1.0), R.INVALID_GRACE_WINDOW, ""),  # a sync run has no window
     (MinWorkersChanged(0), R.INVALID_MIN_WORKERS, ""),
     (MinWorkersChanged(4), R.INVALID_MIN_WORKERS, ""),
     (MinWorkersChanged(-1), R.INVALID_MIN_WORKERS, ""),
@@ -156,6 +158,28 @@ def test_async_duplicate_while_held_and_held_limit():
     # A departed holder's contribution still counts against the limit (P1).
     fsm.step(L("A"))
     _assert_one_reject(fsm, S("B", 0, 0), R.HELD_LIMIT, "B")
+
+
+def windowed() -> RoundFSM:
+    """async, min 2, a 4 s grace window; A and B live."""
+    return machine(J("A"), J("B"), min_workers=2, mode=Mode.ASYNC, grace_window_s=4.0)
+
+
+@pytest.mark.parametrize("seconds", [0, -1.0, 4.5, float("nan"), float("inf"), True, "1", None])
+def test_a_grace_window_change_outside_its_ceiling_is_one_reject_and_changes_nothing(seconds):
+    rej = _assert_one_reject(windowed(), GraceWindowChanged(seconds), R.INVALID_GRACE_WINDOW, "")
+    assert "(0, 4]" in rej.detail
+
+
+def test_a_grace_window_change_sets_the_next_windows_and_survives_a_snapshot():
+    fsm = windowed()
+    assert fsm.step(GraceWindowChanged(1.5)) == [] and fsm.grace_window_s == 1.5
+    fsm.step(S("A", 0, 0))  # opens a window of 1.5 s, not 4
+    assert fsm.step(Ticked(1.4)) == []
+    assert any(type(e).__name__ == "ApplyRound" for e in fsm.step(Ticked(1.6)))
+    again = RoundFSM.restore(fsm.snapshot())
+    assert again.grace_window_s == 1.5 and again.snapshot() == fsm.snapshot()
+    assert "window_s" not in windowed().snapshot(), "an unchanged window leaves the snapshot as it was"
 
 
 def test_join_while_draining_and_repeat_drain_are_shutting_down():
