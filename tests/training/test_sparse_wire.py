@@ -360,3 +360,75 @@ def test_a_malformed_payload_in_the_groups_gather_gets_its_sender_blamed_by_ever
         # The rest of the sum is rank 0's alone: never a dense copy of the bad one.
         want = sp.densify(sp.decode_tensor(values["w"], scales["w"], 40, FMT, "w", "t"), (40,)) / 2
         assert torch.equal(mean["w"], want)
+
+
+# ---------------------------------------------------------------- the accumulator across a restart
+
+def _train_rounds(w, seed: int, rounds: int, save: bool = False) -> None:
+    errors: list = []
+
+    def body():
+        try:
+            w.join()
+            for step in range(rounds * 5):
+                w.inner_optimizer.zero_grad()
+                mse_loss(w.model, batch_at(seed, step)).backward()
+                w.inner_optimizer.step()
+                assert w.step_done()
+            if save:
+                w.save_checkpoint()
+            w.leave()
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join(60)
+    assert not t.is_alive() and not errors, errors
+
+
+def test_a_restarted_worker_keeps_its_accumulator_and_drops_it_when_the_run_moved_on(tmp_path):
+    config = CoordinatorConfig(FSMConfig(min_workers=1), outer=SGD1, wire_dtype="sparse", sparsity=0.25,
+                               sparse_chunk=16)
+    with Run(coordinator=Coordinator(config, time.monotonic())) as run:
+        a = run.worker("a", mlp(0), sync_every=5, checkpoint_dir=tmp_path)
+        _train_rounds(a, 0, 2, save=True)  # its checkpoint holds the accumulator; then it is gone
+        saved = {n: t.clone() for n, t in a._keeper.residual.items()}
+        assert saved and any(bool(t.abs().sum() > 0) for t in saved.values())
+        # Restarted from its checkpoint while the run waited (no one else trained): the same mass.
+        again = run.worker("a", mlp(7), sync_every=5, checkpoint_dir=tmp_path)
+        assert again.restored and all(torch.equal(again._keeper.residual[n], saved[n]) for n in saved)
+        _train_rounds(again, 1, 0)
+        assert again.residuals_dropped == 0
+        # Another worker moves the run on two rounds; the next restart's accumulator is stale: dropped.
+        b = run.worker("b", mlp(0), sync_every=5)
+        _train_rounds(b, 2, 2)
+        late = run.worker("a", mlp(7), sync_every=5, checkpoint_dir=tmp_path)
+        assert late.restored and late._keeper.residual
+        _train_rounds(late, 1, 0)
+        assert late.residuals_dropped == len(saved) and late._keeper.residual == {}
+
+
+# ---------------------------------------------------------------- hostile payloads
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 40), st.lists(st.integers(-(1 << 15), (1 << 15) - 1), max_size=12),
+       st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32), max_size=4))
+def test_any_payload_decodes_to_distinct_in_range_entries_or_is_refused(numel, entries, scales):
+    """Whatever a peer sends: an EncodingError naming the problem, or entries a sum can take as they are
+    (each index in the tensor, none twice, finite values)."""
+    e = torch.tensor(entries, dtype=torch.int16)
+    s = torch.tensor(scales, dtype=torch.float32)
+    try:
+        p = sp.decode_tensor(e, s, numel, FMT, "t", "fuzz")
+    except compression.EncodingError as exc:
+        assert str(exc).startswith("fuzz: ")
+        return
+    assert p.index.numel() == FMT.kept(numel) and p.value.numel() == p.index.numel()
+    assert bool(((p.index >= 0) & (p.index < max(numel, 1))).all())
+    assert p.index.unique().numel() == p.index.numel()
+    assert bool(torch.isfinite(p.value).all())
