@@ -226,6 +226,14 @@ def _recv_header(group: dist.ProcessGroup, timeout_s: float) -> bytes:
     return raw.numpy().tobytes()
 
 
+def _let_go(group: dist.ProcessGroup, timeout_s: float) -> None:
+    """Tell a source whose state is not taken that the joiner is done with it (if it still listens)."""
+    try:
+        _ask(group, [], timeout_s)
+    except CollectiveError:
+        pass  # gone already: nothing waits
+
+
 def _each(jobs: list[Callable[[], None]]) -> None:
     """Run ``jobs`` at once, one thread each (each bounds its own waits), and wait for all."""
     threads = [threading.Thread(target=job, daemon=True) for job in jobs]
@@ -251,9 +259,15 @@ def recv_state(store, prefixes: str | list[str], interface: str, timeout_s: floa
         try:
             meet(store, prefixes[i], 1, timeout_s, stop)
             groups[i] = group = build_group(store, prefixes[i], 1, 2, interface, rendezvous_s or timeout_s)
-            if not got.adopt(_recv_header(group, timeout_s)):
+            raw = _recv_header(group, timeout_s)
+            try:
+                same = got.adopt(raw)
+            except CollectiveError:
+                _let_go(group, timeout_s)  # a malformed header: the source need not wait out its bound
+                raise
+            if not same:
                 errors[i] = "it sent another state than the heal's other sources"
-                _ask(group, [], timeout_s)  # let it go
+                _let_go(group, timeout_s)
                 groups.pop(i)
                 return
             if got.split[i]:  # (an empty ask would say it is done)
