@@ -160,7 +160,7 @@ def register(subparsers) -> None:
                    help="outer optimizer (default nesterov; delayed_nesterov in async mode)")
     p.add_argument("--outer-lr", type=_positive_float, default=None, metavar="X", help="outer learning rate (default 0.7: the best at H = 10 in "
                         "benchmarks/bench_training.py --outer-sweep; at H = 50 1.0 did 0.8-2.5%% better, "
-                        "so with H >= 50 try 1.0)")
+                        "so with H >= 50 try 1.0; 3 with --wire-dtype sparse, whose step has no momentum)")
     p.add_argument("--outer-momentum", type=float, default=None, metavar="X",
                    help="outer momentum (default 0.8: better than the DiLoCo paper's 0.9 by 1.3-3.2%% in held-out "
                         "loss at H = 10 and 50, two seeds, in that sweep)")
