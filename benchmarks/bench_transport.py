@@ -59,6 +59,14 @@ repetition, medians kept:
   all-reduce of the pseudo-gradient, the mean, and a plain ``torch.optim`` Nesterov outer step on the
   params (what a peer like torchft does; no checks, digest, backup or vote). ``ratio_vs_floor`` is
   what the commit protocol costs on top; the breakdown says where it goes.
+* **torchft** (where torchft is installed; ``--skip-torchft`` leaves it out): torchft itself, its
+  ``local_sgd.DiLoCo`` syncing after every inner step. A lighthouse process (its Rust server) and 4 replica
+  groups of one process each, each with its own TCPStore, ``Manager`` (synchronous quorum, gloo) and the
+  floor's outer optimizer. The inner step only moves the params by the floor's pseudo-gradient, untimed;
+  timed is the outer sync its hook runs: the quorum at the lighthouse, the pseudo-gradient, its all-reduce
+  and mean, the params restored from torchft's backup, ``should_commit``, the Nesterov step and the new
+  backup. ``ratio_vs_torchft`` is the collective round against it. Where torchft is not importable the run
+  says it skipped it and the RESULT line has no torchft fields.
 * **gloo**: the raw gloo all-reduce of the same tensors (as above).
 * **diloco** (the hub): the hub's outer step (as above).
 * **collective_a1** (``--arena-variant``): the collective plane again with ``MALLOC_ARENA_MAX=1`` in its
@@ -70,14 +78,15 @@ round. ``--profile`` also times the round's local ops alone, on the main thread 
 One line per size::
 
     RESULT bench_transport_collective params=N collective_s=X gloo_s=X hub_s=X floor_s=X ratio_vs_gloo=R
-        ratio_vs_floor=R hub_ratio_vs_gloo=R collective_vs_hub=R [collective_arena1_s=X arena1_ratio_vs_gloo=R]
+        ratio_vs_floor=R hub_ratio_vs_gloo=R collective_vs_hub=R [torchft_s=X ratio_vs_torchft=R]
+        [collective_arena1_s=X arena1_ratio_vs_gloo=R]
 
 Goal: ratio_vs_floor <= 1.25 at 10M and at 100M.
 
-About 1,540 lines: one benchmark is one file, run and read top to bottom; every
-arm (the hub, the raw-pyzmq star, gloo, the collective plane, the peers where
-installed) times the same outer step on the same processes and barrier, and
-they share that harness and the report.
+About 1,670 lines: one benchmark is one file, run and read top to bottom; every
+arm (the hub, the raw-pyzmq star, gloo, the collective plane, its floor, torchft
+where installed) times the same outer step on the same processes and barrier,
+and they share that harness and the report.
 """
 
 from __future__ import annotations
@@ -92,8 +101,8 @@ import sys
 import time
 
 N_WORKERS = 4
-#: What the collective run says of torchft: it has no arm here yet, so nothing is compared with it.
-TORCHFT_SKIPPED = "torchft: skipped -- this benchmark has no torchft arm yet; ratio_vs_torchft is not measured"
+#: What the collective run says when torchft's arm does not run, with why (``torchft_missing``, --skip-torchft).
+TORCHFT_SKIPPED = "torchft: skipped -- {}; ratio_vs_torchft is not measured"
 
 
 def _tune() -> None:
@@ -595,6 +604,94 @@ def floor_worker(rank: int, world: int, port: int, shapes, rounds: int, barrier,
     dist.destroy_process_group()
 
 
+# ------------------------------------------------------------------ torchft
+
+
+#: How long a torchft lighthouse process lives at most: past any run's results (``_collect`` gives up after
+#: 900 s), so one whose driver died without stopping it still ends.
+LIGHTHOUSE_LIFETIME_S = 1200.0
+
+
+def torchft_missing() -> str | None:
+    """Why torchft's arm cannot run here (the skip line's reason), or None where torchft imports."""
+    try:
+        import torchft.local_sgd  # noqa: F401
+        import torchft.coordination  # noqa: F401
+    except ImportError as e:  # torchft itself, a dependency of it, or its native part (the Rust servers)
+        if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == "torchft":
+            return "not installed (pip install torchft to compare)"
+        return f"installed but not importable ({e})"
+    return None
+
+
+def torchft_lighthouse(addr_q, stop_ev, n_replicas: int) -> None:
+    """torchft's lighthouse (its Rust server) on loopback: a quorum once all ``n_replicas`` replica groups
+    ask. Puts its address once per replica (they start with it and wait for it), then serves until stopped."""
+    os.environ["RUST_LOG"] = "warn"  # its Rust side logs every quorum request at info
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=n_replicas)
+    # address() names the host by its hostname: name loopback itself, where the server is bound.
+    addr = "http://127.0.0.1:" + server.address().rsplit(":", 1)[1]
+    for _ in range(n_replicas):
+        addr_q.put(addr)
+    try:
+        stop_ev.wait(LIGHTHOUSE_LIFETIME_S)
+    finally:
+        server.shutdown()
+
+
+def torchft_worker(rank: int, world: int, addr_q, shapes, rounds: int, barrier, out_q) -> None:
+    """A torchft replica group of one process: its own TCPStore and ``Manager`` (synchronous quorum, as
+    torchft's DiLoCo requires) and ``torchft.local_sgd.DiLoCo`` over the params, syncing after every inner
+    step. The inner step, untimed, only moves the params (by the floor's pseudo-gradient, 0.001 x (rank + 1)).
+    Timed is the inner optimizer's ``step`` (itself nothing: no grads), whose hook is DiLoCo's outer sync: the
+    quorum, the pseudo-gradient (the backup minus the params), its all-reduce and mean, the params restored
+    from the backup, ``should_commit``, the Nesterov step (the floor's lr and momentum) and the new backup."""
+    os.environ["RUST_LOG"] = "warn"  # its Rust side logs every quorum and commit at info
+    _tune()
+    import logging
+    from datetime import timedelta
+
+    import torch
+    from torch.distributed import TCPStore
+    from torchft.local_sgd import DiLoCo
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+    from diloco.outer import OuterConfig
+    torch.set_num_threads(1)
+    # It warns at each new quorum that NCCL's flight recorder cannot be reset: there is no NCCL here.
+    logging.getLogger("torchft").setLevel(logging.ERROR)
+    lighthouse = addr_q.get(timeout=300)
+    timeout = timedelta(seconds=300)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the replica group's own
+    model = torch.nn.ParameterDict({name: torch.nn.Parameter(p, requires_grad=False)
+                                    for name, p in make_params(shapes, 0.0).items()})
+    # init_sync=False: every replica starts from the same params, so none fetches them at the first quorum.
+    manager = Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
+                      min_replica_size=world, use_async_quorum=False, timeout=timeout, quorum_timeout=timeout,
+                      connect_timeout=timeout, rank=0, world_size=1, store_addr="127.0.0.1", store_port=store.port,
+                      lighthouse_addr=lighthouse, replica_id=f"bench{rank}", hostname="127.0.0.1", init_sync=False)
+    outer = OuterConfig()
+    inner_opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    outer_opt = torch.optim.SGD(model.parameters(), lr=outer.lr, momentum=outer.momentum, nesterov=True)
+    try:
+        with DiLoCo(manager, [model], inner_opt, outer_opt, sync_every=1):
+            for r in range(rounds):
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.sub_(0.001 * (rank + 1))
+                barrier.wait()
+                t0 = time.monotonic()
+                inner_opt.step()
+                t1 = time.monotonic()
+                if manager.current_step() != r + 1:
+                    raise RuntimeError(f"torchft replica {rank}: round {r} was not committed")
+                out_q.put((r, rank, t0, t1))
+    finally:
+        manager.shutdown(wait=False)
+
+
 # ------------------------------------------------------------------ collective plane
 
 
@@ -985,6 +1082,14 @@ def _join_all(procs, timeout_s: float = 120.0, strict: bool = True) -> None:
                   flush=True)
 
 
+def _stop(server, stop_ev) -> None:
+    """Ask a server process (a coordinator, torchft's lighthouse) to stop; kill it if it has not in 30 s."""
+    stop_ev.set()
+    server.join(30)
+    if server.is_alive():
+        server.kill()
+
+
 def make_auth_dir(path: str) -> str:
     """A server key, and one worker key per benchmark worker (``keys/benchN``), as `diloco keygen` makes them."""
     from diloco.transport.zmq.auth import generate_keypair
@@ -1025,10 +1130,7 @@ def run_diloco(ctx, shapes, rounds: int, warmup: int, chunk_bytes: int, auth_dir
         for w in workers:
             if w.is_alive():
                 w.kill()
-        stop_ev.set()
-        coord.join(30)
-        if coord.is_alive():
-            coord.kill()
+        _stop(coord, stop_ev)
     if report_q is not None:
         import queue
         reports = {}
@@ -1072,22 +1174,45 @@ def run_raw(ctx, shapes, rounds: int, warmup: int, chunk_bytes: int, stall_s: fl
     return times
 
 
-def run_ranks(ctx, target, shapes, rounds: int, warmup: int, stall_s: float = 120.0) -> list[float]:
-    """Round times of ``N_WORKERS`` gloo ranks running ``target`` (``gloo_worker`` or ``floor_worker``)."""
+def run_ranks(ctx, target, shapes, rounds: int, warmup: int, stall_s: float = 120.0, rendezvous=None,
+              server=None) -> list[float]:
+    """Round times of ``N_WORKERS`` ranks running ``target`` (``gloo_worker``, ``floor_worker`` or
+    ``torchft_worker``), which meet at ``rendezvous``: by default a free port for gloo's TCP store; for
+    torchft a queue with the lighthouse's address. ``server`` (torchft's lighthouse) is watched with them;
+    the caller stops it."""
     out_q = ctx.Queue()
-    port = free_port()
+    rendezvous = free_port() if rendezvous is None else rendezvous
     barrier = ctx.Barrier(N_WORKERS)
-    procs = [ctx.Process(target=target, args=(r, N_WORKERS, port, shapes, rounds, barrier, out_q),
+    procs = [ctx.Process(target=target, args=(r, N_WORKERS, rendezvous, shapes, rounds, barrier, out_q),
                          name=f"{target.__name__}{r}") for r in range(N_WORKERS)]
     for p in procs:
         p.start()
-    times = _collect(out_q, N_WORKERS, rounds, warmup, procs=procs, stall_s=stall_s)
-    _join_all(procs)
+    try:
+        times = _collect(out_q, N_WORKERS, rounds, warmup, procs=procs + ([server] if server is not None else []),
+                         stall_s=stall_s)
+        _join_all(procs)
+    finally:
+        # A failed run leaves the others waiting on the barrier or a collective: end them.
+        for p in procs:
+            if p.is_alive():
+                p.kill()
     return times
 
 
 def run_gloo(ctx, shapes, rounds: int, warmup: int, stall_s: float = 120.0) -> list[float]:
     return run_ranks(ctx, gloo_worker, shapes, rounds, warmup, stall_s)
+
+
+def run_torchft(ctx, shapes, rounds: int, warmup: int, stall_s: float = 120.0) -> list[float]:
+    """torchft's DiLoCo: one lighthouse process and ``N_WORKERS`` replica groups of one process each."""
+    addr_q, stop_ev = ctx.Queue(), ctx.Event()
+    lighthouse = ctx.Process(target=torchft_lighthouse, args=(addr_q, stop_ev, N_WORKERS), name="torchft-lighthouse")
+    # The replicas start with the lighthouse (their imports overlap its own) and wait for its address.
+    lighthouse.start()
+    try:
+        return run_ranks(ctx, torchft_worker, shapes, rounds, warmup, stall_s, rendezvous=addr_q, server=lighthouse)
+    finally:
+        _stop(lighthouse, stop_ev)
 
 
 def run_collective(ctx, shapes, rounds: int, warmup: int, timeout_s: float, marks: list | None = None,
@@ -1114,10 +1239,7 @@ def run_collective(ctx, shapes, rounds: int, warmup: int, timeout_s: float, mark
         for w in workers:
             if w.is_alive():
                 w.kill()
-        stop_ev.set()
-        coord.join(30)
-        if coord.is_alive():
-            coord.kill()
+        _stop(coord, stop_ev)
     return times
 
 
@@ -1236,8 +1358,11 @@ def main_collective(args, ctx) -> int:
     print(f"bench_transport --collective: sizes {', '.join(f'{n:,}' for n in sizes)} fp32 params, {N_WORKERS} worker "
           f"processes on loopback, {reps} reps x {n_rounds} rounds (+{warmup} warm-up), collective timeout "
           f"{args.collective_timeout:g} s, {os.cpu_count()} CPUs", flush=True)
-    methods = [m for m in ("collective", "floor", "gloo", "diloco")
-               if m not in skip and not (m == "diloco" and "hub" in skip)]
+    torchft_skipped = ("left out by request (--skip-torchft)" if args.skip_torchft or "torchft" in skip
+                       else torchft_missing())
+    methods = [m for m in ("collective", "floor", "torchft", "gloo", "diloco")
+               if m not in skip and not (m == "diloco" and "hub" in skip)
+               and not (m == "torchft" and torchft_skipped is not None)]
     if args.arena_variant and "collective" in methods:
         methods.insert(1, "collective_a1")
     result_lines, reports = [], []
@@ -1258,6 +1383,8 @@ def main_collective(args, ctx) -> int:
                     times = run_gloo(ctx, shapes, rounds, warmup)
                 elif name == "floor":
                     times = run_ranks(ctx, floor_worker, shapes, rounds, warmup)
+                elif name == "torchft":
+                    times = run_torchft(ctx, shapes, rounds, warmup)
                 else:
                     times = run_diloco(ctx, shapes, rounds, warmup, chunk)
                 results[name].extend(times)
@@ -1287,21 +1414,27 @@ def main_collective(args, ctx) -> int:
                          f"{sum(c[3] for c in in_round):6.0f} MB")
         reports.append(lines)
         nan = float("nan")
-        c, g, h, f = (med.get(k, nan) for k in ("collective", "gloo", "diloco", "floor"))
+        c, g, h, f, t = (med.get(k, nan) for k in ("collective", "gloo", "diloco", "floor", "torchft"))
         if c == c and f == f:
             lines.append(f"  the collective round against its floor (all-reduce + plain Nesterov step): {c / f:.2f}x "
                          f"({(c - f) * 1000:+.1f} ms: checks, digest, backup, copies, the vote and its messages; the "
                          f"breakdown above says which)")
+        if c == c and t == t:
+            lines.append(f"  the collective round against torchft's DiLoCo outer sync: {c / t:.2f}x "
+                         f"({(c - t) * 1000:+.1f} ms); torchft against the floor {t / f:.2f}x (its quorum, "
+                         f"pseudo-gradient, restore, should_commit and backup on top of the all-reduce and step)")
+        tft = f" torchft_s={t:.3f} ratio_vs_torchft={c / t:.2f}" if "torchft" in med else ""
         a1 = (f" collective_arena1_s={med['collective_a1']:.3f} arena1_ratio_vs_gloo={med['collective_a1'] / g:.2f}"
               if "collective_a1" in med else "")
         result_lines.append(f"RESULT bench_transport_collective params={n_params} collective_s={c:.3f} gloo_s={g:.3f} "
                             f"hub_s={h:.3f} floor_s={f:.3f} ratio_vs_gloo={c / g:.2f} ratio_vs_floor={c / f:.2f} "
-                            f"hub_ratio_vs_gloo={h / g:.2f} collective_vs_hub={c / h:.2f}{a1}")
+                            f"hub_ratio_vs_gloo={h / g:.2f} collective_vs_hub={c / h:.2f}{tft}{a1}")
     print()
     for lines in reports:
         print("\n".join(lines))
         print()
-    print(TORCHFT_SKIPPED)
+    if torchft_skipped is not None:
+        print(TORCHFT_SKIPPED.format(torchft_skipped))
     for line in result_lines:
         print(line)
     return 0
@@ -1324,10 +1457,7 @@ def run_heartbeats(ctx, n_workers: int, n_clients: int, interval_s: float, durat
             rtts.extend(out_q.get(timeout=600))
         _join_all(clients)
     finally:
-        stop_ev.set()
-        coord.join(30)
-        if coord.is_alive():
-            coord.kill()
+        _stop(coord, stop_ev)
     return rtts
 
 
@@ -1445,7 +1575,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="1 repetition, 2 rounds, 5 s of heartbeats "
                                                          "(--collective: 1M params, 1 repetition, 1 round)")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: diloco,auth,raw,gloo,heartbeat "
-                                               "(--collective: collective,floor,gloo,hub)")
+                                               "(--collective: collective,floor,torchft,gloo,hub)")
+    ap.add_argument("--skip-torchft", action="store_true",
+                    help="--collective: do not run torchft's arm even where torchft is installed (as --skip "
+                         "torchft)")
     ap.add_argument("--auth-io-threads", type=int, default=2,
                     help="ZeroMQ I/O threads of the coordinator with CURVE (default 2, as `diloco server --auth`)")
     args = ap.parse_args(argv)
