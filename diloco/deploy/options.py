@@ -15,7 +15,10 @@ DEFAULT_WIRE_DTYPE = "int8"
 #: ``diloco server --grace-window auto``: the longest window, where it starts (``--grace-window-max``).
 DEFAULT_GRACE_CEILING_S = 5.0
 #: ``diloco server --heal-sources``: members a joiner copies the state from at once (collective plane).
-DEFAULT_HEAL_SOURCES = 3
+#: Two: on this project's recovery benchmark (2 cores, loopback, 100M params) two sources healed a
+#: little faster than one and three slower (every source also in the rounds: benchmarks/README.md,
+#: bench_recovery); over links where each source's upload is the limit, more pay.
+DEFAULT_HEAL_SOURCES = 2
 #: The ``--wire-dtype`` choices: ``diloco.wire.messages.WIRE_DTYPE_NAMES`` (a test checks they agree),
 #: spelled out so that parsing the command line imports no torch.
 WIRE_DTYPES = ("fp32", "bf16", "int8", "int4", "sparse")
