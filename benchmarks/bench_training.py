@@ -713,9 +713,10 @@ def grace_sweep_main(args) -> int:
               f"{fast_idle:>9.3f} {r['loss']:>10.4f} {r['wall']:>7.0f} {r['last_window']:>11.2f}")
         if args.grace_wall is None and any(d != steps for d in r["done"].values()):
             print(f"  odd (window {r['window']}): steps done {r['done']}")
+    trained = f"{args.grace_wall:g} s of training" if args.grace_wall else f"every worker's {steps} steps"
     print(f"outer steps: ApplyRounds; per step: contributions merged per outer step; fast idle: worker-1's time "
           f"WAITING at its sync point / its span; final loss: held-out loss of the coordinator's params after "
-          f"every worker's {steps} steps. total wall {time.perf_counter() - t_all:.0f} s")
+          f"{trained}. total wall {time.perf_counter() - t_all:.0f} s")
     fields = []
     for r in rows:
         name = f"w{r['window'] if r['window'] == 'auto' else format(r['window'], 'g')}_d{r['delay']}"
