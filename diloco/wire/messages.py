@@ -29,8 +29,10 @@ if TYPE_CHECKING:  # torch only for tensors: an admin command must not pay for i
 #: come in pieces sized to the link, and big messages are acked as they arrive (the ``DLCP`` and
 #: ``DLCK`` tags, ``transport/zmq/tags.py``): a version 5 peer would take either for garbage.
 #: 7: the collective plane's checks (``Submit.norm``, ``ReduceOrder.norms``/``gather``,
-#: ``ReduceReport.blame``/``mean_refused``, the ``evicted`` code; SPEC.md section 7c).
-PROTOCOL_VERSION = 7
+#: ``ReduceReport.blame``/``mean_refused``, the ``evicted`` code; SPEC.md section 7c). 8: heals from
+#: several members (``Welcome.more_heal_sources``/``more_heal_prefixes``), the sparse wire
+#: (``Welcome.wire_options``, the ``sparse`` wire dtype) and the ``invalid_grace_window`` code.
+PROTOCOL_VERSION = 8
 
 #: How tensors of ``Submit`` and ``Result`` travel (``diloco.wire.compression``, SPEC.md
 #: section 11, "Wire dtypes"). Plain names here so that decoding a header needs no torch.
