@@ -359,6 +359,7 @@ class HubRounds:
         if self._sparse is not None:
             self._sparse.add(fid, store.fragment_params(fid), tensors, submit)  # type: ignore[arg-type]
             self._summed.setdefault(fid, []).append((effect.round_id, effect.worker_id))
+            self._round_tokens[fid] = self._round_tokens.get(fid, 0) + (submit.tokens or 0)
         elif self._sync:
             # ``closes``: this round's outer step follows, whose mean makes the addition in its own pass.
             # ``owned``: the tensors are the receiver's buffers, which nothing else reads (a journal
@@ -388,7 +389,7 @@ class HubRounds:
         if self._sparse is not None:
             inputs = self._summed.pop(fid, [])
             bad, released = self._sparse.step(fid, store.fragment_params(fid), len(inputs))
-            self._stepped(effect, bad, 0, now)
+            self._stepped(effect, bad, self._round_tokens.pop(fid, 0), now)
             self._released[fid] = (effect.round_id + 1, released)
             return {}
         if self._sync:

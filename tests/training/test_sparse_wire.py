@@ -128,11 +128,14 @@ def grads(seed: int):
 
 
 def test_the_hubs_sparse_sum_is_the_dense_sum_of_the_decoded_contributions_bit_for_bit():
+    import dataclasses
+
     c = sparse_coordinator()
     contributions = {f"w{i}": grads(i) for i in range(3)}
     out = []
     for wid, g in contributions.items():
-        out = c.handle(wid, submit(wid, g), 0.0)
+        out = c.handle(wid, dataclasses.replace(submit(wid, g), tokens=100), 0.0)
+    assert c.budget.trained == 300, "the round's tokens count towards the token budget"
     results = [m for _, m in out if isinstance(m, Result)]
     assert len(results) == 3 and all(r.outcome == "applied" and r.delta and r.wire_dtype == "sparse" for r in results)
     dense = {n: torch.zeros(t.shape) for n, t in P0.items()}
