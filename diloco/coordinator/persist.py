@@ -130,6 +130,9 @@ class Durability:
         if c.config.wire_dtype == "sparse":
             # The journal replays a round through the dense outer step; a sparse run writes a full
             # checkpoint every round instead (its params alone: no outer momentum to save).
+            if self.full_every not in (1, AUTO):
+                log.warning("--full-checkpoint-every %d: a sparse run writes a full checkpoint every round (the "
+                            "journal replays dense outer steps only)", self.full_every)
             self.full_every = 1
             return
         if self.full_every == AUTO:
