@@ -236,7 +236,11 @@ class HubRounds:
                       tensors=None)
             return
         if self._sparse is not None:
-            self._on_sparse_submit(peer, msg, out)
+            # Checked and decoded to entries, never to a dense tensor; the bounds on the entries' norm.
+            payloads = self._decode_submission(peer, msg, out)
+            if payloads is not None:
+                norm = self._sparse.norm(payloads)
+                self._bounded_step(peer, msg, out, payloads, norm, norm, owned=False)
             return
         # Decoded to fp32 first (SPEC.md section 11, "Wire dtypes"); then the checks of any submission.
         tensors = self._decode_submission(peer, msg, out)
@@ -252,18 +256,24 @@ class HubRounds:
         except ParamMismatch as exc:
             host.refuse(peer, out, ErrorCode.TENSOR_MISMATCH, str(exc), msg)
             return
+        # ``--max-update-norm`` is held to the exact norm; the outlier bound alone takes the checks' measure.
+        norm = l2_norm(tensors) if self.config.max_update_norm is not None else checked_norm
+        self._bounded_step(peer, msg, out, tensors, norm, checked_norm if checked_norm is not None else norm,
+                           receive_buffers(tensors, measured))
+
+    def _bounded_step(self, peer: str, msg: Submit, out: Outgoing, tensors, norm: float | None,
+                      step_norm: float | None, owned: bool) -> None:
+        """The bounds every submission is held to on ``norm`` (``--max-update-norm``, the outlier bound;
+        SPEC.md section 12), then the core; an accepted contribution's norm joins the outlier history."""
+        host, fid = self.host, msg.fragment_id
         limit = self.config.max_update_norm
-        norm = None
-        if limit is not None:
-            norm = l2_norm(tensors)
-            if norm > limit:
-                host.refuse(peer, out, ErrorCode.UPDATE_TOO_LARGE,
-                            f"fragment {fid} submission: L2 norm {norm:.6g} exceeds the coordinator's "
-                            f"--max-update-norm {limit:g}", msg)
-                return
+        if limit is not None and norm is not None and norm > limit:
+            host.refuse(peer, out, ErrorCode.UPDATE_TOO_LARGE,
+                        f"fragment {fid} submission: L2 norm {norm:.6g} exceeds the coordinator's "
+                        f"--max-update-norm {limit:g}", msg)
+            return
         if host.outliers.factor > 0:
-            norm = checked_norm if norm is None else norm
-            assert norm is not None  # ``check_submission`` measured it: the bound is on
+            assert norm is not None  # measured by the checks whenever the bound is on
             why = host.outliers.check(fid, norm, self.store.fragment_params(fid))
             if why is not None:
                 host.refuse(peer, out, ErrorCode.UPDATE_TOO_LARGE, f"fragment {fid} submission: {why}", msg)
@@ -271,52 +281,13 @@ class HubRounds:
                             norm=norm if math.isfinite(norm) else str(norm), detail=why)
                 return
         effects = host.step(ContributionSubmitted(msg.worker_id, fid, msg.round_id), out, peer=peer, submit=msg,
-                            tensors=tensors, norm=checked_norm if checked_norm is not None else norm,
-                            owned=receive_buffers(tensors, measured))
+                            tensors=tensors, norm=step_norm, owned=owned)
         if norm is not None and any(type(e) is AcceptContribution for e in effects):
             host.outliers.accepted(fid, norm)
 
-    def _on_sparse_submit(self, peer: str, msg: Submit, out: Outgoing) -> None:
-        """A sparse run's Submit: each payload checked (sizes, places, scales) and decoded to entries,
-        never to a dense tensor; the norm and outlier bounds on the entries (SPEC.md section 11)."""
-        host, fid = self.host, msg.fragment_id
-        assert self.store is not None and self._sparse is not None
-        what = f"fragment {fid} submission"
-        if msg.wire_dtype != "sparse":
-            host.refuse(peer, out, ErrorCode.BAD_MESSAGE, f"{what} is encoded as {msg.wire_dtype}; this run's wire "
-                        f"dtype is sparse (the Welcome says so: join again)", msg)
-            return
-        spec = [(s.name, s.shape) for s in self.store.fragment_spec(fid)]
-        try:
-            payloads, norm = self._sparse.decode(msg, spec, what)
-        except compression.EncodedMismatch as exc:
-            host.refuse(peer, out, ErrorCode.TENSOR_MISMATCH, str(exc), msg)
-            return
-        except compression.NonFiniteScale as exc:
-            host.refuse(peer, out, ErrorCode.NON_FINITE, str(exc), msg)
-            return
-        except compression.EncodingError as exc:
-            host.refuse(peer, out, ErrorCode.BAD_MESSAGE, str(exc), msg)
-            return
-        limit = self.config.max_update_norm
-        if limit is not None and norm > limit:
-            host.refuse(peer, out, ErrorCode.UPDATE_TOO_LARGE, f"{what}: L2 norm {norm:.6g} exceeds the "
-                        f"coordinator's --max-update-norm {limit:g}", msg)
-            return
-        if host.outliers.factor > 0:
-            why = host.outliers.check(fid, norm, self.store.fragment_params(fid))
-            if why is not None:
-                host.refuse(peer, out, ErrorCode.UPDATE_TOO_LARGE, f"{what}: {why}", msg)
-                host.notify("outlier", host.fsm.now_s, worker_id=msg.worker_id, fragment_id=fid, norm=norm,
-                            detail=why)
-                return
-        effects = host.step(ContributionSubmitted(msg.worker_id, fid, msg.round_id), out, peer=peer, submit=msg,
-                            tensors=payloads, norm=norm, owned=False)
-        if host.outliers.factor > 0 and any(type(e) is AcceptContribution for e in effects):
-            host.outliers.accepted(fid, norm)
-
-    def _decode_submission(self, peer: str, msg: Submit, out: Outgoing) -> Tensors | None:
-        """The submission's tensors as fp32, or None after refusing it (bad_message, tensor_mismatch)."""
+    def _decode_submission(self, peer: str, msg: Submit, out: Outgoing):
+        """The submission's tensors as fp32 (a sparse run: its payloads' entries, ``sparse.Payload``), or
+        None after refusing it (bad_message, tensor_mismatch, non_finite)."""
         host, fid, wire_dtype = self.host, msg.fragment_id, self.config.wire_dtype
         what = f"fragment {fid} submission"
         if msg.wire_dtype != wire_dtype:
@@ -332,6 +303,8 @@ class HubRounds:
         assert self.store is not None
         spec = [(s.name, s.shape) for s in self.store.fragment_spec(fid)]
         try:
+            if self._sparse is not None:
+                return self._sparse.decode(msg, spec, what)
             return compression.decode(msg.tensors, msg.scales, wire_dtype, spec, what)
         except compression.EncodedMismatch as exc:
             host.refuse(peer, out, ErrorCode.TENSOR_MISMATCH, str(exc), msg)

@@ -27,11 +27,14 @@ class SparseRounds:
         #: fragment -> the round's payloads as they came (values, scales), in the order summed.
         self._sent: dict[int, list[tuple[Tensors, Tensors]]] = {}
 
-    def decode(self, msg: Submit, spec, what: str) -> tuple[dict[str, sparse.Payload], float]:
-        """The Submit's payloads, checked (``compression.EncodingError`` and its kinds if not), and the
-        L2 norm of the contribution they stand for."""
-        payloads = sparse.decode(msg.tensors, msg.scales, spec, self.wire.fmt, what)
-        return payloads, math.sqrt(sum(p.norm() ** 2 for p in payloads.values()))
+    def decode(self, msg: Submit, spec, what: str) -> dict[str, sparse.Payload]:
+        """The Submit's payloads, checked (``compression.EncodingError`` and its kinds if not)."""
+        return sparse.decode(msg.tensors, msg.scales, spec, self.wire.fmt, what)
+
+    @staticmethod
+    def norm(payloads: dict[str, sparse.Payload]) -> float:
+        """The L2 norm of the contribution the payloads stand for (what the bounds hold it to)."""
+        return math.sqrt(sum(p.norm() ** 2 for p in payloads.values()))
 
     def add(self, fid: int, params: Tensors, payloads: dict[str, sparse.Payload], msg: Submit) -> None:
         sums = self._sums.get(fid)
