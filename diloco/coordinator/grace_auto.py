@@ -38,10 +38,10 @@ def _median(xs: list[float]) -> float:
 
 
 class AutoGraceWindow:
-    def __init__(self, ceiling_s: float) -> None:
+    def __init__(self, ceiling_s: float, start_s: float | None = None) -> None:
         self.ceiling_s = ceiling_s
-        #: The length in force (the core's); the ceiling until the first proposal.
-        self.window_s = ceiling_s
+        #: The length in force (the core's): the ceiling on a fresh run, a resumed core's own length.
+        self.window_s = ceiling_s if start_s is None else start_s
         self._offsets: collections.deque[float] = collections.deque(maxlen=RECENT)
         #: fragment -> when its open window opened.
         self._opened: dict[int, float] = {}

@@ -127,7 +127,8 @@ class HubRounds:
         self._sparse = SparseRounds(wire) if wire is not None else None
         #: ``--grace-window auto`` (async): the windows' length from the arrivals, and a change of it
         #: the core is told of at the end of the step (``end_step``).
-        self.grace_auto = AutoGraceWindow(self.config.fsm.grace_window_s) if self.config.grace_auto else None
+        self.grace_auto = (AutoGraceWindow(self.config.fsm.grace_window_s, host.fsm.grace_window_s)
+                           if self.config.grace_auto else None)
         self._next_window: float | None = None
 
     # ------------------------------------------------------------------ state

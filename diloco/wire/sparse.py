@@ -24,6 +24,7 @@ Why ``chunk`` at most 8192: ``place`` (13 bits) and ``code`` (2 bits) fit a non-
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Iterable, Mapping
@@ -176,8 +177,10 @@ def encode(tensors: Mapping[str, torch.Tensor], fmt: SparseFormat) -> tuple[dict
 
 # ------------------------------------------------------------------ decode
 
+@functools.lru_cache(maxsize=1024)
 def _chunk_of_entries(numel: int, fmt: SparseFormat) -> torch.Tensor:
-    """For each kept entry of a tensor of ``numel`` elements, the chunk it belongs to."""
+    """For each kept entry of a tensor of ``numel`` elements, the chunk it belongs to (read only: kept
+    per shape, as every payload of a tensor, a Result's k of them included, has the same layout)."""
     full, rest = divmod(numel, fmt.chunk)
     per_chunk = torch.full((fmt.chunks(numel),), fmt.k, dtype=torch.int64)
     if rest:
