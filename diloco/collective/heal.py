@@ -207,7 +207,9 @@ class _Received:
                 parsed = msgpack.unpackb(raw, raw=False, strict_map_key=False)
                 tensors = [torch.empty(shape, dtype=_DTYPES[dtype]) for dtype, shape in parsed["table"]]
                 parsed["round_ids"] = [int(r) for r in parsed["round_ids"]]
-                parsed["names"], parsed["states"]  # noqa: B018 -- present, or the header is malformed
+                missing = {"names", "states"} - set(parsed)
+                if missing:
+                    raise KeyError(sorted(missing))
             except (KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
                 raise CollectiveError(f"the heal header is malformed: {exc}") from exc
             self.header, self.parsed, self.tensors = raw, parsed, tensors
