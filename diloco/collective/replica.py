@@ -85,9 +85,6 @@ class Replica:
         self.round_ids = list(round_ids)
         self.outer = outer
         self.wire_dtype = wire_dtype
-        #: bf16 and int8 round each step's delta to the wire (as the hub's Results do); fp32 and sparse
-        #: step on the group's exact mean (sparse: the decoded payloads' sum, the same on every member).
-        self.requantizes = wire_dtype in ("bf16", "int8")
         #: The sparse wire's format (``Welcome.wire_options``), which the reduce decodes payloads with.
         self.sparse_fmt: SparseFormat | None = None
         self.params: Tensors = {n: params[n].detach().to("cpu", torch.float32).clone()
@@ -117,6 +114,12 @@ class Replica:
         if welcome.wire_dtype == "sparse":
             replica.sparse_fmt = SparseWire.from_dict(welcome.wire_options).fmt
         return replica
+
+    @property
+    def requantizes(self) -> bool:
+        """bf16 and int8 round each step's delta to the wire (as the hub's Results do); fp32 and sparse
+        step on the group's exact mean (sparse: the decoded payloads' sum, the same on every member)."""
+        return self.wire_dtype in ("bf16", "int8")
 
     def params_copy(self) -> Tensors:
         """Every param, copied: what a session is handed with a start's or heal's Welcome."""
