@@ -280,15 +280,9 @@ def quantized_update(before: Tensors, after: Tensors, wire_dtype: str) -> tuple[
     return enc, new
 
 
-def decoded(enc: Encoded, wire_dtype: str, like: Mapping[str, torch.Tensor], options: Any = None) -> Tensors:
+def decoded(enc: Encoded, wire_dtype: str, like: Mapping[str, torch.Tensor]) -> Tensors:
     """What the receiver of ``enc`` decodes (fp32, shaped as ``like``'s tensors), with no checks: the
     sender's own view of what it sent (error feedback)."""
-    if wire_dtype == "sparse":
-        from diloco.wire import sparse
-
-        return {n: sparse.densify(sparse.decode_tensor(enc.values[n], enc.scales[n], like[n].numel(), options.fmt,
-                                                       n, "own payload"), tuple(like[n].shape))
-                for n in enc.values}
     return {n: _decode_trusted(enc, n, wire_dtype, tuple(like[n].shape)) for n in enc.values}
 
 
