@@ -283,6 +283,8 @@ def _run_leader(args, setup, worker_id: str, sync_every: int, info, device, over
         raise UsageError(str(exc)) from None
     printer.attach(worker)
     restored = (f", restored from its checkpoint at inner step {worker.inner_step}" if worker.restored else "")
+    if worker.residual_restored:
+        restored += f" with the error-feedback residual of {worker.residual_restored} params"
     overlapping = (f", overlap {worker.overlap_steps} steps (alpha {worker.overlap_alpha:g})"
                    if worker.overlap_steps else "")
     group = f", rank 0 of {info.world_size}" if info.world_size > 1 else ""

@@ -68,6 +68,7 @@ from __future__ import annotations
 import json
 from typing import Iterable
 
+from diloco.sim.checks.accumulators import AccumulatorChecks
 from diloco.sim.checks.checkpoints import CheckpointChecks
 from diloco.sim.checks.collective import CollectiveChecks
 from diloco.sim.checks.liveness import LivenessChecks
@@ -89,7 +90,7 @@ from diloco.sim.checks.workers import WorkerChecks
 
 
 class TraceChecker(WorkerChecks, RoundChecks, ParamsChecks, ReplyChecks, LivenessChecks, CollectiveChecks,
-                   CheckpointChecks):
+                   CheckpointChecks, AccumulatorChecks):
     """Feed records in order with ``feed``; ``finish`` returns the violations.
 
     The families of invariants live in ``diloco.sim.checks`` (one mixin each); this
@@ -153,13 +154,15 @@ class TraceChecker(WorkerChecks, RoundChecks, ParamsChecks, ReplyChecks, Livenes
         self.end: dict | None = None
         self.crash_error = ""
         self._handlers = {k: getattr(self, "_on_" + k) for k in
-                          ("config", "send", "recv", "worker", "adopt", "fault", "phase", "ckpt")}
+                          ("config", "send", "recv", "worker", "adopt", "fault", "phase", "ckpt", "acc")}
         self.counts = dict(accepted=0, applied_rounds=0, applied_contributions=0, discarded_at_stop=0,
                            lost_with_crash=0, rolled_back_rounds=0, joins=0, deaths=0, leaves=0,
                            coordinator_crashes=0, snapshots=0, outer_steps_checked=0, results=0,
-                           messages=0, drops=0, pending_at_end=0, steps_refused=0, checkpoints_checked=0)
+                           messages=0, drops=0, pending_at_end=0, steps_refused=0, checkpoints_checked=0,
+                           payloads_checked=0)
         self._init_collective()
         self._init_checkpoints()
+        self._init_accumulators()
 
     # ------------------------------------------------------------------ API
 

@@ -17,8 +17,10 @@ from diloco.sim.config import (
     MAX_GRACE_WINDOW_S,
     MAX_ROUNDS,
     MAX_WORKERS,
+    OVERRIDE_NAMES,
     REDUCE_FAULT_KINDS,
     SHUTDOWN_KINDS,
+    WIRE_DTYPES,
     derive_config,
 )
 
@@ -120,6 +122,12 @@ def register(subparsers) -> None:
                      help="every worker writes a checkpoint at each sync point it may (as --checkpoint-every 1), "
                           "a crashed worker restarts from its last one, and the checker holds every checkpoint's "
                           "round labels against the commits that made its state (SPEC.md M10)")
+    run.add_argument("--wire-dtype", choices=WIRE_DTYPES, dest="wire_dtype",
+                     help="what workers send (SPEC.md section 11): fp32 (default), or sparse -- each worker's "
+                          "error-feedback accumulator, top-k of each chunk at 2 bits, the seed drawing chunk, k "
+                          "and beta; sync on the hub plane (the seed's mode is ignored), plain SGD outside; adds "
+                          "the accumulator checks (every payload recomputed from the worker's own accumulator, "
+                          "no stale mass after a re-join or restart)")
     out = p.add_argument_group("output")
     out.add_argument("--trace", metavar="FILE.jsonl", help="write the trace (one JSON record per line)")
     out.add_argument("--plot", metavar="FILE.png", help="write the membership timeline (PNG)")
@@ -133,10 +141,6 @@ def register(subparsers) -> None:
     p.set_defaults(handler=handle)
 
 
-_OVERRIDES = ("workers", "rounds", "faults", "mode", "fragments", "shutdown", "data_plane", "grace_window",
-              "worker_checkpoints")
-
-
 def _usage(msg: str):
     from diloco.exits import UsageError
 
@@ -144,7 +148,7 @@ def _usage(msg: str):
 
 
 def _overrides(args) -> dict:
-    return {k: getattr(args, k) for k in _OVERRIDES if getattr(args, k) is not None}
+    return {k: getattr(args, k) for k in OVERRIDE_NAMES if getattr(args, k) is not None}
 
 
 def _rerun_command(seed: int, overrides: dict, extra: str = "") -> str:
@@ -158,7 +162,7 @@ def handle(args) -> int:
     if args.grace_window and (args.mode == "sync" or args.data_plane == "collective"):
         raise _usage("--grace-window is async only (SPEC.md P5): drop --mode sync / --data-plane collective")
     if args.replay is not None:
-        given = [f"--{k.replace('_', '-')}" for k in ("seed",) + _OVERRIDES if getattr(args, k) is not None]
+        given = [f"--{k.replace('_', '-')}" for k in ("seed",) + OVERRIDE_NAMES if getattr(args, k) is not None]
         if args.swarm is not None:
             given.append("--swarm")
         if args.trace is not None:
@@ -246,6 +250,8 @@ def format_summary(r: RunResult) -> list[str]:
     verdict = "all hold" if r.violation_count == 0 else f"{r.violation_count} VIOLATION(S)"
     checked = "I1 I2 I3 I4 I5 I6 I7 I11 I12 I13 I14, C4 C5 C6, W5 W6 W8" if cfg.collective else \
         "I1 I2 I3 I4 I5 I6 I7 I11 I12, W5 W6 W8, outer steps, params"
+    if cfg.sparse:
+        checked += f", sparse accumulators ({c.get('payloads_checked', 0):,} payloads)"
     if cfg.worker_checkpoints:
         checked += f", M10 ({c.get('checkpoints_checked', 0):,} checkpoints)"
     rows.append(("invariants", f"{verdict} ({checked})"))

@@ -33,6 +33,9 @@ FAULT_KINDS = ("crash", "leave", "kick", "freeze", "partition", "coord_crash", "
                "min_workers", "join")
 #: Where rounds are combined (SPEC.md C1): the coordinator (hub) or the workers' groups (collective).
 DATA_PLANES = ("hub", "collective")
+#: Wire dtypes a simulated run may send on (``--wire-dtype``): fp32, or the sparse wire (SPEC.md
+#: section 11), whose accumulators, payloads and method step the checker follows.
+WIRE_DTYPES = ("fp32", "sparse")
 #: Collective plane: faults a group member's reduce may be given (``diloco.sim.collective``): it dies
 #: inside the reduce, its report is lost, it reports another digest, it reports failure, or its
 #: data plane wedges after the collective (no report: the core's reduce timeout ends the attempt).
@@ -54,6 +57,11 @@ MAX_GRACE_WINDOW_S = 4.0
 
 #: Link delays are capped here, so the liveness bound below can be finite.
 MAX_LINK_DELAY_S = 0.25
+
+
+#: ``derive_config``'s overrides, as ``diloco sim`` and ``run_seed`` name them.
+OVERRIDE_NAMES = ("workers", "rounds", "faults", "mode", "fragments", "shutdown", "data_plane", "grace_window",
+                  "worker_checkpoints", "wire_dtype")
 
 
 class SimConfigError(ValueError):
@@ -154,6 +162,14 @@ class SimConfig:
     #: checker holds against the commits; a crashed worker's restart resumes from its last one.
     #: An override only (``--worker-checkpoints``); a run without it leaves it out of its config.
     worker_checkpoints: bool = False
+    #: ``--wire-dtype sparse`` (SPEC.md section 11): every worker keeps an error-feedback accumulator
+    #: and sends ``sparse_k`` entries of each chunk of ``sparse_chunk``, 2 bits a value; the outer step
+    #: is plain SGD (momentum 0). An override only, sync on the hub plane; its knobs come from their
+    #: own stream ``f"{seed}/sparse"``, and an fp32 run leaves them out of its config record.
+    wire_dtype: str = "fp32"
+    sparse_chunk: int = 0
+    sparse_k: int = 0
+    sparse_beta: float = 0.0
 
     # ------------------------------------------------------------ derived timings
 
@@ -234,19 +250,30 @@ class SimConfig:
             del d["grace_window_s"]  # as before the grace window existed
         if not self.worker_checkpoints:
             del d["worker_checkpoints"]
+        if not self.sparse:
+            for name in _SPARSE_FIELDS:
+                del d[name]
         return d
+
+    @property
+    def sparse(self) -> bool:
+        return self.wire_dtype == "sparse"
 
     def describe(self) -> str:
         plane = (f"data_plane=collective reduce_timeout_s={self.reduce_timeout_s:.1f} "
                  f"collective_timeout_s={self.collective_timeout_s:.2f} " if self.collective else "")
         window = f"grace_window_s={self.grace_window_s:g} " if self.grace_window_s else ""
         window += "worker_checkpoints " if self.worker_checkpoints else ""
+        if self.sparse:
+            window += (f"wire_dtype=sparse sparse_chunk={self.sparse_chunk} sparse_k={self.sparse_k} "
+                       f"sparse_beta={self.sparse_beta:g} ")
         return (f"{plane}{window}mode={self.mode} workers={self.workers} min_workers={self.min_workers} "
                 f"fragments={self.num_fragments} faults={self.faults} rounds={self.rounds} "
                 f"shutdown={self.shutdown} heartbeat_timeout_s={self.heartbeat_timeout_s:.1f} "
                 f"train_s={self.train_s:.1f}")
 
 
+_SPARSE_FIELDS = ("wire_dtype", "sparse_chunk", "sparse_k", "sparse_beta")
 _COLLECTIVE_FIELDS = ("data_plane", "reduce_timeout_s", "collective_timeout_s", "group_build_s", "reduce_s",
                       "heal_s", "reduce_fault_p", "reduce_fault_weights", "wedge_factor")
 
@@ -261,11 +288,12 @@ def derive_config(seed: int, *, workers: int | None = None, rounds: int | None =
                   faults: str | None = None, mode: str | None = None,
                   fragments: int | None = None, shutdown: str | None = None,
                   data_plane: str | None = None, grace_window: float | None = None,
-                  worker_checkpoints: bool | None = None) -> SimConfig:
+                  worker_checkpoints: bool | None = None, wire_dtype: str | None = None) -> SimConfig:
     """The run that ``seed`` (plus the given overrides) stands for.
 
     ``data_plane="collective"`` runs the coordinator on the collective plane (SPEC.md C1-C7),
     which is sync only: the seed's mode draw is ignored, and ``mode="async"`` with it is refused.
+    ``wire_dtype="sparse"`` is a sync hub run too (SPEC.md section 11), with plain SGD outside.
     """
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise SimConfigError(f"seed={seed!r} is invalid: expected an integer >= 0")
@@ -309,6 +337,17 @@ def derive_config(seed: int, *, workers: int | None = None, rounds: int | None =
             overrides["grace_window"] = grace_window
     if worker_checkpoints:
         overrides["worker_checkpoints"] = True
+    if wire_dtype is not None:
+        if wire_dtype not in WIRE_DTYPES:
+            raise SimConfigError(f"wire_dtype={wire_dtype!r} is invalid: expected one of {', '.join(WIRE_DTYPES)}")
+        if wire_dtype == "sparse" and (collective or overrides.get("mode") == "async"
+                                       or overrides.get("grace_window")):
+            raise SimConfigError("wire_dtype='sparse' is invalid with the collective plane, mode='async' or a "
+                                 "grace window: the simulator runs the sparse wire sync on the hub plane (the "
+                                 "collective plane's gather is tested on real processes)")
+        if wire_dtype != "fp32":
+            overrides["wire_dtype"] = wire_dtype
+    sparse = overrides.get("wire_dtype") == "sparse"
 
     rng = random.Random(seed)
     # A fixed number of draws in a fixed order, before any override is looked at.
@@ -334,6 +373,8 @@ def derive_config(seed: int, *, workers: int | None = None, rounds: int | None =
     run_mode = "sync" if collective else overrides.get("mode") or ("sync" if u[4] < 0.65 else "async")
     if overrides.get("grace_window"):
         run_mode = "async"  # a window is async only: the seed's mode draw is ignored
+    if sparse:
+        run_mode = "sync"  # the sparse wire is sync only: the seed's mode draw is ignored
     n_frag = overrides.get("fragments") or pick(u[5], [(0.6, 1), (0.25, 2), (0.1, 3), (0.05, 4)])
     if u[6] < 0.3:
         min_w = n_workers
@@ -398,7 +439,8 @@ def derive_config(seed: int, *, workers: int | None = None, rounds: int | None =
         shutdown_delay_segments=round(1.5 * u[37], 6),
         shutdown_paused=u[38] < 0.3,
         outer_lr=round(0.3 + 0.7 * u[32], 6),
-        outer_momentum=round(0.9 * u[33], 6) if u[34] < 0.85 else 0.0,
+        # The sparse wire's step has no global momentum (the worker's accumulator stands for it).
+        outer_momentum=round(0.9 * u[33], 6) if u[34] < 0.85 and not sparse else 0.0,
         outer_delay=0 if u[35] < 0.6 else 1 + int(u[36] * 4),
         max_staleness=max_staleness,
         max_held_per_fragment=max_held,
@@ -410,7 +452,19 @@ def derive_config(seed: int, *, workers: int | None = None, rounds: int | None =
     )
     if collective:
         cfg = replace(cfg, **_collective_knobs(seed, cfg))
+    if sparse:
+        cfg = replace(cfg, **_sparse_knobs(seed))
     return cfg
+
+
+def _sparse_knobs(seed: int) -> dict:
+    """The sparse wire's knobs, from their own stream: chunks of 2-4 elements (the simulated tensors
+    have 1-4), so payloads leave entries out and short last chunks occur; any decay in [0.5, 1)."""
+    rng = random.Random(f"{seed}/sparse")
+    u = [rng.random() for _ in range(3)]
+    chunk = 2 + int(u[0] * 3)
+    return dict(wire_dtype="sparse", sparse_chunk=chunk, sparse_k=1 + int(u[1] * (chunk - 1)),
+                sparse_beta=round(0.5 + 0.5 * u[2], 6))
 
 
 def _collective_knobs(seed: int, cfg: SimConfig) -> dict:
@@ -441,7 +495,8 @@ def _collective_knobs(seed: int, cfg: SimConfig) -> dict:
 def config_from_dict(d: dict) -> SimConfig:
     """Rebuild a config from a trace's first record (``--replay``)."""
     names = {f.name for f in fields(SimConfig)}
-    missing = sorted(names - set(d) - set(_COLLECTIVE_FIELDS) - {"grace_window_s", "worker_checkpoints"})
+    missing = sorted(names - set(d) - set(_COLLECTIVE_FIELDS) - set(_SPARSE_FIELDS)
+                     - {"grace_window_s", "worker_checkpoints"})
     if missing:
         raise SimConfigError(f"the trace's config record lacks {missing}")
     kwargs = {k: d[k] for k in names if k in d}

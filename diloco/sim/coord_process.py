@@ -26,7 +26,7 @@ from diloco.outer import OuterConfig
 from diloco.coordinator.service import Coordinator
 from diloco.sim.network import ADMIN, freeze
 from diloco.sim.trace import hash_values
-from diloco.wire.messages import AdminReply, AdminRequest, HeartbeatReply
+from diloco.wire.messages import AdminReply, AdminRequest, HeartbeatReply, Result
 
 if TYPE_CHECKING:  # pragma: no cover
     from diloco.sim.collective import SimGloo
@@ -40,13 +40,20 @@ def coordinator_config(cfg: SimConfig) -> CoordinatorConfig:
     plane: dict = {}
     if cfg.collective:
         plane = dict(data_plane="collective", reduce_timeout_s=cfg.reduce_timeout_s)
+    outer = "nesterov" if cfg.mode == "sync" else "delayed_nesterov"
+    wire: dict = {}
+    if cfg.sparse:
+        # The method's own step (SPEC.md section 11): plain SGD, no momentum (the config's is 0).
+        outer = "sgd"
+        wire = dict(wire_dtype="sparse", sparsity=cfg.sparse_k / cfg.sparse_chunk, sparse_chunk=cfg.sparse_chunk,
+                    sparse_beta=cfg.sparse_beta)
     return CoordinatorConfig(
         fsm=FSMConfig(min_workers=cfg.min_workers, mode=cfg.mode, num_fragments=cfg.num_fragments,
                       heartbeat_timeout_s=cfg.heartbeat_timeout_s, max_staleness=cfg.max_staleness,
                       max_held_per_fragment=cfg.max_held_per_fragment, max_workers=cfg.max_workers,
                       grace_window_s=cfg.grace_window_s, **plane),
-        outer=OuterConfig("nesterov" if cfg.mode == "sync" else "delayed_nesterov", cfg.outer_lr,
-                          cfg.outer_momentum, cfg.outer_delay),
+        outer=OuterConfig(outer, cfg.outer_lr, cfg.outer_momentum, cfg.outer_delay),
+        **wire,
         heartbeat_interval_s=cfg.heartbeat_interval_s,
         # The checker models every accepted contribution's outer step; the simulated pseudo-gradients
         # are seeded noise, and the outlier bound's refusals are tested on the coordinator itself.
@@ -117,7 +124,17 @@ class CoordinatorProcess:
                 network.send_to_worker(peer, msg, None, step)
             else:
                 msg, rec = freeze(msg, cache)
+                if type(msg) is Result and msg.delta:
+                    # A sparse Result carries the round's payloads: its trace names the params they
+                    # resolve to, the coordinator's (every worker must install exactly these).
+                    rec["h"] = self._fragment_hash(msg.fragment_id, cache)
                 network.send_to_worker(peer, msg, rec, step)
+
+    def _fragment_hash(self, fid: int, cache: dict) -> str:
+        key = ("fragment", fid)
+        if key not in cache:
+            cache[key] = hash_values((n, t.tolist()) for n, t in self.coord.store.fragment_params(fid).items())
+        return cache[key]
 
     def _observe(self, what: str, now: float, info: dict) -> None:
         rec = {"k": "obs", "t": now, "s": self._step, "what": what}

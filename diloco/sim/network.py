@@ -299,7 +299,10 @@ def freeze(msg, cache: dict):
             hit = (frozen, hash_values((n, t.tolist()) for n, t in frozen.items()))
             cache[key] = hit
         frozen, h = hit
-        msg = Result(msg.fragment_id, msg.round_id, msg.outcome, msg.next_round_id, frozen)
+        # (A sparse Result keeps its wire fields: its params are the round's payloads, which the
+        # worker adds to its copy; the coordinator's step traces the params they resolve to.)
+        msg = dataclasses.replace(msg, params=frozen, scales=_tensor_fields_frozen(msg.scales)) if msg.delta \
+            else Result(msg.fragment_id, msg.round_id, msg.outcome, msg.next_round_id, frozen)
         return msg, {"type": "Result", "fragment_id": msg.fragment_id, "round_id": msg.round_id,
                      "outcome": msg.outcome, "next_round_id": msg.next_round_id, "h": h}
     if typ is Welcome:
@@ -332,8 +335,12 @@ def _encode(msg) -> dict:
                 "min_workers": msg.min_workers, "phase": msg.phase, "command": msg.command.value}
     if typ is Submit:
         v = _values(msg.tensors)
-        return {"type": "Submit", "worker_id": msg.worker_id, "fragment_id": msg.fragment_id,
-                "round_id": msg.round_id, "h": hash_values(v.items()), "v": v}
+        rec = {"type": "Submit", "worker_id": msg.worker_id, "fragment_id": msg.fragment_id,
+               "round_id": msg.round_id, "h": hash_values(v.items()), "v": v}
+        if msg.wire_dtype != "fp32":
+            # A sparse payload: ``v`` holds its entries (``place << 2 | code``), ``sc`` its chunk scales.
+            rec.update(wire_dtype=msg.wire_dtype, sc=_values(msg.scales))
+        return rec
     if typ is Accepted:
         return {"type": "Accepted", "fragment_id": msg.fragment_id, "round_id": msg.round_id}
     if typ is Result:

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from diloco.sim.checker import TraceChecker, Violation
-from diloco.sim.config import SimConfig, config_from_dict, derive_config
+from diloco.sim.config import OVERRIDE_NAMES, SimConfig, config_from_dict, derive_config
 from diloco.sim.simulation import Simulation
 from diloco.sim.stats import SimStats
 from diloco.sim.trace import TRACE_FORMAT, ConsumerAbort, TraceWriter
@@ -150,9 +150,7 @@ def run_config(cfg: SimConfig, *, trace_path: str | None = None, plot_path: str 
 
 
 def run_seed(seed: int, **kwargs) -> RunResult:
-    overrides = {k: kwargs.pop(k) for k in ("workers", "rounds", "faults", "mode", "fragments", "shutdown",
-                                            "data_plane", "grace_window", "worker_checkpoints")
-                 if k in kwargs}
+    overrides = {k: kwargs.pop(k) for k in OVERRIDE_NAMES if k in kwargs}
     return run_config(derive_config(seed, **overrides), **kwargs)
 
 

@@ -55,7 +55,8 @@ import torch
 
 from diloco.collective.member import PlaneEventKind
 from diloco.sim.trace import hash_values
-from diloco.wire.messages import PROTOCOL_VERSION, Heartbeat, Join, Submit
+from diloco.wire import compression, sparse
+from diloco.wire.messages import PROTOCOL_VERSION, Heartbeat, Join, Submit, Welcome
 from diloco.worker.actions import (
     Fail,
     InstallParams,
@@ -65,6 +66,7 @@ from diloco.worker.actions import (
     Stop,
     SubmitFragment,
 )
+from diloco.worker.keeper import drop_stale, resend_of, sparse_wire_of, stale_residuals
 from diloco.worker.session import WorkerSession
 from diloco.worker.states import WorkerState
 
@@ -134,6 +136,13 @@ class SimWorker:
         self.session = WorkerSession(worker_id, world.cfg.num_fragments, world.model.spec,
                                      coordinator_timeout_s=world.cfg.coordinator_timeout_s)
         self.params: dict[str, torch.Tensor] = {}
+        #: The sparse wire (``--wire-dtype sparse``): its settings, from the Welcome, and the
+        #: error-feedback accumulator's residual per param with the round each fragment's is for (as
+        #: ``ReplicaKeeper``'s: kept across a Welcome only when the run has not moved on since).
+        self.sparse_wire: sparse.SparseWire | None = None
+        self.residual: dict[str, torch.Tensor] = {}
+        self.residual_round: dict[int, int] = {}
+        self.last_payload: dict[int, tuple] = {}
         #: The checkpoint it last wrote (at a save stop, or at a sync point with ``worker_checkpoints``):
         #: a supervisor's restart resumes from it.
         self.checkpoint: dict | None = None
@@ -146,9 +155,14 @@ class SimWorker:
         self.plane: MemberPlane | None = world.endpoint(self)
         if checkpoint is not None and world.cfg.worker_checkpoints:
             self.checkpoint = checkpoint  # the file stays until this incarnation writes its own
+        self._resumed = checkpoint is not None
         if checkpoint is not None:
             self.session.restore(**checkpoint["session"])
             self.params = dict(checkpoint["params"])
+            # As ReplicaKeeper.restore: the residual, labelled with the checkpoint's rounds.
+            self.residual = {n: t.clone() for n, t in checkpoint.get("residual", {}).items()}
+            if self.residual:
+                self.residual_round = dict(checkpoint["residual_rounds"])
             if self.plane is not None:  # as DilocoWorker: the committed state is offered in the Join (C6)
                 s = self.session
                 self.plane.restore(self.params, list(s.round_ids), s.fragments)
@@ -241,7 +255,10 @@ class SimWorker:
                 tensors = seeded_update(world.cfg.seed, self.wid, fid, rid, self.session.fragments[fid],
                                         world.model.sizes)
                 # Tokens: the inner steps of its round (H_w under DyLU), for a token-weighted merge.
-                submit = Submit(self.wid, fid, rid, tensors, tokens=self.session.sync_every)
+                if self.sparse_wire is not None:
+                    submit = self._sparse_submit(fid, rid, tensors)
+                else:
+                    submit = Submit(self.wid, fid, rid, tensors, tokens=self.session.sync_every)
                 if self.plane is not None:
                     self.plane.send(submit)
                 else:
@@ -269,9 +286,37 @@ class SimWorker:
             self._stepping = True
             self.arm(TRAIN, world.segment_time(self))
 
+    def _sparse_submit(self, fid: int, rid: int, delta: dict[str, torch.Tensor]) -> Submit:
+        """As ``ReplicaKeeper.pseudo_gradient`` on the sparse wire: the accumulator ``beta * e + delta``,
+        its payload, and what that carries taken out of it (the residual the next round starts from)."""
+        wire = self.sparse_wire
+        again = resend_of(self.last_payload, self.residual_round, fid, rid)
+        if again is not None:
+            _, values, scales = again
+        else:
+            drop_stale(self.residual, self.residual_round, self.last_payload, fid, list(delta), rid)
+            sparse.accumulate(delta, self.residual, wire.beta)
+            values, scales, _ = sparse.send_from(delta, wire.fmt, f"{self.wid}'s own payload")
+            self.residual.update(delta)
+            self.residual_round[fid] = rid + 1
+            self.last_payload[fid] = (rid, values, scales)
+        return Submit(self.wid, fid, rid, values, "sparse", scales, tokens=self.session.sync_every)
+
+    def _adopt_wire(self, welcome: Welcome) -> None:
+        """As ``DilocoWorker._adopt_wire``: the Welcome's wire settings; the residuals it moved past dropped."""
+        self.sparse_wire = sparse_wire_of(welcome, False)
+        for fid in stale_residuals(self.residual_round, welcome.round_ids, len(welcome.fragments), self.last_payload,
+                                   welcome.parked):
+            for n in welcome.fragments[fid]:
+                self.residual.pop(n, None)
+            del self.residual_round[fid]
+            self.last_payload.pop(fid, None)
+
     def _install(self, a: InstallParams) -> None:
         params = a.params
         names = a.names
+        if isinstance(params, compression.DeltaParams):  # a sparse Result: its payloads on this copy
+            params = params.resolve(self.params, names, f"{self.wid}: the Result for fragment {a.fragment_id}")
         for n in names:
             self.params[n] = params[n]
         if self.plane is not None:
@@ -308,9 +353,14 @@ class SimWorker:
                             sched_step=s.sched_step, inner_step=s.inner_step, rounds_synced=s.rounds_synced,
                             mode=s.mode),
             "params": dict(self.params),
+            "residual": {n: t.clone() for n, t in self.residual.items()},
+            "residual_rounds": dict(self.residual_round),
         }
-        self._emit({"k": "ckpt", "t": self.clock.now, "w": self.wid, "r": list(s.round_ids),
-                    "h": [hash_values((n, self.params[n].tolist()) for n in names) for names in s.fragments]})
+        rec = {"k": "ckpt", "t": self.clock.now, "w": self.wid, "r": list(s.round_ids),
+               "h": [hash_values((n, self.params[n].tolist()) for n in names) for names in s.fragments]}
+        if self.world.cfg.sparse:
+            rec["p"] = self.peer  # whose accumulator it holds
+        self._emit(rec)
 
     def _failed(self) -> None:
         fail, self._fail = self._fail, None
@@ -337,6 +387,9 @@ class SimWorker:
 
     def start(self) -> None:
         self.world.open_connection(self)
+        if self.world.cfg.sparse:
+            # The checker follows each incarnation's accumulator: restored from its checkpoint, or empty.
+            self._emit({"k": "acc", "t": self.clock.now, "w": self.wid, "p": self.peer, "resume": self._resumed})
         self._run(self.session.start(self.clock.now))
         if self.alive:
             self._arm_tick()
@@ -378,7 +431,11 @@ class SimWorker:
     def on_message(self, mid: int, msg) -> None:
         self._mid = mid
         if self.plane is None:
-            self._run(self.session.on_message(msg, self.clock.now))
+            msg = compression.mark_delta(msg, self.sparse_wire)  # a delta Result is decoded at install
+            actions = self.session.on_message(msg, self.clock.now)
+            if type(msg) is Welcome and any(type(a) is InstallParams for a in actions):
+                self._adopt_wire(msg)  # with the Welcome the session took, before its actions
+            self._run(actions)
             return
         for item in self.plane.incoming(msg, mid):
             if not self.alive:

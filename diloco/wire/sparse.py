@@ -318,3 +318,25 @@ def apply_result(values: Mapping[str, torch.Tensor], scales: Mapping[str, torch.
                                           numel, fmt, n, f"{what}, payload {i}"))
         out[n] = step(b.to(torch.float32), total.view(b.shape), count, wire.lr)
     return out
+
+
+# ------------------------------------------------------------------ a worker's accumulator
+
+def accumulate(tensors: Mapping[str, torch.Tensor], residual: Mapping[str, torch.Tensor], beta: float) -> None:
+    """``e <- beta * e + delta`` in place: each of ``tensors`` (this round's delta) gains its residual."""
+    for n, t in tensors.items():
+        r = residual.get(n)
+        if r is not None:
+            t.add_(r, alpha=beta)
+
+
+def send_from(tensors: Mapping[str, torch.Tensor], fmt: SparseFormat,
+              what: str) -> tuple[dict, dict, dict[str, Payload]]:
+    """The payload of each accumulator in ``tensors``, and what it carries taken out of it in place,
+    entry by entry (no dense copy of the payload): ``(entries, scales, sent)``, ``tensors`` then
+    holding the residual the next Submit starts from."""
+    values, scales = encode(tensors, fmt)
+    sent = {n: decode_tensor(values[n], scales[n], t.numel(), fmt, n, what) for n, t in tensors.items()}
+    for n, t in tensors.items():
+        subtract_from(t, sent[n])
+    return values, scales, sent

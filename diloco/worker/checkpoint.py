@@ -62,6 +62,9 @@ class WorkerCheckpoint:
     #: Error feedback: what quantization left out of the pseudo-gradients sent so far, per param (added
     #: to the next one); empty without error feedback.
     residual: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: Per fragment, the round its residual's next Submit is for (one after the Submit that made it,
+    #: which may still wait for its Result); None: the round ids (a checkpoint from before it was kept).
+    residual_rounds: dict[int, int] | None = None
 
 
 def save_worker_checkpoint(path: pathlib.Path, ckpt: WorkerCheckpoint) -> None:
@@ -92,6 +95,8 @@ def save_worker_checkpoint(path: pathlib.Path, ckpt: WorkerCheckpoint) -> None:
         "model_keys": list(ckpt.model_state),
         "global_names": list(ckpt.global_params),
         "residual_names": list(ckpt.residual),
+        "residual_rounds": None if ckpt.residual_rounds is None else
+        [[int(f), int(r)] for f, r in sorted(ckpt.residual_rounds.items())],
         "optimizer": optimizer,
         "outer": outer,
     }
@@ -125,6 +130,8 @@ def load_worker_checkpoint(path: pathlib.Path) -> WorkerCheckpoint:
             outer_states=(None if meta.get("outer") is None
                           else [unflatten_named(state, tensors) for state in meta["outer"]]),
             residual={n: tensors[f"residual/{n}"] for n in meta.get("residual_names", [])},
+            residual_rounds=(None if meta.get("residual_rounds") is None
+                             else {int(f): int(r) for f, r in meta["residual_rounds"]}),
         )
     except CheckpointError:
         raise

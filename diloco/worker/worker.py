@@ -201,6 +201,7 @@ class DilocoWorker(SessionView):
         self.sparse_wire: SparseWire | None = None
         #: Residual entries (parameters) dropped at a Welcome because the run had moved on since.
         self.residuals_dropped = 0
+        self.residual_restored = 0
 
         self._lock = threading.RLock()                # guards the session and the model queue
         self._wake = threading.Condition(self._lock)
@@ -232,6 +233,8 @@ class DilocoWorker(SessionView):
                                           self.data_plane)
             if labels is not None:
                 self.session.restore(**labels)
+                #: Params whose error-feedback residual (the sparse wire's accumulator) came back with it.
+                self.residual_restored = len(getattr(self._keeper, "residual", ()))
                 log.info("worker %s: restored from %s (inner step %d, round ids %s)", worker_id,
                          self.checkpoint_path, labels["inner_step"], labels["round_ids"])
 
@@ -609,7 +612,7 @@ class DilocoWorker(SessionView):
     def _adopt_wire(self, welcome: Welcome) -> None:
         """The Welcome's wire dtype and settings; the residuals the run has moved past dropped."""
         self.wire_dtype, self.sparse_wire = welcome.wire_dtype, sparse_wire_of(welcome, self._keeper.sharded)
-        dropped = self._keeper.settle_residual(welcome.round_ids, welcome.fragments, self.worker_id)
+        dropped = self._keeper.settle_residual(welcome.round_ids, welcome.fragments, self.worker_id, welcome.parked)
         self.residuals_dropped += len(dropped)
 
     @property

@@ -27,6 +27,7 @@ class CheckpointChecks:
 
     def _on_ckpt(self, rec: dict) -> None:
         self.counts["checkpoints_checked"] += 1
+        self._accumulator_saved(rec)
         for f, (label, h) in enumerate(zip(rec["r"], rec["h"])):
             made = self.states_at.get((f, label))
             if made is not None and h in made:

@@ -95,6 +95,8 @@ class ParamsChecks:
         if sent is None or sent["m"] != rec["m"]:
             self._violate("params", f"{rec['w']} installed params from message {rec['m']}, which it did not just receive")
             return
+        if self.sparse and sent["type"] == "Welcome":
+            self._welcome_taken(sent)
         want = sent["hf"][rec["f"]] if sent["type"] == "Welcome" else sent.get("h")
         if want != rec["h"]:
             self._violate("params", f"{rec['w']} installed fragment {rec['f']} params {rec['h']} but the "

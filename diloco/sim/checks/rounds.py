@@ -39,7 +39,8 @@ class RoundChecks:
                 self._violate("I2", f"Accepted {[(x['fragment_id'], x['round_id']) for x in accepted]} does "
                                     f"not answer the Submit this step handled")
             else:
-                step.accept = (msg["worker_id"], msg["fragment_id"], msg["round_id"], msg["v"], header["src"])
+                step.accept = (msg["worker_id"], msg["fragment_id"], msg["round_id"],
+                               self._dense_contribution(msg, msg["fragment_id"]), header["src"])
         for rec in step.recs[1:]:
             k = rec["k"]
             if k == "obs":

@@ -84,6 +84,8 @@ class WorkerChecks:
     def _worker_submitted(self, rec: dict) -> None:
         """A worker's Submit, seen delivered or dropped (``ts``: when the worker sent it)."""
         peer, f = rec["src"], rec["fragment_id"]
+        if self.sparse:
+            self._payload_sent(rec)
         if rec["m"] > self.last_submit_m.get(peer, 0):
             self.last_submit_m[peer] = rec["m"]
             self.last_submit[peer] = (f, rec["round_id"])
