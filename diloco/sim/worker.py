@@ -18,9 +18,11 @@ Everything it uses of the rest of the simulation is its ``world.WorkerWorld``
 * ``Send`` goes on the simulated network; ``SendJoinWithParams`` sends a Join
   carrying the model's initial params (``WorkerWorld.model``); ``SubmitFragment`` sends
   ``seeded_update``, a seeded function of (seed, worker id, fragment, round), so
-  a run's numbers depend on the seed alone; ``InstallParams`` copies the params
+  a run's numbers depend on the seed alone (on the sparse wire, through its
+  accumulator: ``accumulator.py``); ``InstallParams`` copies the params
   in (the sim worker never trains, so its params *are* its global copy and
-  ``keep_if_same`` changes nothing) and traces an ``adopt``; ``StateChanged``
+  ``keep_if_same`` changes nothing; a sparse Result's payloads are added to
+  them first) and traces an ``adopt``; ``StateChanged``
   traces the state (``diloco.worker.states``);
 * ``Stop`` ends the process: ``stopped_done``, then ``leave`` as
   ``run_training`` does on its way out. A worker that gave up on a silent
@@ -55,7 +57,8 @@ import torch
 
 from diloco.collective.member import PlaneEventKind
 from diloco.sim.trace import hash_values
-from diloco.wire import compression, sparse
+from diloco.sim.accumulator import SimAccumulator
+from diloco.wire import compression
 from diloco.wire.messages import PROTOCOL_VERSION, Heartbeat, Join, Submit, Welcome
 from diloco.worker.actions import (
     Fail,
@@ -66,7 +69,6 @@ from diloco.worker.actions import (
     Stop,
     SubmitFragment,
 )
-from diloco.worker.keeper import drop_stale, resend_of, sparse_wire_of, stale_residuals
 from diloco.worker.session import WorkerSession
 from diloco.worker.states import WorkerState
 
@@ -136,13 +138,8 @@ class SimWorker:
         self.session = WorkerSession(worker_id, world.cfg.num_fragments, world.model.spec,
                                      coordinator_timeout_s=world.cfg.coordinator_timeout_s)
         self.params: dict[str, torch.Tensor] = {}
-        #: The sparse wire (``--wire-dtype sparse``): its settings, from the Welcome, and the
-        #: error-feedback accumulator's residual per param with the round each fragment's is for (as
-        #: ``ReplicaKeeper``'s: kept across a Welcome only when the run has not moved on since).
-        self.sparse_wire: sparse.SparseWire | None = None
-        self.residual: dict[str, torch.Tensor] = {}
-        self.residual_round: dict[int, int] = {}
-        self.last_payload: dict[int, tuple] = {}
+        #: The sparse wire (``--wire-dtype sparse``): its settings and the accumulator.
+        self.acc = SimAccumulator(None if checkpoint is None else checkpoint.get("accumulator"))
         #: The checkpoint it last wrote (at a save stop, or at a sync point with ``worker_checkpoints``):
         #: a supervisor's restart resumes from it.
         self.checkpoint: dict | None = None
@@ -159,10 +156,6 @@ class SimWorker:
         if checkpoint is not None:
             self.session.restore(**checkpoint["session"])
             self.params = dict(checkpoint["params"])
-            # As ReplicaKeeper.restore: the residual, labelled with the checkpoint's rounds.
-            self.residual = {n: t.clone() for n, t in checkpoint.get("residual", {}).items()}
-            if self.residual:
-                self.residual_round = dict(checkpoint["residual_rounds"])
             if self.plane is not None:  # as DilocoWorker: the committed state is offered in the Join (C6)
                 s = self.session
                 self.plane.restore(self.params, list(s.round_ids), s.fragments)
@@ -255,8 +248,8 @@ class SimWorker:
                 tensors = seeded_update(world.cfg.seed, self.wid, fid, rid, self.session.fragments[fid],
                                         world.model.sizes)
                 # Tokens: the inner steps of its round (H_w under DyLU), for a token-weighted merge.
-                if self.sparse_wire is not None:
-                    submit = self._sparse_submit(fid, rid, tensors)
+                if self.acc.wire is not None:
+                    submit = self.acc.submit(self.wid, fid, rid, tensors, self.session.sync_every)
                 else:
                     submit = Submit(self.wid, fid, rid, tensors, tokens=self.session.sync_every)
                 if self.plane is not None:
@@ -285,32 +278,6 @@ class SimWorker:
         elif self.alive and not self._stepping and self.session.may_train:
             self._stepping = True
             self.arm(TRAIN, world.segment_time(self))
-
-    def _sparse_submit(self, fid: int, rid: int, delta: dict[str, torch.Tensor]) -> Submit:
-        """As ``ReplicaKeeper.pseudo_gradient`` on the sparse wire: the accumulator ``beta * e + delta``,
-        its payload, and what that carries taken out of it (the residual the next round starts from)."""
-        wire = self.sparse_wire
-        again = resend_of(self.last_payload, self.residual_round, fid, rid)
-        if again is not None:
-            _, values, scales = again
-        else:
-            drop_stale(self.residual, self.residual_round, self.last_payload, fid, list(delta), rid)
-            sparse.accumulate(delta, self.residual, wire.beta)
-            values, scales, _ = sparse.send_from(delta, wire.fmt, f"{self.wid}'s own payload")
-            self.residual.update(delta)
-            self.residual_round[fid] = rid + 1
-            self.last_payload[fid] = (rid, values, scales)
-        return Submit(self.wid, fid, rid, values, "sparse", scales, tokens=self.session.sync_every)
-
-    def _adopt_wire(self, welcome: Welcome) -> None:
-        """As ``DilocoWorker._adopt_wire``: the Welcome's wire settings; the residuals it moved past dropped."""
-        self.sparse_wire = sparse_wire_of(welcome, False)
-        for fid in stale_residuals(self.residual_round, welcome.round_ids, len(welcome.fragments), self.last_payload,
-                                   welcome.parked):
-            for n in welcome.fragments[fid]:
-                self.residual.pop(n, None)
-            del self.residual_round[fid]
-            self.last_payload.pop(fid, None)
 
     def _install(self, a: InstallParams) -> None:
         params = a.params
@@ -353,8 +320,7 @@ class SimWorker:
                             sched_step=s.sched_step, inner_step=s.inner_step, rounds_synced=s.rounds_synced,
                             mode=s.mode),
             "params": dict(self.params),
-            "residual": {n: t.clone() for n, t in self.residual.items()},
-            "residual_rounds": dict(self.residual_round),
+            "accumulator": self.acc.saved(),
         }
         rec = {"k": "ckpt", "t": self.clock.now, "w": self.wid, "r": list(s.round_ids),
                "h": [hash_values((n, self.params[n].tolist()) for n in names) for names in s.fragments]}
@@ -431,10 +397,10 @@ class SimWorker:
     def on_message(self, mid: int, msg) -> None:
         self._mid = mid
         if self.plane is None:
-            msg = compression.mark_delta(msg, self.sparse_wire)  # a delta Result is decoded at install
+            msg = compression.mark_delta(msg, self.acc.wire)  # a delta Result is decoded at install
             actions = self.session.on_message(msg, self.clock.now)
             if type(msg) is Welcome and any(type(a) is InstallParams for a in actions):
-                self._adopt_wire(msg)  # with the Welcome the session took, before its actions
+                self.acc.adopt(msg)  # with the Welcome the session took, before its actions
             self._run(actions)
             return
         for item in self.plane.incoming(msg, mid):
