@@ -106,6 +106,7 @@ class TraceChecker(WorkerChecks, RoundChecks, ParamsChecks, ReplyChecks, Livenes
         self.cfg: dict | None = None
         self.model: _Model | None = None
         self.snap: tuple[_Model, int] | None = None
+        self.snap_window_s = 0.0
         self.min_workers = 1
         self.up = True
         self.live: dict[str, str] = {}
@@ -159,7 +160,7 @@ class TraceChecker(WorkerChecks, RoundChecks, ParamsChecks, ReplyChecks, Livenes
                            lost_with_crash=0, rolled_back_rounds=0, joins=0, deaths=0, leaves=0,
                            coordinator_crashes=0, snapshots=0, outer_steps_checked=0, results=0,
                            messages=0, drops=0, pending_at_end=0, steps_refused=0, checkpoints_checked=0,
-                           payloads_checked=0)
+                           payloads_checked=0, windows_changed=0)
         self._init_collective()
         self._init_checkpoints()
         self._init_accumulators()

@@ -80,6 +80,7 @@ examples:
   diloco sim --swarm 200 --seed 1000 --jobs 2          seeds 1000..1199; report the failing seeds
   diloco sim --swarm 50 --data-plane collective        the collective data plane, 50 seeds
   diloco sim --swarm 20 --grace-window 1.5             async with a 1.5 s grace window, 20 seeds
+  diloco sim --swarm 20 --grace-window auto            the window set from the arrivals (P5 checked at each length)
 
 exit codes: 0 every invariant held (and a replay matched), 1 a violation, a crash or
 a divergence (the seed is printed), 2 bad usage"""
@@ -91,6 +92,11 @@ def _int_in(name: str, low: int, high: int):
 
 def _float_in(name: str, low: float, high: float):
     return flag_value(float, lambda v: low <= v <= high, f"a number of seconds in {low:g}..{high:g}", name)
+
+
+def _window(text: str):
+    """``--grace-window``: seconds, or ``auto`` (each window from the arrivals, at most the ceiling)."""
+    return "auto" if text == "auto" else _float_in("--grace-window", 0.0, MAX_GRACE_WINDOW_S)(text)
 
 
 def register(subparsers) -> None:
@@ -113,11 +119,12 @@ def register(subparsers) -> None:
                      help="where rounds are combined: hub (default: the coordinator runs the outer step) or "
                           "collective (the workers all-reduce, propose and vote; sync only, so the seed's mode "
                           "is ignored; adds the reduce faults and the I13/I14/C4-C6 checks)")
-    run.add_argument("--grace-window", type=_float_in("--grace-window", 0.0, MAX_GRACE_WINDOW_S), metavar="S",
+    run.add_argument("--grace-window", type=_window, metavar="S|auto",
                      dest="grace_window",
                      help="async grace window in seconds (SPEC.md P5): contributions within S of the first "
-                          "pending one merge into one outer step; async only (the seed's mode is ignored); adds "
-                          "the P5 checks (default 0: none)")
+                          "pending one merge into one outer step; auto: each window as long as the recent "
+                          f"arrivals say, at most {MAX_GRACE_WINDOW_S:g} s; async only (the seed's mode is "
+                          "ignored); adds the P5 checks (default 0: none)")
     run.add_argument("--worker-checkpoints", action="store_true", default=None, dest="worker_checkpoints",
                      help="every worker writes a checkpoint at each sync point it may (as --checkpoint-every 1), "
                           "a crashed worker restarts from its last one, and the checker holds every checkpoint's "
@@ -250,6 +257,8 @@ def format_summary(r: RunResult) -> list[str]:
     verdict = "all hold" if r.violation_count == 0 else f"{r.violation_count} VIOLATION(S)"
     checked = "I1 I2 I3 I4 I5 I6 I7 I11 I12 I13 I14, C4 C5 C6, W5 W6 W8" if cfg.collective else \
         "I1 I2 I3 I4 I5 I6 I7 I11 I12, W5 W6 W8, outer steps, params"
+    if cfg.grace_window_s:
+        checked += f", P5{' auto (' + format(c.get('windows_changed', 0), ',') + ' lengths set)' if cfg.grace_auto else ''}"
     if cfg.sparse:
         checked += f", sparse accumulators ({c.get('payloads_checked', 0):,} payloads)"
     if cfg.worker_checkpoints:

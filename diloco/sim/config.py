@@ -157,6 +157,9 @@ class SimConfig:
     #: Async grace window (SPEC.md P5), seconds; an override only (``--grace-window``): a seed alone
     #: always means no window, and a run without one leaves it out of its config record.
     grace_window_s: float = 0.0
+    #: ``--grace-window auto`` (SPEC.md P5): each window as long as the recent arrivals say, within
+    #: ``grace_window_s`` (then ``MAX_GRACE_WINDOW_S``, the ceiling). Left out of a record without it.
+    grace_auto: bool = False
     #: Each worker writes a checkpoint at every sync point it may (``--checkpoint-every 1``; W18,
     #: M10: not while its round labels do not name its state), traced as ``ckpt`` records the
     #: checker holds against the commits; a crashed worker's restart resumes from its last one.
@@ -248,6 +251,8 @@ class SimConfig:
                 del d[name]
         if not self.grace_window_s:
             del d["grace_window_s"]  # as before the grace window existed
+        if not self.grace_auto:
+            del d["grace_auto"]
         if not self.worker_checkpoints:
             del d["worker_checkpoints"]
         if not self.sparse:
@@ -262,7 +267,8 @@ class SimConfig:
     def describe(self) -> str:
         plane = (f"data_plane=collective reduce_timeout_s={self.reduce_timeout_s:.1f} "
                  f"collective_timeout_s={self.collective_timeout_s:.2f} " if self.collective else "")
-        window = f"grace_window_s={self.grace_window_s:g} " if self.grace_window_s else ""
+        window = f"grace_window_s={self.grace_window_s:g}{' auto' if self.grace_auto else ''} " \
+            if self.grace_window_s else ""
         window += "worker_checkpoints " if self.worker_checkpoints else ""
         if self.sparse:
             window += (f"wire_dtype=sparse sparse_chunk={self.sparse_chunk} sparse_k={self.sparse_k} "
@@ -287,7 +293,7 @@ def _check_override(name: str, value, low: int, high: int) -> int:
 def derive_config(seed: int, *, workers: int | None = None, rounds: int | None = None,
                   faults: str | None = None, mode: str | None = None,
                   fragments: int | None = None, shutdown: str | None = None,
-                  data_plane: str | None = None, grace_window: float | None = None,
+                  data_plane: str | None = None, grace_window: float | str | None = None,
                   worker_checkpoints: bool | None = None, wire_dtype: str | None = None) -> SimConfig:
     """The run that ``seed`` (plus the given overrides) stands for.
 
@@ -325,11 +331,17 @@ def derive_config(seed: int, *, workers: int | None = None, rounds: int | None =
         if data_plane != "hub":
             overrides["data_plane"] = data_plane
     collective = overrides.get("data_plane") == "collective"
-    if grace_window is not None:
+    if grace_window == "auto":
+        if collective or overrides.get("mode") == "sync":
+            raise SimConfigError("grace_window='auto' is invalid with mode='sync' or the collective plane: the "
+                                 "grace window is async only (SPEC.md P5)")
+        overrides["grace_window"] = "auto"
+    elif grace_window is not None:
         if (isinstance(grace_window, bool) or not isinstance(grace_window, (int, float))
                 or not 0 <= grace_window <= MAX_GRACE_WINDOW_S):
             raise SimConfigError(f"grace_window={grace_window!r} is invalid: expected a number of seconds in "
-                                 f"0..{MAX_GRACE_WINDOW_S:g} (at most the shortest heartbeat timeout a seed draws)")
+                                 f"0..{MAX_GRACE_WINDOW_S:g} (at most the shortest heartbeat timeout a seed draws), "
+                                 f"or 'auto'")
         if grace_window and (collective or overrides.get("mode") == "sync"):
             raise SimConfigError(f"grace_window={grace_window!r} is invalid with mode='sync' or the collective "
                                  f"plane: the grace window is async only (SPEC.md P5)")
@@ -447,7 +459,9 @@ def derive_config(seed: int, *, workers: int | None = None, rounds: int | None =
         max_workers=max_workers,
         param_sizes=sizes,
         overrides=overrides,
-        grace_window_s=float(overrides.get("grace_window", 0.0)),
+        grace_window_s=(MAX_GRACE_WINDOW_S if overrides.get("grace_window") == "auto"
+                        else float(overrides.get("grace_window", 0.0))),
+        grace_auto=overrides.get("grace_window") == "auto",
         worker_checkpoints=bool(overrides.get("worker_checkpoints", False)),
     )
     if collective:
@@ -496,7 +510,7 @@ def config_from_dict(d: dict) -> SimConfig:
     """Rebuild a config from a trace's first record (``--replay``)."""
     names = {f.name for f in fields(SimConfig)}
     missing = sorted(names - set(d) - set(_COLLECTIVE_FIELDS) - set(_SPARSE_FIELDS)
-                     - {"grace_window_s", "worker_checkpoints"})
+                     - {"grace_window_s", "grace_auto", "worker_checkpoints"})
     if missing:
         raise SimConfigError(f"the trace's config record lacks {missing}")
     kwargs = {k: d[k] for k in names if k in d}

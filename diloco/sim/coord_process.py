@@ -59,6 +59,7 @@ def coordinator_config(cfg: SimConfig) -> CoordinatorConfig:
         # are seeded noise, and the outlier bound's refusals are tested on the coordinator itself.
         outlier_factor=0.0,
         collective_timeout_s=cfg.collective_timeout_s if cfg.collective else 0.0,
+        grace_auto=cfg.grace_auto,
     )
 
 

@@ -11,7 +11,7 @@ import pytest
 from diloco.cli import main
 from diloco.core import round_fsm
 from diloco.sim import run_seed
-from diloco.sim.config import SimConfigError, derive_config
+from diloco.sim.config import MAX_GRACE_WINDOW_S, SimConfigError, derive_config
 
 #: Async runs with faults of every level, 1-4 fragments, drains, crashes: a few seconds in all.
 SEEDS = range(0, 10)
@@ -97,3 +97,40 @@ def test_the_checker_catches_a_core_that_ignores_its_window(window_ignored):
     caught = _p5(SEEDS)
     assert caught, "the simulator did not notice a core that ignores its grace window"
     assert "closed its window early" in caught[1].detail
+
+
+# ---------------------------------------------------------------- --grace-window auto
+
+AUTO_SEEDS = range(1000, 1008)
+
+
+def test_auto_windows_keep_every_invariant_at_every_length_the_arrivals_set():
+    changed = 0
+    for seed in AUTO_SEEDS:
+        r = run_seed(seed, grace_window="auto")
+        assert r.cfg.grace_auto and r.cfg.grace_window_s == MAX_GRACE_WINDOW_S  # the ceiling
+        assert r.ok, f"seed={seed} (re-run: diloco sim --seed {seed} --grace-window auto): " + "; ".join(
+            str(v) for v in r.violations[:3])
+        changed += r.counts["windows_changed"]
+    assert changed >= 20  # not vacuous: the lengths moved, and each close was judged at its own
+
+
+def test_the_checker_catches_a_core_that_keeps_its_old_length(monkeypatch):
+    # The coordinator says the next windows are shorter; the core keeps opening them at the old length.
+    monkeypatch.setattr(round_fsm.RoundFSM, "_on_grace_window", lambda self, event, effects: None)
+    r = run_seed(1003, grace_window="auto")
+    assert not r.ok and {v.rule for v in r.violations} == {"P5"}
+
+
+def test_auto_is_recorded_replayed_and_refused_where_there_is_no_window(tmp_path):
+    from diloco.sim.config import config_from_dict
+    from diloco.sim.run import replay_trace
+
+    cfg = derive_config(5, grace_window="auto")
+    assert cfg.mode == "async" and config_from_dict(cfg.to_dict()) == cfg and "grace_auto" not in derive_config(5).to_dict()
+    first = run_seed(1001, grace_window="auto", trace_path=str(tmp_path / "run.jsonl"))
+    again = replay_trace(str(tmp_path / "run.jsonl"))
+    assert first.ok and again.ok and again.divergence is None and again.trace_sha256 == first.trace_sha256
+    for kw in (dict(mode="sync"), dict(data_plane="collective")):
+        with pytest.raises(SimConfigError, match="grace_window='auto' is invalid"):
+            derive_config(5, grace_window="auto", **kw)

@@ -110,6 +110,7 @@ class ParamsChecks:
             self.counts["snapshots"] += 1
             self._check_state(rec, "snapshot")
             self.snap = (copy.deepcopy(self.model), self.min_workers)
+            self.snap_window_s = self.window_s  # the core's window length is in its snapshot (P5)
             self.snap_commits = list(self.last_commit)
         elif what == "coord_crash":
             self.counts["coordinator_crashes"] += 1
@@ -133,6 +134,7 @@ class ParamsChecks:
                     del self.applied_keys[key]
             self.model = copy.deepcopy(snap)
             self.min_workers = snap_min_workers
+            self.window_s = self.snap_window_s
             if self.collective:
                 self.last_commit = list(self.snap_commits)
                 self._coord_gone_collective()

@@ -59,6 +59,16 @@ class RoundChecks:
         if self.window_s:
             self._check_windows(step)
 
+    def _window_changed(self, seconds: float) -> None:
+        """``--grace-window auto``: windows opened from now on last ``seconds``, within the ceiling."""
+        ceiling = self.cfg.get("grace_window_s", 0.0)
+        if not self.cfg.get("grace_auto") or not 0 < seconds <= ceiling:
+            self._violate("P5", f"the grace window became {seconds!r} s; "
+                                f"{'expected (0, ' + format(ceiling, 'g') + ']' if self.cfg.get('grace_auto') else 'this run sets none'}")
+            return
+        self.counts["windows_changed"] += 1
+        self.window_s = seconds
+
     def _window_due(self, f: int, t: float) -> bool:
         """P5: fragment ``f``'s open window must close at clock ``t`` (if the quorum allows)."""
         w = self.window.get(f)
@@ -153,6 +163,10 @@ class RoundChecks:
                 if pend and f in self.window:
                     self.window[f][1] = True  # P5: a departure inside the window releases it
             self.counts["deaths" if what == "dead" else "leaves"] += 1
+        elif what == "grace_window":
+            # Before the step's accept: the coordinator ticks (and closes due windows, which sets the
+            # next length) before it handles the message, and a Submit closes only its own window.
+            self._window_changed(rec["seconds"])
         elif what == "quorum":
             self.min_workers = rec["min_workers"]
             step.quorum_min.append(rec["min_workers"])
