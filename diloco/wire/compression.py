@@ -47,7 +47,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from diloco.outer import all_finite
+from diloco.wire.measure import all_finite
 from diloco.wire.messages import WIRE_DTYPE_NAMES, Result, Tensors
 
 #: The wire dtypes, in the order --help lists them.
