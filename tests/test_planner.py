@@ -410,8 +410,8 @@ def test_plan_wire_sparse_prints_its_cpu_work_and_takes_the_rates(capsys):
             "--inner-steps", "5", "--fragments", "1", "--step-time", "0.02", "--bandwidth", "0.1"]
     assert main(argv) == 0
     default = capsys.readouterr().out
-    assert "sparse CPU work per sync and worker: 0.149 s" in default
-    assert "7.5e+07 params/s (--cpu-rate)" in default and "4e+07 entries/s (--entry-rate)" in default
+    assert "sparse CPU work per sync and worker: 0.1747 s" in default
+    assert "6.5e+07 params/s (--cpu-rate)" in default and "3e+07 entries/s (--entry-rate)" in default
     assert main(argv + ["--cpu-rate", "1e8", "--entry-rate", "1e7"]) == 0
     given = capsys.readouterr().out
     assert "sparse CPU work per sync and worker: 0.1625 s" in given

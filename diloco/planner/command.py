@@ -20,8 +20,8 @@ WIRE_NAMES = "fp32=4, fp16=2, bf16=2, fp8=1, int8=1, fp4=0.5, int4=0.5, sparse=0
 #: diloco.planner.model.DEFAULT_BUCKETS, without importing numpy for --help (the tests keep them equal).
 DEFAULT_BUCKETS = 24
 #: diloco.planner.model.DEFAULT_CPU_RATE and DEFAULT_ENTRY_RATE, for --help (the tests keep them equal).
-DEFAULT_CPU_RATE = 7.5e7
-DEFAULT_ENTRY_RATE = 4e7
+DEFAULT_CPU_RATE = 6.5e7
+DEFAULT_ENTRY_RATE = 3e7
 #: diloco.planner.model.DATA_PLANES and the link each one's figures are of (the tests keep them equal).
 DATA_PLANES = ("collective", "hub")
 LINK_OF = {"collective": "each worker's link", "hub": "the coordinator's link"}
@@ -55,8 +55,8 @@ A sparse sync (--wire sparse) also costs each worker CPU time beside its
 link time, one after the other: N / --cpu-rate seconds for its passes over
 its N params (the top-k encode of its accumulator; the step and install)
 and M x N x 64/4096 / --entry-rate for decoding and adding the round's M
-payloads. The defaults are one core's, measured on a 2-core VM;
---measure-cpu times this machine's."""
+payloads. The defaults are one core's, measured on a 2-core VM by
+benchmarks/bench_sparse_cpu.py, which times this machine's (docs/planner.md)."""
 
 EPILOG = """\
 examples:
@@ -132,14 +132,11 @@ def register(subparsers) -> None:
                      help="parameters per second a worker's CPU takes through a sparse round's passes over all its "
                           "params: the pseudo-gradient and the top-k encode of its accumulator before the upload, "
                           "the sum's zeros, the step, its finiteness check and the install after "
-                          f"(default {DEFAULT_CPU_RATE:g}: one core; more threads or a faster core go faster)")
+                          f"(default {DEFAULT_CPU_RATE:g}: one core's; benchmarks/bench_sparse_cpu.py measures "
+                          f"this machine's)")
     cpu.add_argument("--entry-rate", type=_positive("--entry-rate"), default=None, metavar="ENTRIES_PER_S",
                      help="payload entries per second a worker checks, decodes and adds into the round's sum "
                           f"(M payloads of N x 64/4096 entries each; default {DEFAULT_ENTRY_RATE:g}: one core)")
-    cpu.add_argument("--measure-cpu", action="store_true",
-                     help="time this machine's rates first (a worker's real sparse-round code on 10M parameters, "
-                          "8 payloads, torch's thread count: set OMP_NUM_THREADS as the workers run; a few seconds), print them, and plan with them where "
-                          "--cpu-rate and --entry-rate are not given")
     run.add_argument("--buckets", type=_int_at_least("--buckets", 1), default=DEFAULT_BUCKETS, metavar="K",
                      help="buckets a step's payload is split into over the backward, e.g. one per layer "
                           f"(default {DEFAULT_BUCKETS}, the layers of Table 4's 1B model)")
@@ -179,16 +176,6 @@ def handle(args) -> int:
 
     cpu_rate = args.cpu_rate or model.DEFAULT_CPU_RATE
     entry_rate = args.entry_rate or model.DEFAULT_ENTRY_RATE
-    if args.measure_cpu:
-        from diloco.planner.measure import measure_sparse_rates
-
-        rates = measure_sparse_rates(params=10_000_000, workers=8)
-        print(f"measured on this machine ({rates.threads} thread{'s' if rates.threads != 1 else ''}, "
-              f"{rates.params:,} params): {rates.cpu_rate:.3g} params/s "
-              f"(a submit {rates.submit_s:.3f} s, a one-payload receipt {rates.receive_one_s:.3f} s), "
-              f"{rates.entry_rate:.3g} payload entries/s (a receipt of {rates.workers}: {rates.receive_all_s:.3f} s)")
-        cpu_rate = args.cpu_rate or rates.cpu_rate
-        entry_rate = args.entry_rate or rates.entry_rate
     args.cpu_rate, args.entry_rate = cpu_rate, entry_rate
     streaming = args.streaming_wire or args.wire
     ms = model.methods(args.inner_steps, args.fragments, args.overlap, args.wire[0], streaming[0],

@@ -63,8 +63,8 @@ a gathered sync takes ``sparse_cpu_s = N / cpu_rate + M * N * density / entry_ra
 the worker's CPU beside its link time (``sync_s``), one after the other: the top-k needs the
 whole pseudo-gradient, the step every payload. ``cpu_rate`` (parameters per second) and
 ``entry_rate`` (payload entries per second) are one CPU core's, measured by timing that code
-(``diloco plan --measure-cpu``, ``diloco.planner.measure``); the defaults were measured so on a
-2-core x86 VM (one thread; best of 3 runs on 10M parameters, 8 payloads). The coordinator's own
+(``benchmarks/bench_sparse_cpu.py``); the defaults are what it measured on a 2-core x86 VM (one
+thread, 10M parameters, 8 payloads; the median of its runs). The coordinator's own
 work (decoding each upload as it arrives, one step) is not counted: it overlaps the uploads or
 is one pass. Dense wires' CPU work (an int4 quantisation, a sum) is not modelled.
 
@@ -90,10 +90,10 @@ GATHERED_WIRES = frozenset({"sparse"})
 SPARSE_DENSITY = 64 / 4096
 #: One CPU core's rate through the passes a sparse round makes over all of a worker's params, in
 #: parameters per second (module docstring, "The sparse wire's CPU work"; ``diloco plan --cpu-rate``).
-DEFAULT_CPU_RATE = 7.5e7
+DEFAULT_CPU_RATE = 6.5e7
 #: One CPU core's rate decoding and adding a sparse round's payload entries into the sum, in entries
 #: per second (``diloco plan --entry-rate``).
-DEFAULT_ENTRY_RATE = 4e7
+DEFAULT_ENTRY_RATE = 3e7
 #: The bandwidths ``--sweep`` tries (Gbit/s), as in the paper's simulator.
 BANDWIDTH_GRID_GBIT_S = np.logspace(-1, 3, 50)
 #: ``data_plane`` values: where a sync's bits go (module docstring).
