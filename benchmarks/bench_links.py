@@ -83,7 +83,7 @@ Usage (as root, from the repository root)::
 Every namespace it made is deleted at the end (also on Ctrl-C or an error),
 and every process it started is killed by its pid.
 
-About 600 lines: one benchmark is one file, run and read top to bottom; the
+About 700 lines: one benchmark is one file, run and read top to bottom; the
 private network's setup and teardown, the processes in it and the report share
 one run.
 """
