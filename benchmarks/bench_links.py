@@ -39,7 +39,15 @@ Beside each measurement it prints two predictions at the link's raw rate:
   busiest link, ``c = 2k`` on the hub's coordinator link (its k uploads, then
   its k Results) and ``c = 2(1 - 1/k)`` on each worker's link in the
   collective ring;
-* ``impl_s``, what this implementation's algorithm puts on that link: the
+  for the sparse wire (a gathered one) the planner adds each worker's CPU work on the sync,
+  ``sparse_cpu_s`` (``N / cpu_rate + k x N x 64/4096 / entry_rate``, ``diloco plan --cpu-rate
+  --entry-rate``), at each worker's rates on this machine: measured just before and just after
+  the run (the mean of the two times; the machine's other load changes) by
+  ``bench_sparse_cpu.py`` (a worker's real submit and receipt code, timed) run by k
+  processes at once, one thread each, as the k workers here share the machine's cores (their
+  encodes run at once, and so do their receipts); ``cpu_s`` on the RESULT line is that term;
+* ``impl_s``, what this implementation's algorithm puts on that link (its link time alone, no CPU
+  work, on every wire): the
   hub's k uploads and then k Results (a Result needs every upload), ``2k``
   copies, as the planner; on the collective plane ``bytes_on_link`` of
   ``diloco.collective.reduce`` (fp32: a ring all-reduce, 2(k-1)/k copies;
@@ -51,6 +59,9 @@ per 1514-byte frame).
 Last lines, one per measured (plane, size)::
 
     RESULT links plane=hub params=N k=4 rate_mbit=100 wire=fp32 round_s=X compute_s=X round_comm_s=X predicted_s=X ratio=R impl_s=X impl_ratio=R part_bytes_in=N part_bytes_out=N
+
+(a sparse run's line adds ``cpu_s``, ``cpu_rate``, ``entry_rate`` and ``cpu`` -- measured or given --
+after ``predicted_s``).
 
 ``ratio`` = round_comm_s / predicted_s (the goal: within 20%). On the hub, ``part_bytes_in`` and
 ``part_bytes_out`` are the part sizes the coordinator saw from the workers and used towards them
@@ -72,7 +83,7 @@ Usage (as root, from the repository root)::
 Every namespace it made is deleted at the end (also on Ctrl-C or an error),
 and every process it started is killed by its pid.
 
-About 600 lines: one benchmark is one file, run and read top to bottom; the
+About 700 lines: one benchmark is one file, run and read top to bottom; the
 private network's setup and teardown, the processes in it and the report share
 one run.
 """
@@ -288,6 +299,8 @@ class Measure:
     #: the biggest part of the workers' latest uploads (median), and its part size towards them.
     part_bytes_in: Optional[int] = None
     part_bytes_out: Optional[int] = None
+    #: The sparse wire's CPU rates the planner's figure takes (measured just before this run).
+    cpu: Optional[Cpu] = None
 
     @property
     def comm_s(self) -> float:
@@ -498,11 +511,49 @@ def wire_bytes_exact(wire: str) -> float:
             "sparse": (2 * 64 + 4) / 4096}[wire]
 
 
-def predicted_s(plane: str, params: int, workers: int, wire: str, rate_mbit: float) -> float:
-    """The planner's figure: ``sync_bits`` (diloco plan's payload formula) over the link's rate."""
-    from diloco.planner.model import GATHERED_WIRES, WIRE_DTYPES, sync_bits
+@dataclass(frozen=True)
+class Cpu:
+    """The planner's CPU rates for a sparse sync as each worker here has them (module docstring)."""
 
-    return sync_bits(params, WIRE_DTYPES[wire], workers, plane, wire in GATHERED_WIRES) / (rate_mbit * 1e6)
+    cpu_rate: float
+    entry_rate: float
+    #: "measured": by k processes at once here; "given": --cpu-rate and --entry-rate.
+    how: str
+
+
+def predicted_s(plane: str, params: int, workers: int, wire: str, rate_mbit: float,
+                cpu: Optional[Cpu] = None) -> float:
+    """The planner's figure: ``sync_s`` (diloco plan's: the payload's bits over the link's rate, and for the
+    sparse wire each worker's CPU work on the sync at ``cpu``'s rates)."""
+    from diloco.planner.model import GATHERED_WIRES, WIRE_DTYPES, sync_s
+
+    rates = {} if cpu is None else dict(cpu_rate=cpu.cpu_rate, entry_rate=cpu.entry_rate)
+    return sync_s(params, WIRE_DTYPES[wire], workers, rate_mbit * 1e6, plane, wire in GATHERED_WIRES, **rates)
+
+
+def cpu_term_s(params: int, workers: int, wire: str, cpu: Optional[Cpu]) -> float:
+    from diloco.planner.model import GATHERED_WIRES, sparse_cpu_s
+
+    if wire not in GATHERED_WIRES or cpu is None:
+        return 0.0
+    return sparse_cpu_s(params, workers, cpu.cpu_rate, cpu.entry_rate)
+
+
+def planner_cpu(workers: int, cpu_rate: Optional[float], entry_rate: Optional[float]) -> Cpu:
+    """Each worker's rates: given, or measured by ``workers`` processes at once on this machine, one thread
+    each, as the workers run (``bench_sparse_cpu.measure_concurrently``)."""
+    if cpu_rate is not None and entry_rate is not None:
+        return Cpu(cpu_rate, entry_rate, "given")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_sparse_cpu import measure_concurrently
+
+    rates = measure_concurrently(workers)
+    print(f"cpu: a sparse round's own work measured by {workers} processes at once, one thread each "
+          f"({rates.params:,} params; medians): {rates.cpu_rate:.3g} params/s (submit {rates.submit_s:.3f} s, "
+          f"one-payload receipt {rates.receive_one_s:.3f} s), {rates.entry_rate:.3g} entries/s (receipt of "
+          f"{rates.workers} payloads {rates.receive_all_s:.3f} s)", flush=True)
+    return Cpu(rates.cpu_rate if cpu_rate is None else cpu_rate,
+               rates.entry_rate if entry_rate is None else entry_rate, "measured")
 
 
 def impl_s(plane: str, params: int, workers: int, wire: str, rate_mbit: float) -> float:
@@ -518,14 +569,18 @@ def impl_s(plane: str, params: int, workers: int, wire: str, rate_mbit: float) -
 
 
 def result_line(m: Measure) -> str:
-    pred = predicted_s(m.plane, m.params, m.workers, m.wire, m.rate_mbit)
+    cpu = m.cpu
+    pred = predicted_s(m.plane, m.params, m.workers, m.wire, m.rate_mbit, cpu)
     imp = impl_s(m.plane, m.params, m.workers, m.wire, m.rate_mbit)
+    cpu_s = cpu_term_s(m.params, m.workers, m.wire, cpu)
+    cpu_part = (f" cpu_s={cpu_s:.3f} cpu_rate={cpu.cpu_rate:.3g} entry_rate={cpu.entry_rate:.3g} cpu={cpu.how}"
+                if cpu_s and cpu is not None else "")
     head = (f"RESULT links plane={m.plane} params={m.params} k={m.workers} rate_mbit={m.rate_mbit:g} wire={m.wire} "
             f"H={m.sync_every} link_timeout_s={m.link_timeout_s if m.link_timeout_s is not None else 'default'}")
     if m.stalled:
         return f"{head} stalled=1 applied_before_stall={m.applied_before_stall} predicted_s={pred:.3f} impl_s={imp:.3f}"
     return (f"{head} round_s={m.round_s:.3f} compute_s={m.compute_s:.3f} round_comm_s={m.comm_s:.3f} "
-            f"predicted_s={pred:.3f} ratio={m.comm_s / pred:.3f} impl_s={imp:.3f} impl_ratio={m.comm_s / imp:.3f}"
+            f"predicted_s={pred:.3f}{cpu_part} ratio={m.comm_s / pred:.3f} impl_s={imp:.3f} impl_ratio={m.comm_s / imp:.3f}"
             + (f" part_bytes_in={m.part_bytes_in} part_bytes_out={m.part_bytes_out}" if m.plane == "hub" else ""))
 
 
@@ -557,6 +612,11 @@ def main(argv: Optional[list] = None) -> int:
                    help="report a stall after this long without an applied round (default 60 s + 4x impl_s)")
     p.add_argument("--link-timeout", type=float, default=None, metavar="S",
                    help="server's and workers' --link-timeout (default: diloco's, 30 s)")
+    p.add_argument("--cpu-rate", type=float, default=None, metavar="PARAMS_PER_S",
+                   help="the sparse wire's planner --cpu-rate, each worker's (default: measured here first, by "
+                        "k processes at once)")
+    p.add_argument("--entry-rate", type=float, default=None, metavar="ENTRIES_PER_S",
+                   help="the sparse wire's planner --entry-rate, each worker's (default: measured with --cpu-rate)")
     p.add_argument("--keep", action="store_true", help="keep the run directories (logs, traces)")
     p.add_argument("--quick", action="store_true", help="1M params at 50 Mbit/s, 2 measured rounds")
     args = p.parse_args(argv)
@@ -571,6 +631,8 @@ def main(argv: Optional[list] = None) -> int:
     if why:
         print(f"bench_links: cannot run: {why}", file=sys.stderr)
         return 2
+    from diloco.planner.model import GATHERED_WIRES
+
     workdir = Path(tempfile.mkdtemp(prefix="bench_links-"))
     net = Net(workers=args.workers, rate_mbit=rate)
     results = []
@@ -584,7 +646,10 @@ def main(argv: Optional[list] = None) -> int:
                 if not (wire == "int4" and plane == "collective")]  # the collective plane knows no int4
         for n, plane, wire in runs:
             actual = model_params(n)
-            pred = predicted_s(plane, actual, args.workers, wire, rate)
+            # Measured just before the run and again just after it (the machine's other load changes),
+            # with none of its processes running: the two times' mean.
+            cpu = planner_cpu(args.workers, args.cpu_rate, args.entry_rate) if wire in GATHERED_WIRES else None
+            pred = predicted_s(plane, actual, args.workers, wire, rate, cpu)
             imp = impl_s(plane, actual, args.workers, wire, rate)
             print(f"-- {plane}: {actual:,} params ({LAYERS} x Linear({layer_width(n)})), k={args.workers}, "
                   f"{rate:g} Mbit/s, wire {wire}, H={args.sync_every}, step {args.step_s:g} s"
@@ -592,13 +657,20 @@ def main(argv: Optional[list] = None) -> int:
                   flush=True)
             m = measure(net, plane, actual, wire, args.sync_every, args.step_s, rounds, args.warmup,
                         workdir, args.stall_s or 60 + 4 * imp, max(60.0, 10 * imp), args.link_timeout)
+            if cpu is not None and cpu.how == "measured":
+                after = planner_cpu(args.workers, None, None)
+                cpu = Cpu(2 / (1 / cpu.cpu_rate + 1 / after.cpu_rate), 2 / (1 / cpu.entry_rate + 1 / after.entry_rate),
+                          "measured")
+                pred = predicted_s(plane, actual, args.workers, wire, rate, cpu)
+            m.cpu = cpu
             results.append(m)
             if not m.stalled:
                 print(f"   round {m.round_s:.2f} s (median of {m.rounds}), compute {m.compute_s:.2f} s, "
                       f"comm {m.comm_s:.2f} s (a worker's own view: {m.worker_gap_s:.2f} s between its rounds); "
                       f"sent per round: coordinator {m.coord_tx_mb:.1f} MB, each worker {m.worker_tx_mb:.1f} MB",
                       flush=True)
-                print(f"   planner {pred:.2f} s (ratio {m.comm_s / pred:.2f}); "
+                print(f"   planner {pred:.2f} s (ratio {m.comm_s / pred:.2f}"
+                      f"{f'; of it CPU work {cpu_term_s(actual, args.workers, wire, cpu):.2f} s' if cpu_term_s(actual, args.workers, wire, cpu) else ''}); "
                       f"implementation-aware {imp:.2f} s (ratio {m.comm_s / imp:.2f})", flush=True)
     except KeyboardInterrupt:
         interrupted = True

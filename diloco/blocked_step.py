@@ -32,8 +32,9 @@ from diloco.wire import buffers
 BLOCK = 1 << 16
 
 
-def _nesterov_group(opt: torch.optim.Optimizer) -> dict | None:
-    """The one param group of a plain Nesterov ``torch.optim.SGD`` without hooks, or None."""
+def _sgd_group(opt: torch.optim.Optimizer) -> dict | None:
+    """The one param group of a ``torch.optim.SGD`` without hooks, weight decay, maximize, foreach,
+    fused or differentiable steps, whose lr and momentum are numbers; or None."""
     if type(opt) is not torch.optim.SGD or len(opt.param_groups) != 1:
         return None
     if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:
@@ -43,13 +44,53 @@ def _nesterov_group(opt: torch.optim.Optimizer) -> dict | None:
     if _optimizer._global_optimizer_pre_hooks or _optimizer._global_optimizer_post_hooks:
         return None
     g = opt.param_groups[0]
-    if not (g.get("nesterov") and g.get("momentum", 0) > 0 and g.get("dampening", 0) == 0
-            and g.get("weight_decay", 0) == 0 and not g.get("maximize") and not g.get("foreach")
+    if not (g.get("weight_decay", 0) == 0 and not g.get("maximize") and not g.get("foreach")
             and not g.get("fused") and not g.get("differentiable")):
         return None
-    if type(g["lr"]) not in (int, float) or type(g["momentum"]) not in (int, float):
+    if type(g["lr"]) not in (int, float) or type(g.get("momentum", 0)) not in (int, float):
         return None
     return g
+
+
+def _nesterov_group(opt: torch.optim.Optimizer) -> dict | None:
+    """The one param group of a plain Nesterov ``torch.optim.SGD`` without hooks, or None."""
+    g = _sgd_group(opt)
+    if g is None or not (g.get("nesterov") and g["momentum"] > 0 and g.get("dampening", 0) == 0):
+        return None
+    return g
+
+
+def sgd_step_in_blocks(opt: torch.optim.Optimizer, params: dict[str, torch.Tensor], grad: dict[str, torch.Tensor],
+                       watch: "BlockWatch") -> bool:
+    """``opt.step()`` with ``grad`` as the params' gradients, for a momentum-free ``torch.optim.SGD``
+    (``_sgd_group``; it keeps no state), in place, block by block, telling ``watch`` of each block
+    before and after it is stepped: the caller keeps the undo (the watch's backup). False, and
+    nothing touched or told, when it does not apply (step as usual).
+
+    Each block is ``param.add_(grad, alpha=-lr)``, the call torch's single-tensor SGD makes on the
+    whole tensor, with the same scalar: the same bits (a block is a whole number of vectors)."""
+    group = _sgd_group(opt)
+    if group is None or group.get("momentum", 0) != 0:
+        return False
+    ids = {id(p) for p in group["params"]}
+    for name, p in params.items():
+        g = grad.get(name)
+        if (id(p) not in ids or g is None or g.shape != p.shape or g.dtype != p.dtype or p.dtype != torch.float32
+                or p.device.type != "cpu" or g.device.type != "cpu" or not p.is_contiguous()
+                or not g.is_contiguous()):
+            return False
+    lr = group["lr"]
+    with torch.no_grad():
+        for name, p in params.items():
+            pf, gf = p.detach().view(-1), grad[name].view(-1)
+            n = pf.numel()
+            for start in range(0, n, BLOCK):
+                end = min(n, start + BLOCK)
+                watch.before(name, start, end)
+                pf[start:end].add_(gf[start:end], alpha=-lr)
+                watch.after(name, start, end)
+            watch.done(name)
+    return True
 
 
 #: The in-place step is taken only when its bound on every new value stays under this (fp32's largest

@@ -11,6 +11,7 @@ docs/planner.md).
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -371,8 +372,53 @@ def test_a_sparse_wire_gathers_every_payload_whole_on_both_planes():
     assert model.link_copies(4, "collective", gathered=True) == 3
     assert model.sync_bits(1e6, bpp, 4, "hub", True) == 1e6 * bpp * 8 * 20
     dense, sparse = model.methods(100, 1, 0, 4.0)[1], model.methods(100, 1, 0, bpp, gathered=True)[1]
-    common = dict(params=1e9, step_time_s=0.1, workers=4, data_plane="collective")
+    # The link alone (a CPU so fast its work is nothing): 1/124 of fp32's bytes, gathered.
+    common = dict(params=1e9, step_time_s=0.1, workers=4, data_plane="collective", cpu_rate=1e30, entry_rate=1e30)
     assert model.bandwidth_for(sparse, 0.9, **common) < model.bandwidth_for(dense, 0.9, **common) / 40
+
+
+def test_a_sparse_sync_costs_its_cpu_work_beside_its_link_time():
+    bpp = model.WIRE_DTYPES["sparse"]
+    # N / cpu_rate for the passes over every param, M x N x 64/4096 / entry_rate for the payloads' entries.
+    assert model.sparse_cpu_s(1e7, 4, cpu_rate=1e8, entry_rate=1e7) == pytest.approx(0.1 + 4 * 1e7 / 64 / 1e7)
+    assert model.sparse_cpu_s(1e7, 4) == pytest.approx(1e7 / model.DEFAULT_CPU_RATE
+                                                        + 4 * 1e7 * 64 / 4096 / model.DEFAULT_ENTRY_RATE)
+    link = model.sync_bits(1e7, bpp, 4, "hub", True) / 1e8
+    assert model.sync_s(1e7, bpp, 4, 1e8, "hub", True, 1e8, 1e7) == pytest.approx(link + 0.1 + 0.0625)
+    # A dense wire's sync is its link time alone.
+    assert model.sync_s(1e7, 0.5, 4, 1e8, "hub") == model.sync_bits(1e7, 0.5, 4, "hub") / 1e8
+    # The term is in the utilisation: a slower CPU lowers it at the same bandwidth, and no bandwidth
+    # makes up for a CPU whose work alone outlasts the round's compute.
+    ms = model.methods(5, 1, 0, bpp, gathered=True)
+    common = dict(params=1e7, step_time_s=0.02, workers=4, bandwidth_gbit_s=0.1, data_plane="hub")
+    fast = model.method_utilisation(ms[1], **common, cpu_rate=1e30, entry_rate=1e30)
+    slow = model.method_utilisation(ms[1], **common, cpu_rate=1e8, entry_rate=1e7)
+    assert slow < fast
+    # DiLoCo's round: 5 steps of 0.02 s, its sync 0.515 s on the link and 0.1625 s of CPU work.
+    assert 0.1 / slow == pytest.approx(0.1 + link + 0.1625 - 2 / 3 * 0.02 * (1 - 1 / 24), rel=1e-6)
+    with pytest.raises(model.PlanError, match="at any bandwidth"):
+        model.bandwidth_for(ms[1], 0.9, params=1e7, step_time_s=0.02, workers=4, cpu_rate=1e7)
+    table = model.plane_table(ms, step_time_s=0.1, params=(1e9,), workers=(4,), cpu_rate=1e6)
+    assert table[("DiLoCo", 1e9, "hub", 4)] == math.inf
+    assert command.DEFAULT_CPU_RATE == model.DEFAULT_CPU_RATE and command.DEFAULT_ENTRY_RATE == model.DEFAULT_ENTRY_RATE
+
+
+def test_plan_wire_sparse_prints_its_cpu_work_and_takes_the_rates(capsys):
+    from diloco.cli import main
+
+    argv = ["plan", "--wire", "sparse", "--params", "10M", "--workers", "4", "--data-plane", "hub",
+            "--inner-steps", "5", "--fragments", "1", "--step-time", "0.02", "--bandwidth", "0.1"]
+    assert main(argv) == 0
+    default = capsys.readouterr().out
+    assert "sparse CPU work per sync and worker: 0.1747 s" in default
+    assert "6.5e+07 params/s (--cpu-rate)" in default and "3e+07 entries/s (--entry-rate)" in default
+    assert main(argv + ["--cpu-rate", "1e8", "--entry-rate", "1e7"]) == 0
+    given = capsys.readouterr().out
+    assert "sparse CPU work per sync and worker: 0.1625 s" in given
+    util = [line.split()[-1] for line in given.splitlines() if line.strip().startswith("DiLoCo ")]
+    assert util[-1] == "13.1%"  # 0.1 s of compute in 0.1 + 0.515 + 0.1625 s, less the sync's overlap
+    assert main(["plan", "--wire", "int4", "--bandwidth", "0.1"]) == 0
+    assert "sparse CPU work" not in capsys.readouterr().out
 
 
 def test_plan_wire_sparse_says_it_gathers(capsys):

@@ -185,7 +185,7 @@ def mean_pseudo_gradient(group: dist.ProcessGroup, encoded: compression.Encoded,
         return _unflat(flat, shapes, names), (), mean_norm
     if wire_dtype == "sparse":
         assert fmt is not None
-        return _sparse_mean(group, encoded, shapes, timeout_s, device, fmt)
+        return _sparse_mean(group, encoded, shapes, timeout_s, device, fmt, buffer)
     values = _flat(encoded.values, names, encoded.values[names[0]].dtype if names else torch.float32)
     gathered_values = _allgather(group, values, timeout_s, device, "the all-gather of values")
     gathered_scales: list[torch.Tensor] = []
@@ -209,9 +209,12 @@ def mean_pseudo_gradient(group: dist.ProcessGroup, encoded: compression.Encoded,
 
 
 def _sparse_mean(group: dist.ProcessGroup, encoded: compression.Encoded, shapes: Mapping[str, torch.Size],
-                 timeout_s: float, device, fmt: sparse.SparseFormat) -> tuple[Tensors, tuple[float, ...], None]:
+                 timeout_s: float, device, fmt: sparse.SparseFormat,
+                 buffer: torch.Tensor | None = None) -> tuple[Tensors, tuple[float, ...], None]:
     """The sparse wire's reduce: every rank's payload (one int16 and one fp32 buffer, the same size on
-    every rank), each checked and added into zeros in rank order; each rank's contribution norm."""
+    every rank), each checked and added into zeros in rank order; each rank's contribution norm. The
+    sum is made in ``buffer`` (zeroed) when one of the right size is given, as fp32's all-reduce is:
+    no fresh model-sized tensor per round."""
     names = list(shapes)
     numel = {n: shapes[n].numel() for n in names}
     entry_shapes = {n: torch.Size([fmt.kept(numel[n])]) for n in names}
@@ -223,7 +226,11 @@ def _sparse_mean(group: dist.ProcessGroup, encoded: compression.Encoded, shapes:
     cut = scales.numel() * 4
     gathered_scales = [g[:cut].view(torch.float32) for g in gathered]
     gathered_entries = [g[cut:].view(torch.int16) for g in gathered]
-    total = {n: torch.zeros(shapes[n], dtype=torch.float32) for n in names}
+    numel_all = sum(numel.values())
+    if buffer is not None and buffer.dtype == torch.float32 and buffer.numel() == numel_all:
+        total = _unflat(buffer.zero_(), shapes, names)
+    else:
+        total = {n: torch.zeros(shapes[n], dtype=torch.float32) for n in names}
     norms = []
     for rank in range(group.size()):  # rank order: the same sum on every member
         try:

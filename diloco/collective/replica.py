@@ -36,7 +36,7 @@ from typing import Mapping
 
 import torch
 
-from diloco.blocked_step import step_in_blocks
+from diloco.blocked_step import sgd_step_in_blocks, step_in_blocks
 from diloco.collective.digest import StepWatch, digest, digest_and_step_norm
 from diloco.collective.reduce import tensors_norm
 from diloco.outer import OptimizerBackup, OuterConfig, build_outer_optimizer, params_of
@@ -190,6 +190,16 @@ class Replica:
                 raise
             if blocked is not None:
                 return watch.result()
+        elif self.wire_dtype == "sparse":
+            # The method's step (SGD, momentum 0), block by block with the backup, the step's norm
+            # and the digest: one pass over the model, not a copy, a step and a measuring pass.
+            watch = StepWatch(params, before, self._scratch)
+            try:
+                if sgd_step_in_blocks(opt, params, {n: mean[n] for n in params}, watch):
+                    return watch.result()
+            except BaseException:
+                watch.undo()
+                raise
         for n, p in params.items():
             before[n].copy_(p.detach())
         try:

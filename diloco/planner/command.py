@@ -19,6 +19,9 @@ EXIT_OK = 0
 WIRE_NAMES = "fp32=4, fp16=2, bf16=2, fp8=1, int8=1, fp4=0.5, int4=0.5, sparse=0.0322265625"
 #: diloco.planner.model.DEFAULT_BUCKETS, without importing numpy for --help (the tests keep them equal).
 DEFAULT_BUCKETS = 24
+#: diloco.planner.model.DEFAULT_CPU_RATE and DEFAULT_ENTRY_RATE, for --help (the tests keep them equal).
+DEFAULT_CPU_RATE = 6.5e7
+DEFAULT_ENTRY_RATE = 3e7
 #: diloco.planner.model.DATA_PLANES and the link each one's figures are of (the tests keep them equal).
 DATA_PLANES = ("collective", "hub")
 LINK_OF = {"collective": "each worker's link", "hub": "the coordinator's link"}
@@ -46,7 +49,14 @@ Data planes (--data-plane; links are full duplex):
               gets the new parameters back, as diloco server does: the
               bandwidth is the coordinator's link, carrying M copies in and
               then M out (the replies need every upload), c = 2M, so it
-              grows with M."""
+              grows with M.
+
+A sparse sync (--wire sparse) also costs each worker CPU time beside its
+link time, one after the other: N / --cpu-rate seconds for its passes over
+its N params (the top-k encode of its accumulator; the step and install)
+and M x N x 64/4096 / --entry-rate for decoding and adding the round's M
+payloads. The defaults are one core's, measured on a 2-core VM by
+benchmarks/bench_sparse_cpu.py, which times this machine's (docs/planner.md)."""
 
 EPILOG = """\
 examples:
@@ -117,6 +127,16 @@ def register(subparsers) -> None:
                           "directly and all-reduce (the figures are each worker's link); hub to size the "
                           "coordinator's link of a diloco server run, or any parameter server (the figures are "
                           "the coordinator's link, which carries M copies in, then M out)")
+    cpu = p.add_argument_group("a sparse sync's CPU work (--wire sparse; per worker, one core by default)")
+    cpu.add_argument("--cpu-rate", type=_positive("--cpu-rate"), default=None, metavar="PARAMS_PER_S",
+                     help="parameters per second a worker's CPU takes through a sparse round's passes over all its "
+                          "params: the pseudo-gradient and the top-k encode of its accumulator before the upload, "
+                          "the sum's zeros, the step, its finiteness check and the install after "
+                          f"(default {DEFAULT_CPU_RATE:g}: one core's; benchmarks/bench_sparse_cpu.py measures "
+                          f"this machine's)")
+    cpu.add_argument("--entry-rate", type=_positive("--entry-rate"), default=None, metavar="ENTRIES_PER_S",
+                     help="payload entries per second a worker checks, decodes and adds into the round's sum "
+                          f"(M payloads of N x 64/4096 entries each; default {DEFAULT_ENTRY_RATE:g}: one core)")
     run.add_argument("--buckets", type=_int_at_least("--buckets", 1), default=DEFAULT_BUCKETS, metavar="K",
                      help="buckets a step's payload is split into over the backward, e.g. one per layer "
                           f"(default {DEFAULT_BUCKETS}, the layers of Table 4's 1B model)")
@@ -154,13 +174,17 @@ def handle(args) -> int:
             raise _usage(f"--plot {args.plot!r}: directory {parent!r} does not exist")
     from diloco.planner import model
 
+    cpu_rate = args.cpu_rate or model.DEFAULT_CPU_RATE
+    entry_rate = args.entry_rate or model.DEFAULT_ENTRY_RATE
+    args.cpu_rate, args.entry_rate = cpu_rate, entry_rate
     streaming = args.streaming_wire or args.wire
     ms = model.methods(args.inner_steps, args.fragments, args.overlap, args.wire[0], streaming[0],
                        gathered=args.wire[1], streaming_gathered=streaming[1])
     common = dict(params=args.params, step_time_s=args.step_time, workers=args.workers, buckets=args.buckets,
-                  data_plane=args.data_plane)
+                  data_plane=args.data_plane, cpu_rate=cpu_rate, entry_rate=entry_rate)
     if args.plane_table:
-        table = model.plane_table(ms, step_time_s=args.step_time, buckets=args.buckets)
+        table = model.plane_table(ms, step_time_s=args.step_time, buckets=args.buckets, cpu_rate=cpu_rate,
+                                  entry_rate=entry_rate)
         for line in format_plane_table(table, ms, step_time_s=args.step_time, buckets=args.buckets):
             print(line)
         if args.bandwidth is None and not args.sweep and args.plot is None:
@@ -211,7 +235,7 @@ def _copies(c: float) -> str:
 
 
 def describe(args, ms) -> list[str]:
-    from diloco.planner.model import sync_bits
+    from diloco.planner.model import SPARSE_DENSITY, sparse_cpu_s, sync_bits
 
     if args.data_plane == "hub":
         plane = (f"data plane: hub (one coordinator); bandwidth = {LINK_OF['hub']}, carrying M = "
@@ -228,6 +252,11 @@ def describe(args, ms) -> list[str]:
         lines[1] += (f"; a sparse sync gathers every worker's payload instead: "
                      f"{_copies(args.workers * (args.workers + 1)) if args.data_plane == 'hub' else _copies(args.workers - 1)}"
                      f" of one")
+    if any(m.gathered for m in ms):
+        cpu_s = sparse_cpu_s(args.params, args.workers, args.cpu_rate, args.entry_rate)
+        lines.insert(2, f"sparse CPU work per sync and worker: {cpu_s:.4g} s = {_count(args.params)} params / "
+                        f"{args.cpu_rate:.3g} params/s (--cpu-rate) + M x {_count(args.params * SPARSE_DENSITY)} "
+                        f"entries / {args.entry_rate:.3g} entries/s (--entry-rate), after its link time")
     for m in ms:
         gbit = sync_bits(args.params, m.bytes_per_param, args.workers, args.data_plane, m.gathered) / m.fragments / 1e9
         every = m.steps_between_syncs
@@ -262,6 +291,8 @@ def format_sweep(curves: dict, data_plane: str = "collective") -> list[str]:
 
 
 def _gbit(b: float) -> str:
+    if math.isinf(b):
+        return "never"  # a sparse sync's CPU work alone misses the target
     return f"{b:.2f}" if b < 10 else (f"{b:.1f}" if b < 100 else f"{b:.0f}")
 
 

@@ -54,6 +54,20 @@ sends a worker's payload to the ``M - 1`` others and receives theirs at the same
 ``c = M - 1``. A sparse payload is ``2 / 64 + 4 / 4096`` bytes per parameter at the defaults
 (64 kept 2-byte entries and one 4-byte scale per chunk of 4096).
 
+The sparse wire's CPU work: a sparse sync's link time is small, and each worker's own work on
+it is not: before its upload, the chunk-wise top-k of its accumulator (with the pseudo-gradient,
+the accumulator's decay and its norm); after the round, checking, decoding and adding the round's
+``M`` payloads into a sum, the step, its finiteness check and the install. That is a few passes
+over all ``N`` of its params and one visit to each of the ``M * N * density`` payload entries, so
+a gathered sync takes ``sparse_cpu_s = N / cpu_rate + M * N * density / entry_rate`` seconds of
+the worker's CPU beside its link time (``sync_s``), one after the other: the top-k needs the
+whole pseudo-gradient, the step every payload. ``cpu_rate`` (parameters per second) and
+``entry_rate`` (payload entries per second) are one CPU core's, measured by timing that code
+(``benchmarks/bench_sparse_cpu.py``); the defaults are what it measured on a 2-core x86 VM (one
+thread, 10M parameters, 8 payloads; the median of its runs). The coordinator's own
+work (decoding each upload as it arrives, one step) is not counted: it overlaps the uploads or
+is one pass. Dense wires' CPU work (an int4 quantisation, a sum) is not modelled.
+
 A half-duplex link carries a ring's in and out one after the other:
 ``4(1 - 1/M)`` copies per worker, so it needs twice the bandwidth the model
 gives for the same utilisation (a hub's in and out are sequential already).
@@ -72,6 +86,14 @@ WIRE_DTYPES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "
                "sparse": 2 * 64 / 4096 + 4 / 4096}
 #: Wire formats whose payloads reach every worker whole (module docstring, "Gathered wires").
 GATHERED_WIRES = frozenset({"sparse"})
+#: The share of each chunk the sparse wire keeps at diloco's defaults (64 of 4096 entries).
+SPARSE_DENSITY = 64 / 4096
+#: One CPU core's rate through the passes a sparse round makes over all of a worker's params, in
+#: parameters per second (module docstring, "The sparse wire's CPU work"; ``diloco plan --cpu-rate``).
+DEFAULT_CPU_RATE = 6.5e7
+#: One CPU core's rate decoding and adding a sparse round's payload entries into the sum, in entries
+#: per second (``diloco plan --entry-rate``).
+DEFAULT_ENTRY_RATE = 3e7
 #: The bandwidths ``--sweep`` tries (Gbit/s), as in the paper's simulator.
 BANDWIDTH_GRID_GBIT_S = np.logspace(-1, 3, 50)
 #: ``data_plane`` values: where a sync's bits go (module docstring).
@@ -131,6 +153,28 @@ def sync_bits(params: float, bytes_per_param: float, workers: int, data_plane: s
     return params * bytes_per_param * 8.0 * link_copies(workers, data_plane, gathered)
 
 
+def sparse_cpu_s(params: float, workers: int, cpu_rate: float = DEFAULT_CPU_RATE,
+                 entry_rate: float = DEFAULT_ENTRY_RATE, density: float = SPARSE_DENSITY) -> float:
+    """Seconds of one worker's CPU a sparse sync takes beside its link time: ``params / cpu_rate`` for its
+    passes over all its params (the top-k encode, the step) and ``workers * params * density / entry_rate``
+    for the round's payload entries it decodes and adds (module docstring, "The sparse wire's CPU work")."""
+    _positive("params", params)
+    _int_at_least("workers", workers, 1)
+    _positive("cpu_rate", cpu_rate)
+    _positive("entry_rate", entry_rate)
+    return params / cpu_rate + workers * params * density / entry_rate
+
+
+def sync_s(params: float, bytes_per_param: float, workers: int, bandwidth_bit_s: float,
+           data_plane: str = "collective", gathered: bool = False, cpu_rate: float = DEFAULT_CPU_RATE,
+           entry_rate: float = DEFAULT_ENTRY_RATE) -> float:
+    """Seconds a sync takes: its bits on the busiest link (:func:`sync_bits`) over ``bandwidth_bit_s``, and for
+    a gathered (sparse) wire the worker's CPU work on it (:func:`sparse_cpu_s`), one after the other."""
+    _positive("bandwidth_bit_s", bandwidth_bit_s)
+    link = sync_bits(params, bytes_per_param, workers, data_plane, gathered) / bandwidth_bit_s
+    return link + (sparse_cpu_s(params, workers, cpu_rate, entry_rate) if gathered else 0.0)
+
+
 @dataclass(frozen=True)
 class Method:
     """A way to synchronise: data parallel is H=1, P=1, tau=0; DiLoCo is P=1, tau=0."""
@@ -172,15 +216,17 @@ def release_steps(inner_steps: int, fragments: int) -> list[int]:
 
 def utilisation(*, params: float, step_time_s: float, workers: int, bandwidth_gbit_s: float,
                 bytes_per_param: float, inner_steps: int = 1, fragments: int = 1, overlap: int = 0,
-                buckets: int = DEFAULT_BUCKETS, data_plane: str = "collective", gathered: bool = False) -> float:
+                buckets: int = DEFAULT_BUCKETS, data_plane: str = "collective", gathered: bool = False,
+                cpu_rate: float = DEFAULT_CPU_RATE, entry_rate: float = DEFAULT_ENTRY_RATE) -> float:
     """Compute utilisation in (0, 1] of one method with ``bandwidth_gbit_s`` on the data plane's busiest link
-    (each worker's for ``collective``, the coordinator's for ``hub``; see the module docstring)."""
+    (each worker's for ``collective``, the coordinator's for ``hub``; see the module docstring). A gathered
+    (sparse) sync also takes the worker's CPU work on it (``cpu_rate``, ``entry_rate``: :func:`sync_s`)."""
     _positive("step_time_s", step_time_s)
     _positive("bandwidth_gbit_s", bandwidth_gbit_s)
     _int_at_least("buckets", buckets, 1)
     _check_schedule(inner_steps, fragments, overlap)
-    bits = sync_bits(params, bytes_per_param, workers, data_plane, gathered) / fragments
-    transfer = bits / (bandwidth_gbit_s * 1e9)
+    transfer = sync_s(params, bytes_per_param, workers, bandwidth_gbit_s * 1e9, data_plane, gathered, cpu_rate,
+                      entry_rate) / fragments
     if transfer == 0.0:
         return 1.0
     t = step_time_s
@@ -214,19 +260,22 @@ def utilisation(*, params: float, step_time_s: float, workers: int, bandwidth_gb
 
 def method_utilisation(method: Method, *, params: float, step_time_s: float, workers: int,
                        bandwidth_gbit_s: float, buckets: int = DEFAULT_BUCKETS,
-                       data_plane: str = "collective") -> float:
+                       data_plane: str = "collective", cpu_rate: float = DEFAULT_CPU_RATE,
+                       entry_rate: float = DEFAULT_ENTRY_RATE) -> float:
     return utilisation(params=params, step_time_s=step_time_s, workers=workers, bandwidth_gbit_s=bandwidth_gbit_s,
                        bytes_per_param=method.bytes_per_param, inner_steps=method.inner_steps,
                        fragments=method.fragments, overlap=method.overlap, buckets=buckets, data_plane=data_plane,
-                       gathered=method.gathered)
+                       gathered=method.gathered, cpu_rate=cpu_rate, entry_rate=entry_rate)
 
 
 def utilisation_curve(method: Method, *, params: float, step_time_s: float, workers: int,
                       bandwidths_gbit_s=BANDWIDTH_GRID_GBIT_S, buckets: int = DEFAULT_BUCKETS,
-                      data_plane: str = "collective") -> np.ndarray:
+                      data_plane: str = "collective", cpu_rate: float = DEFAULT_CPU_RATE,
+                      entry_rate: float = DEFAULT_ENTRY_RATE) -> np.ndarray:
     """Utilisation at each bandwidth of ``bandwidths_gbit_s``."""
     return np.array([method_utilisation(method, params=params, step_time_s=step_time_s, workers=workers,
-                                        bandwidth_gbit_s=float(b), buckets=buckets, data_plane=data_plane)
+                                        bandwidth_gbit_s=float(b), buckets=buckets, data_plane=data_plane,
+                                        cpu_rate=cpu_rate, entry_rate=entry_rate)
                      for b in bandwidths_gbit_s])
 
 
@@ -246,19 +295,26 @@ def bandwidth_needed(curve, bandwidths_gbit_s=BANDWIDTH_GRID_GBIT_S, targets=TAR
 
 
 def bandwidth_for(method: Method, target: float, *, params: float, step_time_s: float, workers: int,
-                  buckets: int = DEFAULT_BUCKETS, data_plane: str = "collective", rel_tol: float = 1e-6) -> float:
+                  buckets: int = DEFAULT_BUCKETS, data_plane: str = "collective", rel_tol: float = 1e-6,
+                  cpu_rate: float = DEFAULT_CPU_RATE, entry_rate: float = DEFAULT_ENTRY_RATE) -> float:
     """The smallest bandwidth (Gbit/s, to ``rel_tol``) of the data plane's busiest link at which ``method``
     reaches ``target`` utilisation: a bisection, not the sweep's grid. 0.0 when a sync sends nothing (a ring
     of one worker). Utilisation depends on the bandwidth only through bits / bandwidth, so the answer is
-    proportional to the bits per sync: ``2M`` times one copy for a hub, ``2(1 - 1/M)`` times for a ring."""
+    proportional to the bits per sync: ``2M`` times one copy for a hub, ``2(1 - 1/M)`` times for a ring.
+    A sparse sync's CPU work does not shrink with the bandwidth: ``PlanError`` when it alone misses the
+    target."""
     if not 0.0 < target < 1.0:
         raise PlanError(f"utilisation target must be in (0, 1), got {target}")
-    common = dict(params=params, step_time_s=step_time_s, workers=workers, buckets=buckets, data_plane=data_plane)
-    if sync_bits(params, method.bytes_per_param, workers, data_plane, method.gathered) == 0.0:
-        return 0.0
+    common = dict(params=params, step_time_s=step_time_s, workers=workers, buckets=buckets, data_plane=data_plane,
+                  cpu_rate=cpu_rate, entry_rate=entry_rate)
 
     def reaches(b: float) -> bool:
         return method_utilisation(method, bandwidth_gbit_s=b, **common) >= target - TARGET_SLACK
+
+    if sync_bits(params, method.bytes_per_param, workers, data_plane, method.gathered) == 0.0:
+        if reaches(1.0):
+            return 0.0
+        raise PlanError(f"{method.name} does not reach {target:.0%} utilisation at any bandwidth")
 
     lo = hi = 1.0
     while not reaches(hi):
@@ -280,12 +336,20 @@ PLANE_TABLE_TARGET = 0.9
 
 
 def plane_table(ms, *, step_time_s: float, buckets: int = DEFAULT_BUCKETS, params=PLANE_TABLE_PARAMS,
-                workers=PLANE_TABLE_WORKERS, target: float = PLANE_TABLE_TARGET) -> dict:
+                workers=PLANE_TABLE_WORKERS, target: float = PLANE_TABLE_TARGET, cpu_rate: float = DEFAULT_CPU_RATE,
+                entry_rate: float = DEFAULT_ENTRY_RATE) -> dict:
     """The bandwidth (Gbit/s) each data plane's busiest link needs for ``target`` utilisation, for each method
     of ``ms``, model size and number of workers: ``{(method name, params, data plane, workers): Gbit/s}``.
-    For ``hub`` that is the coordinator's link, for ``collective`` each worker's (see :data:`LINK_OF`)."""
-    return {(m.name, n, plane, k): bandwidth_for(m, target, params=n, step_time_s=step_time_s, workers=k,
-                                                 buckets=buckets, data_plane=plane)
+    For ``hub`` that is the coordinator's link, for ``collective`` each worker's (see :data:`LINK_OF`);
+    ``math.inf`` where none does (a sparse sync's CPU work alone misses the target)."""
+    def needed(m: Method, n: float, plane: str, k: int) -> float:
+        try:
+            return bandwidth_for(m, target, params=n, step_time_s=step_time_s, workers=k, buckets=buckets,
+                                 data_plane=plane, cpu_rate=cpu_rate, entry_rate=entry_rate)
+        except PlanError:
+            return math.inf
+
+    return {(m.name, n, plane, k): needed(m, n, plane, k)
             for n in params for m in ms for plane in ("hub", "collective") for k in workers}
 
 

@@ -47,6 +47,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from diloco.wire.measure import all_finite
 from diloco.wire.messages import WIRE_DTYPE_NAMES, Result, Tensors
 
 #: The wire dtypes, in the order --help lists them.
@@ -329,7 +330,8 @@ class DeltaParams(dict):
             delta = decode(dict(self), self.scales, self.wire_dtype, [(n, tuple(base[n].shape)) for n in names],
                            what)
             new = {n: apply_delta(base[n], delta[n]) for n in names}
-        bad = next((n for n, t in new.items() if not bool(torch.isfinite(t).all())), None)
+        # One summing pass per tensor, not a mask (``all_finite``): a receiver's largest cost besides decoding.
+        bad = next((n for n, t in new.items() if not all_finite(t)), None)
         if bad is not None:
             raise EncodingError(f"{what}: the delta makes parameter {bad!r} non-finite")
         return new

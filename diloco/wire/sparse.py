@@ -138,34 +138,43 @@ class Payload:
 
 # ------------------------------------------------------------------ encode
 
+#: Elements ``encode_tensor`` ranks at a time (1 MiB of fp32: 64 chunks at the default size): each
+#: block's magnitudes are made, ranked and dropped while in the cache, with no tensor-sized temporary.
+_ENCODE_BLOCK_ELEMS = 1 << 18
+
+
+def _encode_rows(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(entries, scales)`` of the chunks that are the rows of ``rows``, ``k`` kept from each."""
+    # (A sorted top-k is faster than an unsorted one on the CPU; the places are sorted after.)
+    place = rows.abs().topk(k, dim=1).indices.sort(dim=1).values
+    value = rows.gather(1, place)
+    scale = value.abs().amax(dim=1)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    # value / scale in [-1, 1] -> the nearest of the four levels: code = round((3 v / s + 3) / 2).
+    code = torch.round((value / safe[:, None] * 3 + 3) / 2).clamp_(0, 3).to(torch.int32)
+    return ((place.to(torch.int32) << 2) | code).reshape(-1).to(torch.int16), scale
+
+
 def encode_tensor(t: torch.Tensor, fmt: SparseFormat) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(entries, scales)`` of ``t``: int16 of ``fmt.kept(numel)``, fp32 of ``fmt.chunks(numel)``."""
+    """``(entries, scales)`` of ``t``: int16 of ``fmt.kept(numel)``, fp32 of ``fmt.chunks(numel)``.
+    Each chunk is encoded on its own: a block of chunks at a time is the same bits as all at once."""
     x = t.detach().to("cpu", torch.float32).reshape(-1)
     n = x.numel()
     full, rest = divmod(n, fmt.chunk)
-    places, values = [], []
+    entries = torch.empty(fmt.kept(n), dtype=torch.int16)
+    scales = torch.empty(fmt.chunks(n), dtype=torch.float32)
     if full:
         rows = x[: full * fmt.chunk].view(full, fmt.chunk)
-        # (A sorted top-k is faster than an unsorted one on the CPU; the places are sorted after.)
-        top = rows.abs().topk(fmt.k, dim=1).indices.sort(dim=1).values
-        places.append(top)
-        values.append(rows.gather(1, top))
+        block = max(1, _ENCODE_BLOCK_ELEMS // fmt.chunk)
+        for r in range(0, full, block):
+            e, s = _encode_rows(rows[r:r + block], fmt.k)
+            entries[r * fmt.k:r * fmt.k + e.numel()] = e
+            scales[r:r + s.numel()] = s
     if rest:
-        last = x[full * fmt.chunk:]
-        top = last.abs().topk(min(fmt.k, rest)).indices.sort().values
-        places.append(top.view(1, -1))
-        values.append(last[top].view(1, -1))
-    entries, scales = [], []
-    for place, value in zip(places, values):
-        scale = value.abs().amax(dim=1)
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        # value / scale in [-1, 1] -> the nearest of the four levels: code = round((3 v / s + 3) / 2).
-        code = torch.round((value / safe[:, None] * 3 + 3) / 2).clamp_(0, 3).to(torch.int32)
-        entries.append(((place.to(torch.int32) << 2) | code).reshape(-1))
-        scales.append(scale)
-    if not entries:
-        return torch.empty(0, dtype=torch.int16), torch.empty(0, dtype=torch.float32)
-    return torch.cat(entries).to(torch.int16), torch.cat(scales)
+        e, s = _encode_rows(x[full * fmt.chunk:].view(1, -1), min(fmt.k, rest))
+        entries[full * fmt.k:] = e
+        scales[full:] = s
+    return entries, scales
 
 
 def encode(tensors: Mapping[str, torch.Tensor], fmt: SparseFormat) -> tuple[dict, dict]:
@@ -267,8 +276,9 @@ def add_into(total: torch.Tensor, payload: Payload) -> None:
 
 def step(params: torch.Tensor, total: torch.Tensor, count: int, lr: float) -> torch.Tensor:
     """SparseLoCo's outer step on one tensor: ``params - lr * total / count`` (new memory), the one
-    expression every holder of the params evaluates."""
-    return torch.add(params, total / count, alpha=-lr)
+    expression every holder of the params evaluates. ``total`` is the caller's sum, spent: it is
+    divided in place (the same bits as ``total / count``, without a model-sized temporary)."""
+    return torch.add(params, total.div_(count), alpha=-lr)
 
 
 def _dtype(t) -> str:

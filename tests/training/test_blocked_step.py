@@ -177,3 +177,35 @@ def test_a_sum_started_in_the_contributions_own_memory_gives_the_same_bits(token
     for n in SHAPES:
         assert torch.equal(a[n], b[n]), n
         assert torch.equal(mine[1][n], grads[1][n]), n  # only a round's first sum starts in its tensors
+
+
+def test_a_momentum_free_sgd_step_in_blocks_is_torchs_step_with_the_backup_norm_and_digest_in_one_pass():
+    """The collective sparse wire's outer step (SGD, momentum 0): block by block, the same bits as
+    ``opt.step()``, the backup the old params, and the watch's digest and step norm those of the
+    separate pass (``digest_and_step_norm``)."""
+    from diloco.blocked_step import sgd_step_in_blocks
+    from diloco.collective.digest import StepWatch, digest_and_step_norm
+
+    torch.manual_seed(0)
+    params = {"a": torch.randn(3), "b": torch.randn(BLOCK + 7), "c": torch.randn(2 * BLOCK, 3)}
+    grads = {n: torch.randn_like(p) * 1e-2 for n, p in params.items()}
+    old = {n: p.clone() for n, p in params.items()}
+    ref = {n: p.clone() for n, p in params.items()}
+    opt_ref = build_outer_optimizer(list(ref.values()), OuterConfig(name="sgd", lr=3.0, momentum=0.0), 1)
+    for n, p in ref.items():
+        p.grad = grads[n]
+    opt_ref.step()
+    opt = build_outer_optimizer(list(params.values()), OuterConfig(name="sgd", lr=3.0, momentum=0.0), 1)
+    before = {n: torch.empty_like(p) for n, p in params.items()}
+    scratch = torch.empty(2 * BLOCK)
+    watch = StepWatch(params, before, scratch)
+    assert sgd_step_in_blocks(opt, params, grads, watch)
+    digest, norm = watch.result()
+    assert all(torch.equal(params[n], ref[n]) and torch.equal(before[n], old[n]) for n in params)
+    want_digest, want_norm = digest_and_step_norm(ref, old, scratch)
+    assert digest == want_digest and norm == pytest.approx(want_norm, rel=1e-6)
+    # Anything else is stepped as usual: nothing touched.
+    nesterov = build_outer_optimizer(list(params.values()), OuterConfig(name="nesterov", lr=0.7, momentum=0.9), 1)
+    now = {n: p.clone() for n, p in params.items()}
+    assert not sgd_step_in_blocks(nesterov, params, grads, StepWatch(params, before, scratch))
+    assert all(torch.equal(params[n], now[n]) for n in params)

@@ -435,3 +435,22 @@ def test_any_payload_decodes_to_distinct_in_range_entries_or_is_refused(numel, e
     assert bool(((p.index >= 0) & (p.index < max(numel, 1))).all())
     assert p.index.unique().numel() == p.index.numel()
     assert bool(torch.isfinite(p.value).all())
+
+
+def test_the_collective_sparse_sum_made_in_a_kept_buffer_is_the_one_made_in_fresh_zeros():
+    from diloco.collective.groups import build_group, connect_store
+    from diloco.collective.reduce import mean_pseudo_gradient
+    from diloco.collective.store import StoreHost
+
+    host = StoreHost()
+    shapes = {"w": torch.Size([8, 5]), "b": torch.Size([7])}
+    g = grads(3)
+    tensors = {"w": g["w"].reshape(-1)[:40].reshape(8, 5), "b": g["w"].reshape(-1)[40:47]}
+    payload = compression.Encoded(*sp.encode(tensors, FMT))
+    buffer = torch.full((47,), float("nan"))  # a previous round's leftovers: zeroed before the sum
+    group = build_group(connect_store("127.0.0.1", host.port, 10), "run/buffer", 0, 1, "127.0.0.1", 10)
+    fresh, norms, _ = mean_pseudo_gradient(group, payload, "sparse", shapes, 10, fmt=FMT)
+    kept, kept_norms, _ = mean_pseudo_gradient(group, payload, "sparse", shapes, 10, buffer=buffer, fmt=FMT)
+    assert norms == kept_norms
+    assert all(torch.equal(fresh[n], kept[n]) for n in shapes)
+    assert kept["w"].data_ptr() == buffer.data_ptr()  # made in the buffer, no fresh tensor
