@@ -124,6 +124,9 @@ def restore_coordinator(meta: dict, tensors: dict[str, torch.Tensor], now_s: flo
                     f"the checkpoint is a {saved.fsm.mode.value} run with {saved.fsm.num_fragments} "
                     f"fragments; cannot resume it as {config.fsm.mode.value} with {config.fsm.num_fragments}")
             snap = dict(snap, config=config.fsm.to_dict(), min_workers=config.fsm.min_workers)
+            if not 0 < snap.get("window_s", 0) < config.fsm.grace_window_s:
+                # P5: the length the run had set, if the new ceiling still allows it; else the ceiling.
+                snap.pop("window_s", None)
         fsm = RoundFSM.resume(snap, now_s=now_s)
         params = {name: tensors[f"param/{name}"].clone() for name in meta["param_names"]}
         outer = unflatten_named(meta["outer"], {k: t.clone() for k, t in tensors.items()})

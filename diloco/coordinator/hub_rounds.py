@@ -43,6 +43,7 @@ from diloco.core import (
     GraceWindowChanged,
     Mode,
     OrderReduce,
+    Phase,
     ReleaseOutcome,
     ReleaseWorker,
 )
@@ -575,8 +576,11 @@ class HubRounds:
     def end_step(self) -> None:
         self._released.clear()
         if self._next_window is not None:
-            # P5: the windows opened from now on last as long as the arrivals say (``grace_auto.py``).
+            # P5: the windows opened from now on last as long as the arrivals say (``grace_auto.py``);
+            # none opens once the run stopped (a drain's last window may close in the stopping step).
             window, self._next_window = self._next_window, None
+            if self.host.fsm.phase is Phase.STOPPED:
+                return None
             self.host.step(GraceWindowChanged(window), [])
             self.host.notify("grace_window", self.host.fsm.now_s, seconds=window)
         return None

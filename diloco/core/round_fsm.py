@@ -268,13 +268,15 @@ class RoundFSM:
     def resume(cls, snap: object, now_s: float = 0.0) -> "RoundFSM":
         """Start a new incarnation of a stopped or crashed run from ``snap``.
 
-        Keeps the config, ``min_workers`` and every fragment's round counter;
-        forgets members and anything in flight (they were discarded at the stop,
-        SPEC.md P4): workers re-join and continue from the checkpointed params.
+        Keeps the config, ``min_workers``, every fragment's round counter and the
+        grace window's length (P5, as ``GraceWindowChanged`` set it); forgets members
+        and anything in flight (they were discarded at the stop, SPEC.md P4): workers
+        re-join and continue from the checkpointed params.
         """
         parsed = _snapshot.load(snap)
         fsm = cls(parsed.config, now_s=now_s)
         fsm._min_workers = parsed.min_workers
+        fsm._window_s = parsed.window_s
         fsm._set_quorum(quorum_decision(0, fsm._min_workers))
         if fsm._sync:
             fsm._barriers = [SyncBarrier(round_id=b.round_id) for b in parsed.barriers]

@@ -180,6 +180,9 @@ def test_a_grace_window_change_sets_the_next_windows_and_survives_a_snapshot():
     again = RoundFSM.restore(fsm.snapshot())
     assert again.grace_window_s == 1.5 and again.snapshot() == fsm.snapshot()
     assert "window_s" not in windowed().snapshot(), "an unchanged window leaves the snapshot as it was"
+    # A new incarnation of the run (a coordinator restart, ``--resume``) starts at that length too.
+    resumed = RoundFSM.resume(fsm.snapshot(), now_s=10.0)
+    assert resumed.grace_window_s == 1.5 and resumed.snapshot()["window_s"] == 1.5
 
 
 def test_join_while_draining_and_repeat_drain_are_shutting_down():

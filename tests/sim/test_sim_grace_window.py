@@ -115,6 +115,15 @@ def test_auto_windows_keep_every_invariant_at_every_length_the_arrivals_set():
     assert changed >= 20  # not vacuous: the lengths moved, and each close was judged at its own
 
 
+@pytest.mark.parametrize("seed", [4018, 4111])
+def test_a_restart_keeps_the_length_and_a_drain_that_closes_the_last_window_stops_cleanly(seed):
+    # 4018: a coordinator restarted from its snapshot opened its windows at the ceiling, not at the
+    # length the snapshot carried. 4111: the drain stopped the run in the step whose close set a new
+    # length, and stepping it into the stopped machine crashed the coordinator.
+    r = run_seed(seed, grace_window="auto")
+    assert r.ok, "; ".join(str(v) for v in r.violations[:3])
+
+
 def test_the_checker_catches_a_core_that_keeps_its_old_length(monkeypatch):
     # The coordinator says the next windows are shorter; the core keeps opening them at the old length.
     monkeypatch.setattr(round_fsm.RoundFSM, "_on_grace_window", lambda self, event, effects: None)

@@ -127,3 +127,17 @@ def test_the_cli_takes_auto_and_refuses_nonsense(capsys):
             main(["server", "--mode", "async", *bad])
         assert exc.value.code == 2
         assert "--grace-window" in capsys.readouterr().err
+
+
+def test_a_restarted_or_resumed_coordinator_opens_its_windows_at_the_length_it_had_set():
+    from diloco.coordinator.checkpoint import coordinator_state, restore_coordinator
+    from diloco.core import GraceWindowChanged
+
+    c = joined(_coordinator(), P0, "w1")
+    c.fsm.step(GraceWindowChanged(1.2))
+    meta, tensors = coordinator_state(c)
+    assert restore_coordinator(meta, tensors, 100.0).fsm.grace_window_s == 1.2
+    lower = _coordinator(ceiling=1.0).config  # resumed under a lower --grace-window-max: its ceiling
+    assert restore_coordinator(meta, tensors, 100.0, config=lower).fsm.grace_window_s == 1.0
+    higher = _coordinator(ceiling=8.0).config
+    assert restore_coordinator(meta, tensors, 100.0, config=higher).fsm.grace_window_s == 1.2
