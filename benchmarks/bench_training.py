@@ -880,7 +880,7 @@ def wire_comparison(dtypes: list[str], k: int, steps: int, outer_lr: float, s: T
         up = st["bytes_received"] / run.rounds
         down = (st["bytes_sent"] - run.probe.joins * pbytes) / run.rounds
         # The first joins' params_required answers are refusals too (one per racing first joiner).
-        odd = [o for o in run.oddities if not (o.startswith("H=10: the coordinator refused")
+        odd = [o for o in run.oddities if not (o.startswith(f"H={H}: the coordinator refused")
                                                and st["messages_refused"] <= k)]
         rows[dt] = dict(loss=final_eval(run.result, corpus, s), up=up, down=down, wall=run.result.wall_s,
                         oddities=odd)
@@ -1149,10 +1149,11 @@ def main(argv: list[str] | None = None) -> int:
         steps = args.steps or 300
         k = args.k if "--k" in (argv if argv is not None else sys.argv) else 2
         s = TrainSettings(batch_size=args.batch_size, lr=args.lr, eval_every=steps)  # the final loss only
-        print(f"bench_training --wire: torch {torch.__version__}, {k} workers, {steps} steps, batch "
-              f"{s.batch_size} x {s.model.seq_len}, outer Nesterov lr {args.outer_lr_h10:g} (sparse rows: the method's "
+        outer_lr = args.outer_lr_h10 if args.wire_h == 10 else args.outer_lr_h50
+        print(f"bench_training --wire: torch {torch.__version__}, {k} workers, H={args.wire_h}, {steps} steps, batch "
+              f"{s.batch_size} x {s.model.seq_len}, outer Nesterov lr {outer_lr:g} (sparse rows: the method's "
               f"SGD, lr {SPARSE_SETTINGS['lr']:g}, momentum 0, beta {SPARSE_SETTINGS['beta']:g})", flush=True)
-        return wire_comparison(dtypes, k, steps, args.outer_lr_h10 if args.wire_h == 10 else args.outer_lr_h50, s,
+        return wire_comparison(dtypes, k, steps, outer_lr, s,
                                default_corpus(), args.seed, param_bytes(build_model(s.model, 0)), args.wire_h)
     steps = args.steps or (200 if args.quick else 1000)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
