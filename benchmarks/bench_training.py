@@ -154,13 +154,13 @@ OUTER_MOMENTUM = 0.9
 
 METHODS = ("sync", "h10", "h50", "single")
 #: ``--wire`` rows: a wire dtype, with its default error feedback (on for int8), or ``-noef``: without;
-#: ``-muon``: Muon inside. ``sparse-d32`` / ``sparse-d64``: the sparse wire keeping 1/32 (3.1%) or 1/64
-#: (1.6%) of each chunk, its outer step plain SGD at ``SPARSE_OUTER_LR`` (SPEC.md section 11).
+#: ``-muon``: Muon inside. ``sparse-d16`` / ``sparse-d32`` / ``sparse-d64``: the sparse wire keeping 1/16 (6.3%),
+#: 1/32 (3.1%) or 1/64 (1.6%) of each chunk, its outer step plain SGD at ``--sparse-outer-lr`` (SPEC.md section 11).
 WIRE_ROWS = ("fp32", "bf16", "int8", "int8-noef", "int4", "int4-noef", "fp32-muon", "int4-muon",
-             "sparse-d32", "sparse-d64", "sparse-d64-muon")
+             "sparse-d16", "sparse-d32", "sparse-d64", "sparse-d32-muon", "sparse-d64-muon")
 #: The sparse wire's densities by row flag; its outer lr (the method's step: theta - lr * mean(sent)) and
 #: accumulator decay (``--sparse-outer-lr``, ``--sparse-beta``).
-SPARSE_DENSITY = {"d32": 1 / 32, "d64": 1 / 64}
+SPARSE_DENSITY = {"d16": 1 / 16, "d32": 1 / 32, "d64": 1 / 64}
 SPARSE_SETTINGS = {"lr": 3.0, "beta": 0.95}  # diloco server's defaults (diloco.wire.sparse)
 
 #: Data planes of the real system (README "Scaling out: the collective data plane"); ``both`` compares them.
@@ -1078,8 +1078,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write all results here")
     parser.add_argument("--wire", default=None, metavar="DTYPES",
                         help="compare wire dtypes instead (comma-separated subset of fp32,bf16,int8,int8-noef,int4,"
-                             "int4-noef,fp32-muon,int4-muon; int8 and int4 have error feedback, -noef rows not; "
-                             "-muon rows train with torch.optim.Muon for the matrices, AdamW for the rest): DiLoCo H=10 per row, bytes per round and "
+                             "int4-noef,fp32-muon,int4-muon,sparse-d16,sparse-d32,sparse-d64,sparse-d32-muon,"
+                             "sparse-d64-muon; int8 and int4 have error feedback, -noef rows not; sparse-dN keeps 1/N "
+                             "of each chunk; -muon rows train with torch.optim.Muon for the matrices, AdamW for the "
+                             "rest): DiLoCo at --wire-h per row, bytes per round and "
                              "final loss (defaults then: --k 2, --steps 300)")
     parser.add_argument("--sparse-outer-lr", type=float, default=SPARSE_SETTINGS["lr"], metavar="LR",
                         help="--wire sparse rows: the outer step's lr (default %(default)s)")
