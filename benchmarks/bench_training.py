@@ -133,6 +133,7 @@ from diloco.core import FSMConfig
 from diloco.data import Corpus, derive_seed
 from diloco.models import build_model, evaluate_loss, param_bytes
 from diloco.transport.inproc import InprocNetwork
+from diloco.wire import sparse
 from diloco.wire.messages import AdminRequest
 from diloco.worker import DilocoWorker
 
@@ -161,7 +162,7 @@ WIRE_ROWS = ("fp32", "bf16", "int8", "int8-noef", "int4", "int4-noef", "fp32-muo
 #: The sparse wire's densities by row flag; its outer lr (the method's step: theta - lr * mean(sent)) and
 #: accumulator decay (``--sparse-outer-lr``, ``--sparse-beta``).
 SPARSE_DENSITY = {"d16": 1 / 16, "d32": 1 / 32, "d64": 1 / 64}
-SPARSE_SETTINGS = {"lr": 3.0, "beta": 0.95}  # diloco server's defaults (diloco.wire.sparse)
+SPARSE_SETTINGS = {"lr": sparse.DEFAULT_OUTER_LR, "beta": sparse.DEFAULT_BETA}  # diloco server's defaults
 
 #: Data planes of the real system (README "Scaling out: the collective data plane"); ``both`` compares them.
 PLANES = ("hub", "collective")
