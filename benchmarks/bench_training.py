@@ -133,6 +133,7 @@ from diloco.core import FSMConfig
 from diloco.data import Corpus, derive_seed
 from diloco.models import build_model, evaluate_loss, param_bytes
 from diloco.transport.inproc import InprocNetwork
+from diloco.wire import sparse
 from diloco.wire.messages import AdminRequest
 from diloco.worker import DilocoWorker
 
@@ -154,14 +155,14 @@ OUTER_MOMENTUM = 0.9
 
 METHODS = ("sync", "h10", "h50", "single")
 #: ``--wire`` rows: a wire dtype, with its default error feedback (on for int8), or ``-noef``: without;
-#: ``-muon``: Muon inside. ``sparse-d32`` / ``sparse-d64``: the sparse wire keeping 1/32 (3.1%) or 1/64
-#: (1.6%) of each chunk, its outer step plain SGD at ``SPARSE_OUTER_LR`` (SPEC.md section 11).
+#: ``-muon``: Muon inside. ``sparse-d16`` / ``sparse-d32`` / ``sparse-d64``: the sparse wire keeping 1/16 (6.3%),
+#: 1/32 (3.1%) or 1/64 (1.6%) of each chunk, its outer step plain SGD at ``--sparse-outer-lr`` (SPEC.md section 11).
 WIRE_ROWS = ("fp32", "bf16", "int8", "int8-noef", "int4", "int4-noef", "fp32-muon", "int4-muon",
-             "sparse-d32", "sparse-d64", "sparse-d64-muon")
+             "sparse-d16", "sparse-d32", "sparse-d64", "sparse-d32-muon", "sparse-d64-muon")
 #: The sparse wire's densities by row flag; its outer lr (the method's step: theta - lr * mean(sent)) and
 #: accumulator decay (``--sparse-outer-lr``, ``--sparse-beta``).
-SPARSE_DENSITY = {"d32": 1 / 32, "d64": 1 / 64}
-SPARSE_SETTINGS = {"lr": 3.0, "beta": 0.95}  # diloco server's defaults (diloco.wire.sparse)
+SPARSE_DENSITY = {"d16": 1 / 16, "d32": 1 / 32, "d64": 1 / 64}
+SPARSE_SETTINGS = {"lr": sparse.DEFAULT_OUTER_LR, "beta": sparse.DEFAULT_BETA}  # diloco server's defaults
 
 #: Data planes of the real system (README "Scaling out: the collective data plane"); ``both`` compares them.
 PLANES = ("hub", "collective")
@@ -880,7 +881,7 @@ def wire_comparison(dtypes: list[str], k: int, steps: int, outer_lr: float, s: T
         up = st["bytes_received"] / run.rounds
         down = (st["bytes_sent"] - run.probe.joins * pbytes) / run.rounds
         # The first joins' params_required answers are refusals too (one per racing first joiner).
-        odd = [o for o in run.oddities if not (o.startswith("H=10: the coordinator refused")
+        odd = [o for o in run.oddities if not (o.startswith(f"H={H}: the coordinator refused")
                                                and st["messages_refused"] <= k)]
         rows[dt] = dict(loss=final_eval(run.result, corpus, s), up=up, down=down, wall=run.result.wall_s,
                         oddities=odd)
@@ -1078,8 +1079,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write all results here")
     parser.add_argument("--wire", default=None, metavar="DTYPES",
                         help="compare wire dtypes instead (comma-separated subset of fp32,bf16,int8,int8-noef,int4,"
-                             "int4-noef,fp32-muon,int4-muon; int8 and int4 have error feedback, -noef rows not; "
-                             "-muon rows train with torch.optim.Muon for the matrices, AdamW for the rest): DiLoCo H=10 per row, bytes per round and "
+                             "int4-noef,fp32-muon,int4-muon,sparse-d16,sparse-d32,sparse-d64,sparse-d32-muon,"
+                             "sparse-d64-muon; int8 and int4 have error feedback, -noef rows not; sparse-dN keeps 1/N "
+                             "of each chunk; -muon rows train with torch.optim.Muon for the matrices, AdamW for the "
+                             "rest): DiLoCo at --wire-h per row, bytes per round and "
                              "final loss (defaults then: --k 2, --steps 300)")
     parser.add_argument("--sparse-outer-lr", type=float, default=SPARSE_SETTINGS["lr"], metavar="LR",
                         help="--wire sparse rows: the outer step's lr (default %(default)s)")
@@ -1149,10 +1152,11 @@ def main(argv: list[str] | None = None) -> int:
         steps = args.steps or 300
         k = args.k if "--k" in (argv if argv is not None else sys.argv) else 2
         s = TrainSettings(batch_size=args.batch_size, lr=args.lr, eval_every=steps)  # the final loss only
-        print(f"bench_training --wire: torch {torch.__version__}, {k} workers, {steps} steps, batch "
-              f"{s.batch_size} x {s.model.seq_len}, outer Nesterov lr {args.outer_lr_h10:g} (sparse rows: the method's "
+        outer_lr = args.outer_lr_h10 if args.wire_h == 10 else args.outer_lr_h50
+        print(f"bench_training --wire: torch {torch.__version__}, {k} workers, H={args.wire_h}, {steps} steps, batch "
+              f"{s.batch_size} x {s.model.seq_len}, outer Nesterov lr {outer_lr:g} (sparse rows: the method's "
               f"SGD, lr {SPARSE_SETTINGS['lr']:g}, momentum 0, beta {SPARSE_SETTINGS['beta']:g})", flush=True)
-        return wire_comparison(dtypes, k, steps, args.outer_lr_h10 if args.wire_h == 10 else args.outer_lr_h50, s,
+        return wire_comparison(dtypes, k, steps, outer_lr, s,
                                default_corpus(), args.seed, param_bytes(build_model(s.model, 0)), args.wire_h)
     steps = args.steps or (200 if args.quick else 1000)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]

@@ -41,8 +41,9 @@ DEFAULT_DENSITY = 1 / 64
 #: The accumulator's decay (``e <- beta * e + delta``).
 DEFAULT_BETA = 0.95
 #: ``diloco server``'s outer lr on the sparse wire when none is given: the best of 1, 2, 3 and 4 at
-#: both densities in ``bench_training.py --wire`` (benchmarks/README.md, "The sparse wire"). Each round
-#: sends a sliver of the accumulator, so the step that serves it is larger than dense DiLoCo's 0.7.
+#: both densities in ``bench_training.py --wire`` at H = 10, also better than 5 at H = 50 over 30 rounds
+#: and than 2 and 4 with Muon inside (benchmarks/README.md, "The sparse wire"). Each round sends a sliver
+#: of the accumulator, so the step that serves it is larger than dense DiLoCo's 0.7.
 DEFAULT_OUTER_LR = 3.0
 #: The four levels of a code, in units of the chunk's scale.
 _LEVELS = (-1.0, -1 / 3, 1 / 3, 1.0)
