@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from diloco.outer import all_finite
+from diloco.wire.measure import all_finite
 from diloco.wire import buffers
 
 #: Elements per block: four fp32 blocks (the param, its momentum, its gradient and the temporary)

@@ -34,8 +34,6 @@ from typing import Iterable
 
 import torch
 
-from diloco.wire.measure import all_finite  # noqa: F401  (the coordinator's and the steps' check)
-
 #: Names accepted by ``OuterConfig.name``.
 OPTIMIZERS = ("nesterov", "sgd", "adam", "delayed_nesterov")
 

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from diloco.outer import all_finite  # noqa: F401  (re-exported: the coordinator's checks use it)
+from diloco.wire.measure import all_finite  # noqa: F401  (re-exported: the coordinator's checks use it)
 
 from diloco.wire import buffers
 from diloco.wire.measure import square_sum

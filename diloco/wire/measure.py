@@ -20,6 +20,7 @@ from typing import Any
 
 from diloco.wire import codec, frame_plan
 
+
 def all_finite(t: Any) -> bool:
     """True when every element of ``t`` is finite.
 

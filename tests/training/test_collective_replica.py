@@ -13,7 +13,7 @@ import torch
 from diloco.collective.endpoint import CollectiveEndpoint
 from diloco.collective.member import HeldState
 from diloco.collective.replica import Replica, digest
-from diloco.outer import all_finite as finite
+from diloco.wire.measure import all_finite as finite
 from diloco.outer import OuterConfig
 from diloco.wire.messages import Welcome
 
