@@ -29,62 +29,12 @@ from diloco.wire import compression, sparse
 from diloco.wire.sparse import SparseWire
 from diloco.worker import checkpoint, sharded_checkpoint
 from diloco.worker.device import DeviceGlobal
+from diloco.worker.residuals import Residuals
 from diloco.worker.errors import DilocoWorkerError
 from diloco.worker.shards import ShardedParams, is_sharded
 
 log = logging.getLogger("diloco.worker")
 Tensors = dict[str, torch.Tensor]
-
-
-def stale_residuals(residual_round: Mapping[int, int], round_ids, fragments: int,
-                    resendable: Mapping[int, tuple] | None = None, parked=()) -> list[int]:
-    """The fragments whose residual a Welcome (its ``round_ids`` and ``parked``) leaves stale: the
-    round it opens for the fragment is neither the one the residual was made for (with no Submit of
-    it held already) nor the one of the Submit that made it, with that Submit parked (its Result
-    still to come) or its payload kept to send again (``resend_of``: it was lost). Their mass must
-    not reach a later round (SPEC.md section 14, "Error feedback")."""
-    resendable = resendable or {}
-    held = {(int(f), int(r)) for f, r in parked}
-    stale = []
-    for fid, want in sorted(residual_round.items()):
-        if fid >= min(fragments, len(round_ids)):
-            continue
-        if round_ids[fid] == want:
-            if (fid, want) in held:
-                # A Submit of that round is held, and not the one this residual came out of (that
-                # would have moved it on): a checkpoint's, from before an incarnation that died sent
-                # it. Its mass is in the held payload.
-                stale.append(fid)
-            continue
-        made_by = want - 1
-        if round_ids[fid] == made_by and ((fid, made_by) in held or resendable.get(fid, (None,))[0] == made_by):
-            continue
-        stale.append(fid)
-    return stale
-
-
-def drop_stale(residual: dict, residual_round: dict, last_payload: dict, fid: int, names, round_id: int) -> bool:
-    """Before a Submit of ``round_id``: a residual made for another round is dropped, whatever led
-    here (the Welcome rule above leaves none; this holds without it). True if one was."""
-    want = residual_round.get(fid)
-    if want is None or want == round_id:
-        return False
-    for n in names:
-        residual.pop(n, None)
-    del residual_round[fid]
-    last_payload.pop(fid, None)
-    return True
-
-
-def resend_of(last_payload: Mapping[int, tuple], residual_round: Mapping[int, int], fid: int, round_id: int):
-    """A Submit of a round this worker sent already (a held_limit retry, a Submit lost before a
-    re-join): the payload it sent then, kept with the residual it left (``(round, ...)``), or None.
-    Sending it again, not a new one, keeps the mass exact: the first payload's entries left the
-    accumulator already, and the round's delta is in it once."""
-    kept = last_payload.get(fid)
-    if kept is not None and kept[0] == round_id and residual_round.get(fid) == round_id + 1:
-        return kept
-    return None
 
 
 class ReplicaKeeper:
@@ -98,25 +48,24 @@ class ReplicaKeeper:
         self.global_: Tensors = {}
         #: ... its mirror on the model's device (pseudo-gradients are taken there).
         self._on_device = DeviceGlobal(self.params)
-        #: What quantization left out of the pseudo-gradients sent so far, added to the next (per param).
-        self.residual: Tensors = {}
-        #: fragment -> the round its residual's next Submit is for (the round after the one it was made in).
-        self.residual_round: dict[int, int] = {}
-        #: The sparse wire: fragment -> (round, the encoded payload, its declared and own norms) of its
-        #: last Submit, sent again if that round is submitted again (``resend_of``).
-        self.last_payload: dict[int, tuple] = {}
+        #: What quantization left out of the pseudo-gradients sent so far, added to the next (per param),
+        #: the rounds they are for, and the sparse wire's last payloads (round, encoded, declared and own
+        #: norms), sent again if that round is submitted again.
+        self.residuals = Residuals()
+
+    @property
+    def residual(self) -> Tensors:
+        return self.residuals.residual
+
+    @property
+    def residual_round(self) -> dict[int, int]:
+        return self.residuals.round
 
     def settle_residual(self, round_ids, fragments, worker_id: str = "", parked=()) -> list[str]:
         """A Welcome: keep each fragment's residual only when the run has not moved on since it was made
         (the Welcome's round for it is the one the residual was for); else drop it, so no stale mass
         reaches a later round, and say so (SPEC.md section 14, "Error feedback"). The names dropped."""
-        dropped: list[str] = []
-        for fid in stale_residuals(self.residual_round, round_ids, len(fragments), self.last_payload, parked):
-            for n in fragments[fid]:
-                if self.residual.pop(n, None) is not None:
-                    dropped.append(n)
-            del self.residual_round[fid]
-            self.last_payload.pop(fid, None)
+        dropped = self.residuals.settle(round_ids, fragments, parked)
         if dropped:
             log.warning("worker %s: the run moved on while this worker was away: its error-feedback residual "
                         "(%d parameters, e.g. %r) is dropped, not sent into a later round", worker_id,
@@ -175,10 +124,9 @@ class ReplicaKeeper:
         self.global_ = {}
         for n, t in ckpt.global_params.items():
             self.set_global(n, t)
-        self.residual = {n: t.to(torch.float32).clone() for n, t in ckpt.residual.items()}
-        self.residual_round = ({} if not self.residual else dict(ckpt.residual_rounds) if ckpt.residual_rounds
-                               is not None else {fid: int(r) for fid, r in enumerate(ckpt.round_ids)})
-        self.last_payload = {}
+        self.residuals.restore({n: t.to(torch.float32).clone() for n, t in ckpt.residual.items()},
+                               ckpt.residual_rounds if ckpt.residual_rounds is not None else
+                               dict(enumerate(int(r) for r in ckpt.round_ids)))
         if ckpt.outer_states is not None:  # a collective run's checkpoint: it holds a committed state
             # If this worker starts the run again, it does so from this state and continues its
             # outer momentum (C6).
@@ -208,10 +156,10 @@ class ReplicaKeeper:
         sparse wire's accumulator ``beta * e + delta``), encoded in the run's wire dtype; the norm it
         declares (the collective plane: as the group decodes it, SPEC.md M9; None on the hub, or where
         the data plane measures it); its own norm."""
-        again = resend_of(self.last_payload, self.residual_round, fid, round_id) if sparse_wire is not None else None
+        again = self.residuals.resend(fid, round_id) if sparse_wire is not None else None
         if again is not None:
             return again[1:]
-        if feedback and drop_stale(self.residual, self.residual_round, self.last_payload, fid, names, round_id):
+        if feedback and self.residuals.drop_stale(fid, names, round_id):
             log.warning("fragment %d: its error-feedback residual was made for another round than %d: dropped, "
                         "not sent", fid, round_id)
         # global - local, on the model's device when it has one, copied to the CPU for the wire.
@@ -225,18 +173,15 @@ class ReplicaKeeper:
             enc = compression.Encoded(values, scales)
             if collective:
                 declared = tensors_norm({n: p.value for n, p in sent_entries.items()})
-            self.residual.update(tensors)
-            self.residual_round[fid] = round_id + 1
-            self.last_payload[fid] = (round_id, enc, declared, raw)
+            self.residuals.sent(fid, round_id, tensors, (round_id, enc, declared, raw))
             return enc, declared, raw
         enc = compression.encode(tensors, wire_dtype, sparse_wire)
         if feedback:
             sent = compression.decoded(enc, wire_dtype, tensors)
             if collective:
                 declared = tensors_norm(sent)
-            for n, t in tensors.items():
-                self.residual[n] = t.sub_(sent[n])  # t is this Submit's own buffer, encoded already
-            self.residual_round[fid] = round_id + 1
+            # t is this Submit's own buffer, encoded already.
+            self.residuals.sent(fid, round_id, {n: t.sub_(sent[n]) for n, t in tensors.items()})
         return enc, declared, raw
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-import diloco.sim.accumulator as sim_accumulator
+from diloco.worker.residuals import Residuals
 from diloco.sim import derive_config, run_seed
 from diloco.sim.config import SimConfigError, config_from_dict
 
@@ -30,10 +30,10 @@ def test_heavy_faults_and_coordinator_crashes_keep_the_accumulators_exact():
 
 def _broken(monkeypatch, what: str):
     if what == "stale":  # a residual kept whatever round the Welcome opens, and sent into any round
-        monkeypatch.setattr(sim_accumulator, "stale_residuals", lambda *a, **k: [])
-        monkeypatch.setattr(sim_accumulator, "drop_stale", lambda *a, **k: False)
+        monkeypatch.setattr(Residuals, "stale_at", lambda *a, **k: [])
+        monkeypatch.setattr(Residuals, "drop_stale", lambda *a, **k: False)
     else:  # a round sent again gets a new payload (its delta counted twice, the first payload's mass lost)
-        monkeypatch.setattr(sim_accumulator, "resend_of", lambda *a, **k: None)
+        monkeypatch.setattr(Residuals, "resend", lambda *a, **k: None)
 
 
 @pytest.mark.parametrize("what", ["stale", "resend"])
